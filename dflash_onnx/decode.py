@@ -1,0 +1,206 @@
+"""The decoding loop, numpy only: greedy baseline and DFlash speculative decoding on any backend.
+
+It talks to two Sessions (target, draft) through the manifest's input/output names and never
+imports torch or a backend. One DFlash step: block = [last token, mask x (B-1)]; the draft proposes
+positions 1..B-1; the target verifies the block in one call; the longest agreeing prefix plus the
+target's bonus token is committed (truncated at a stop token); KV rollback is a length change.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DFlashError
+from .manifest import GraphSpec, Manifest, load_manifest
+from .sampling import SamplingParams, rejection_sample, sample_rows, sampling_probs
+from .session import Session
+
+MODES = ("dflash", "greedy")
+
+
+@dataclass
+class GenerationResult:
+    """Generated ids (a stop token included when one ended generation) and the reference's metrics."""
+
+    tokens: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    stopped: bool = False
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target verify step (the reference's acceptance length)."""
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Output tokens over decode time, the reference's definition (prefill excluded)."""
+        return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def end_to_end_tokens_per_second(self) -> float:
+        total = self.ttft_s + self.decode_s
+        return len(self.tokens) / total if total > 0 else 0.0
+
+    def acceptance_histogram(self, block_size: int) -> list[int]:
+        """Counts of steps that committed 1..block_size tokens."""
+        counts = np.bincount(np.asarray(self.acceptance_lengths, dtype=np.int64), minlength=block_size + 1)
+        return counts[1 : block_size + 1].tolist()
+
+
+class KVState:
+    """One graph's K/V, kept as the arrays the last call returned plus a committed length.
+
+    K/V are [batch, seq, kv_heads, head_dim]; with batch 1 the committed prefix `array[:, :length]`
+    is a contiguous view, so feeding it back copies nothing and rollback is `length = n`.
+    """
+
+    def __init__(self, graph: GraphSpec, dtype: np.dtype):
+        self.inputs = graph.kv_input_names()
+        self.outputs = graph.kv_output_names()
+        empty = np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), dtype=dtype)
+        self.arrays = [empty] * len(self.inputs)
+        self.length = 0
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        return {name: array[:, : self.length] for name, array in zip(self.inputs, self.arrays)}
+
+    def update(self, outputs: dict[str, np.ndarray], length: int) -> None:
+        self.arrays = [outputs[name] for name in self.outputs]
+        self.length = length
+
+
+class Decoder:
+    """Greedy and DFlash decoding over a target and a draft Session described by one manifest."""
+
+    def __init__(self, manifest: Manifest, target: Session, draft: Session | None):
+        self.manifest = manifest
+        self.target = target
+        self.draft = draft
+        self.dtype = np.float16 if manifest.dtype == "float16" else np.float32
+        self.stop_token_ids = list(manifest.stop_token_ids)
+
+    @classmethod
+    def open(cls, directory: Path, backend: str = "ort", **options) -> "Decoder":
+        from targets import open_session
+
+        manifest = load_manifest(directory)
+        target = open_session(directory, manifest, "target", backend, **options)
+        draft = open_session(directory, manifest, "draft", backend, **options)
+        return cls(manifest, target, draft)
+
+    def _target_call(self, kv: KVState, ids: np.ndarray, want_logits: bool):
+        positions = np.arange(kv.length, kv.length + len(ids), dtype=np.int64)[None]
+        names = ["greedy_ids", "target_hidden", *kv.outputs] + (["logits"] if want_logits else [])
+        out = self.target.run({"input_ids": ids[None].astype(np.int64), "position_ids": positions, **kv.feeds()}, names)
+        return out
+
+    def _draft_call(self, kv: KVState, block: np.ndarray, context: np.ndarray, want_logits: bool):
+        start = kv.length + len(context)
+        positions = np.arange(kv.length, start + len(block), dtype=np.int64)[None]
+        names = ["draft_ids", *kv.outputs] + (["logits"] if want_logits else [])
+        feeds = {"input_ids": block[None], "target_hidden": context[None], "position_ids": positions, **kv.feeds()}
+        out = self.draft.run(feeds, names)
+        kv.update(out, start)
+        return out
+
+    def stream(
+        self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int = 64, mode: str = "dflash",
+        sampling: SamplingParams | None = None, stop_token_ids: list[int] | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield each step's committed tokens; the generator's return value is the GenerationResult."""
+        prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise DFlashError("the prompt is empty: give at least one token")
+        if max_new_tokens < 1:
+            raise DFlashError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if mode not in MODES:
+            raise DFlashError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if prompt.min() < 0 or prompt.max() >= self.manifest.vocab_size:
+            raise DFlashError(f"prompt ids must lie in 0..{self.manifest.vocab_size - 1}")
+        if mode == "dflash" and self.draft is None:
+            raise DFlashError("dflash mode needs a draft session")
+        sampling = sampling or SamplingParams()
+        rng = np.random.default_rng(sampling.seed)
+        stops = np.asarray(self.stop_token_ids if stop_token_ids is None else stop_token_ids, dtype=np.int64)
+        block_size = self.manifest.block_size if mode == "dflash" else 1
+        mask_id = self.manifest.mask_token_id
+        result = GenerationResult(prompt_tokens=int(prompt.size))
+        target_kv = KVState(self.manifest.target, self.dtype)
+        draft_kv = KVState(self.manifest.draft, self.dtype)
+
+        started = time.perf_counter()
+        out = self._target_call(target_kv, prompt, want_logits=not sampling.greedy)
+        target_kv.update(out, len(prompt))
+        if sampling.greedy:
+            first = int(out["greedy_ids"][0, -1])
+        else:
+            first = int(sample_rows(sampling_probs(out["logits"][0, -1], sampling), rng))
+        context = out["target_hidden"][0]
+        result.tokens.append(first)
+        result.ttft_s = time.perf_counter() - started
+        yield [first]
+
+        decode_started = time.perf_counter()
+        start = len(prompt)
+        max_length = len(prompt) + max_new_tokens
+        stopped = bool(np.isin(first, stops))
+        while start + 1 < max_length and not stopped:
+            verify = min(block_size, max_length - start)
+            block = np.full(block_size, mask_id, dtype=np.int64)
+            block[0] = result.tokens[-1]
+            if verify > 1:
+                drafted = self._draft_call(draft_kv, block, context, want_logits=not sampling.greedy)
+                if sampling.greedy:
+                    block[1:verify] = drafted["draft_ids"][0, : verify - 1]
+                else:
+                    draft_probs = sampling_probs(drafted["logits"][0, : verify - 1], sampling)
+                    block[1:verify] = sample_rows(draft_probs, rng)
+            out = self._target_call(target_kv, block[:verify], want_logits=not sampling.greedy)
+            if sampling.greedy:
+                posterior = out["greedy_ids"][0]
+                agree = block[1:verify] == posterior[: verify - 1]
+                accepted = int(np.cumprod(agree).sum())
+                bonus = int(posterior[accepted])
+            else:
+                target_probs = sampling_probs(out["logits"][0], sampling)
+                if verify > 1:
+                    accepted, bonus = rejection_sample(block[1:verify], target_probs, draft_probs, rng)
+                else:
+                    accepted, bonus = 0, int(sample_rows(target_probs[-1], rng))
+            new = [*block[1 : accepted + 1].tolist(), bonus][: max_length - start - 1]
+            hits = np.flatnonzero(np.isin(new, stops))
+            if hits.size:
+                new = new[: hits[0] + 1]
+                stopped = True
+            start += len(new)
+            target_kv.update(out, start)
+            context = out["target_hidden"][0, : len(new)]
+            result.tokens.extend(new)
+            result.acceptance_lengths.append(len(new))
+            yield new
+        result.decode_s = time.perf_counter() - decode_started
+        result.stopped = stopped
+        return result
+
+    def generate(
+        self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int = 64, mode: str = "dflash",
+        sampling: SamplingParams | None = None, stop_token_ids: list[int] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> GenerationResult:
+        """Run to the end; `on_tokens` sees each step's committed tokens as they are committed."""
+        steps = self.stream(prompt_ids, max_new_tokens, mode, sampling, stop_token_ids)
+        while True:
+            try:
+                chunk = next(steps)
+            except StopIteration as done:
+                return done.value
+            if on_tokens is not None:
+                on_tokens(chunk)

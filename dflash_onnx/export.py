@@ -1,0 +1,245 @@
+"""torch -> ONNX for the target and the draft, written atomically into one directory with its manifest.
+
+The draft graph is specialized to one block size (static block axis); every other axis is dynamic.
+The target's embedding and lm_head are stored once: the draft graph's copies point into the
+target's external data file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+
+from . import __version__
+from .errors import DFlashError
+from .manifest import GraphSpec, Manifest, TensorSpec
+from .models.draft import DFlashDraft, DraftSpec
+from .models.target import TappedTarget
+from .pair import TargetInfo, load_draft, load_target, validate_pair
+from .progress import Stages
+
+DEFAULT_OPSET = 18
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json",
+)
+ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64"}
+
+
+def _point_to(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def kv_names(prefix: str, num_layers: int) -> list[str]:
+    return [f"{prefix}.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+
+
+def _export(module: torch.nn.Module, args: tuple, input_names, output_names, dynamic_shapes, opset: int):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.onnx.export(
+                module, args, input_names=input_names, output_names=output_names,
+                dynamic_shapes=dynamic_shapes, dynamo=True, opset_version=opset, verbose=False,
+            )
+        except Exception as exc:  # the exporter raises many types; keep its summary for the user
+            summary = str(exc).split("## Exception summary")[-1].strip().splitlines()
+            raise DFlashError(f"torch.onnx.export failed for {type(module).__name__}: {' '.join(summary[:3])}") from exc
+    return program
+
+
+def export_target(target: TappedTarget, out: Path, opset: int, dtype: torch.dtype) -> None:
+    batch, seq, past = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1), torch.export.Dim("past", min=0)
+    n = target.num_layers
+    ids = torch.randint(0, 8, (2, 3))
+    positions = (torch.arange(3) + 4)[None].repeat(2, 1)
+    past_kv = tuple(torch.zeros(2, 4, target.num_kv_heads, target.head_dim, dtype=dtype) for _ in range(2 * n))
+    program = _export(
+        target, (ids, positions, *past_kv),
+        ["input_ids", "position_ids", *kv_names("past_key_values", n)],
+        ["logits", "greedy_ids", "target_hidden", *kv_names("present", n)],
+        ({0: batch, 1: seq}, {0: batch, 1: seq}, tuple({0: batch, 1: past} for _ in range(2 * n))),
+        opset,
+    )
+    program.save(str(out / "target.onnx"), external_data=True)
+
+
+def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dtype: torch.dtype) -> None:
+    batch = torch.export.Dim("batch", min=1)
+    ctx_new = torch.export.Dim("ctx_new", min=1)
+    ctx_past = torch.export.Dim("ctx_past", min=0)
+    n = len(draft.layers)
+    features = len(draft.spec.target_layer_ids) * draft.spec.config.hidden_size
+    ids = torch.randint(0, 8, (2, block_size))
+    hidden = torch.zeros(2, 3, features, dtype=dtype)
+    positions = (torch.arange(3 + block_size) + 4)[None].repeat(2, 1)
+    past_kv = tuple(torch.zeros(2, 4, draft.num_kv_heads, draft.head_dim, dtype=dtype) for _ in range(2 * n))
+    program = _export(
+        draft, (ids, hidden, positions, *past_kv),
+        ["input_ids", "target_hidden", "position_ids", *kv_names("past_key_values", n)],
+        ["logits", "draft_ids", *kv_names("present", n)],
+        ({0: batch}, {0: batch, 1: ctx_new}, {0: batch, 1: ctx_new + block_size},
+         tuple({0: batch, 1: ctx_past} for _ in range(2 * n))),
+        opset,
+    )
+    program.save(str(out / "draft.onnx"), external_data=True)
+
+
+def share_initializers(out: Path, draft_file: str, target_file: str, shared: dict[str, str]) -> int:
+    """Point the draft's copies of `shared` (draft name -> target name) into the target's data file.
+
+    Rewrites the draft's own data file without those tensors; returns the bytes saved.
+    """
+    target = onnx.load(str(out / target_file), load_external_data=False)
+    draft = onnx.load(str(out / draft_file), load_external_data=False)
+    target_inits = {t.name: t for t in target.graph.initializer}
+    old_data = out / f"{draft_file}.data"
+    new_data = out / f"{draft_file}.data.tmp"
+    saved = 0
+    with open(old_data, "rb") as src, open(new_data, "wb") as dst:
+        for tensor in draft.graph.initializer:
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in tensor.external_data}
+            if tensor.name in shared:
+                source = {e.key: e.value for e in target_inits[shared[tensor.name]].external_data}
+                _point_to(tensor, source["location"], int(source.get("offset", 0)), int(source["length"]))
+                saved += int(info["length"])
+                continue
+            src.seek(int(info.get("offset", 0)))
+            payload = src.read(int(info["length"]))
+            dst.seek((dst.tell() + 63) // 64 * 64)
+            offset = dst.tell()
+            dst.write(payload)
+            _point_to(tensor, f"{draft_file}.data", offset, len(payload))
+    os.replace(new_data, old_data)
+    onnx.save(draft, str(out / draft_file))
+    return saved
+
+
+def _initializer_names(path: Path) -> set[str]:
+    return {t.name for t in onnx.load(str(path), load_external_data=False).graph.initializer}
+
+
+def _names_of(module: torch.nn.Module, tensor: torch.Tensor) -> list[str]:
+    return [n for n, p in module.named_parameters(remove_duplicate=False) if p.data_ptr() == tensor.data_ptr()]
+
+
+def _graph_spec(path: Path, num_layers: int, num_kv_heads: int, head_dim: int) -> GraphSpec:
+    model = onnx.load(str(path), load_external_data=False)
+
+    def spec(value) -> TensorSpec:
+        shape = [d.dim_param if d.dim_param else d.dim_value for d in value.type.tensor_type.shape.dim]
+        return TensorSpec(value.name, ONNX_DTYPES.get(value.type.tensor_type.elem_type, "unknown"), shape)
+
+    return GraphSpec(
+        file=path.name, inputs=[spec(v) for v in model.graph.input], outputs=[spec(v) for v in model.graph.output],
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+    )
+
+
+def check_symbolic(graph: GraphSpec, promised: dict[str, list[int]]) -> None:
+    """Fail loudly if the exporter fixed an axis that must stay dynamic."""
+    shapes = {t.name: t.shape for t in graph.inputs + graph.outputs}
+    for name, axes in promised.items():
+        for axis in axes:
+            if not isinstance(shapes[name][axis], str):
+                raise DFlashError(f"{graph.file}: axis {axis} of {name} was exported static ({shapes[name]})")
+
+
+def _file_hashes(directory: Path) -> dict[str, str]:
+    hashes = {}
+    for path in sorted(Path(directory).iterdir()):
+        if path.suffix in (".json", ".safetensors", ".bin") and path.is_file():
+            digest = hashlib.sha256()
+            with open(path, "rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 24), b""):
+                    digest.update(chunk)
+            hashes[path.name] = digest.hexdigest()
+    return hashes
+
+
+def export_pair(
+    target_dir: Path, draft_dir: Path, out: Path, block_size: int | None = None, dtype: str = "float32",
+    opset: int = DEFAULT_OPSET, allow_longer_block: bool = False, overwrite: bool = False, progress: bool = True,
+) -> Manifest:
+    """Export target and draft into `out` (created atomically); return the manifest written there."""
+    target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out)
+    if out.exists() and not overwrite:
+        raise DFlashError(f"{out} already exists: choose another --out or pass --overwrite")
+    if not 17 <= opset <= 23:
+        raise DFlashError(f"opset {opset} is not supported: choose 17..23")
+    info = TargetInfo.from_dir(target_dir)
+    spec = DraftSpec.from_dir(draft_dir)
+    block = validate_pair(info, spec, block_size, allow_longer_block, dtype)
+    torch_dtype = torch.float16 if dtype == "float16" else torch.float32
+    stages = Stages(6, enabled=progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        with stages.stage("loading target and draft"), torch.no_grad():
+            lm = load_target(target_dir, dtype)
+            draft = load_draft(draft_dir, lm, dtype)
+            tapped = TappedTarget(lm, spec.target_layer_ids).eval()
+        with stages.stage("exporting target graph"):
+            export_target(tapped, tmp, opset, torch_dtype)
+        with stages.stage(f"exporting draft graph (block size {block})"):
+            export_draft(draft, block, tmp, opset, torch_dtype)
+        with stages.stage("sharing embedding and lm_head weights"):
+            target_names = _initializer_names(tmp / "target.onnx")
+            draft_names = _initializer_names(tmp / "draft.onnx")
+            shared = {}
+            for draft_param, weight in (("embed_tokens", draft.embed_tokens), ("lm_head", draft.lm_head)):
+                match = [n for n in _names_of(tapped, weight) if n in target_names]
+                if draft_param in draft_names and match:
+                    shared[draft_param] = match[0]
+            share_initializers(tmp, "draft.onnx", "target.onnx", shared)
+        with stages.stage("checking graphs"):
+            for name in ("target.onnx", "draft.onnx"):
+                onnx.checker.check_model(str(tmp / name))
+            target_graph = _graph_spec(tmp / "target.onnx", tapped.num_layers, tapped.num_kv_heads, tapped.head_dim)
+            draft_graph = _graph_spec(tmp / "draft.onnx", len(draft.layers), draft.num_kv_heads, draft.head_dim)
+            kv_t = {name: [0, 1] for name in target_graph.kv_input_names() + target_graph.kv_output_names()}
+            check_symbolic(target_graph, {"input_ids": [0, 1], "position_ids": [0, 1], "logits": [0, 1],
+                                          "target_hidden": [0, 1], **kv_t})
+            kv_d = {name: [0, 1] for name in draft_graph.kv_input_names() + draft_graph.kv_output_names()}
+            check_symbolic(draft_graph, {"input_ids": [0], "target_hidden": [0, 1], "position_ids": [0, 1], **kv_d})
+            block_axis = next(t for t in draft_graph.inputs if t.name == "input_ids").shape[1]
+            if block_axis != block:
+                raise DFlashError(f"draft.onnx block axis is {block_axis}, expected the static {block}")
+        with stages.stage("writing manifest and tokenizer"):
+            copied = [f for f in TOKENIZER_FILES if (target_dir / f).is_file()]
+            for name in copied:
+                shutil.copy2(target_dir / name, tmp / name)
+            manifest = Manifest(
+                block_size=block, trained_block_size=spec.block_size, target_layer_ids=spec.target_layer_ids,
+                mask_token_id=int(spec.mask_token_id), stop_token_ids=info.stop_token_ids,
+                vocab_size=info.vocab_size, target_hidden_size=info.hidden_size,
+                draft_hidden_size=spec.config.hidden_size, dtype=dtype, opset=opset,
+                target=target_graph, draft=draft_graph, model_type=info.model_type,
+                tokenizer="tokenizer.json" in copied or "tokenizer.model" in copied or "vocab.json" in copied,
+                sources={"target": _file_hashes(target_dir), "draft": _file_hashes(draft_dir)},
+                tool_version=__version__,
+            )
+            manifest.save(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest

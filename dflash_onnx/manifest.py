@@ -1,0 +1,103 @@
+"""dflash.json: the one description of an exported directory that every later stage reads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import DFlashError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "dflash.json"
+KV_LAYOUT = "batch,seq,kv_heads,head_dim"
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: list[int | str]
+
+
+@dataclass
+class GraphSpec:
+    file: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    def kv_input_names(self) -> list[str]:
+        return [t.name for t in self.inputs if t.name.startswith("past_key_values.")]
+
+    def kv_output_names(self) -> list[str]:
+        return [t.name for t in self.outputs if t.name.startswith("present.")]
+
+
+@dataclass
+class Manifest:
+    block_size: int
+    trained_block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    stop_token_ids: list[int]
+    vocab_size: int
+    target_hidden_size: int
+    draft_hidden_size: int
+    dtype: str
+    opset: int
+    target: GraphSpec
+    draft: GraphSpec
+    model_type: str
+    tokenizer: bool
+    sources: dict[str, dict[str, str]]
+    tool_version: str
+    kv_layout: str = KV_LAYOUT
+    passes: list[dict] = field(default_factory=list)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    def save(self, directory: Path) -> None:
+        (Path(directory) / MANIFEST_NAME).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Manifest":
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise DFlashError(f"manifest format_version {version} is not {FORMAT_VERSION}: re-export with this version")
+        data = dict(raw)
+        for key in ("target", "draft"):
+            graph = dict(data[key])
+            graph["inputs"] = [TensorSpec(**t) for t in graph["inputs"]]
+            graph["outputs"] = [TensorSpec(**t) for t in graph["outputs"]]
+            data[key] = GraphSpec(**graph)
+        return cls(**data)
+
+
+def load_manifest(directory: Path) -> Manifest:
+    """Read and validate OUT/dflash.json, with messages that say what to do."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DFlashError(f"{directory} is not a directory: pass the --out directory of 'dflash-onnx export'")
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        raise DFlashError(f"{directory} has no {MANIFEST_NAME}: it is not an exported dflash-onnx directory")
+    try:
+        manifest = Manifest.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError, KeyError) as exc:
+        raise DFlashError(f"{path} is corrupt ({exc}): re-run 'dflash-onnx export'") from None
+    for graph in (manifest.target, manifest.draft):
+        if not (directory / graph.file).is_file():
+            raise DFlashError(f"{directory} lacks {graph.file}, named in {MANIFEST_NAME}: re-run the export")
+    return manifest

@@ -1,0 +1,138 @@
+"""Load a target directory and a DFlash draft directory and check that they belong together.
+
+Every check runs before any expensive work and names both values when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import DFlashError
+from .models.draft import DFlashDraft, DraftSpec
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class TargetInfo:
+    """What the export needs to know of the target, read from its config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    stop_token_ids: list[int]
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "TargetInfo":
+        from transformers import AutoConfig
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise DFlashError(f"target directory {path} has no config.json")
+        try:
+            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except (ValueError, OSError, json.JSONDecodeError) as exc:
+            raise DFlashError(f"cannot read target config in {path}: {exc}") from None
+        text = config.get_text_config(decoder=True)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return cls(
+            model_type=config.model_type,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            num_layers=text.num_hidden_layers,
+            num_kv_heads=text.num_key_value_heads,
+            head_dim=head_dim,
+            stop_token_ids=_stop_token_ids(path, config),
+        )
+
+
+def _stop_token_ids(path: Path, config) -> list[int]:
+    """eos ids from generation_config.json (what HF generate stops on), else from config.json."""
+    eos = None
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError:
+            eos = None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def validate_pair(
+    target: TargetInfo, draft: DraftSpec, block_size: int | None = None, allow_longer_block: bool = False,
+    dtype: str = "float32",
+) -> int:
+    """Raise DFlashError on the first mismatch; return the block size to use."""
+    cfg = draft.config
+    checks = [
+        (cfg.hidden_size == target.hidden_size,
+         f"draft hidden_size {cfg.hidden_size} != target hidden_size {target.hidden_size}"),
+        (cfg.vocab_size == target.vocab_size,
+         f"draft vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size}"),
+        (draft.num_target_layers == target.num_layers,
+         f"draft num_target_layers {draft.num_target_layers} != target num_hidden_layers {target.num_layers}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise DFlashError(f"target and draft do not match: {message}")
+    for layer_id in draft.target_layer_ids:
+        if not 0 <= layer_id < target.num_layers:
+            raise DFlashError(
+                f"draft target_layer_ids {draft.target_layer_ids} has {layer_id}, outside the target's "
+                f"layers 0..{target.num_layers - 1}"
+            )
+    if draft.mask_token_id is None:
+        raise DFlashError("draft dflash_config has no mask_token_id")
+    if not 0 <= draft.mask_token_id < target.vocab_size:
+        raise DFlashError(
+            f"draft mask_token_id {draft.mask_token_id} is outside the target vocab (size {target.vocab_size})"
+        )
+    if dtype not in DTYPES:
+        raise DFlashError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    size = draft.block_size if block_size is None else int(block_size)
+    if size < 2:
+        raise DFlashError(f"block size {size} is too small: DFlash needs at least 2 (use --mode greedy for 1)")
+    if size > draft.block_size and not allow_longer_block:
+        raise DFlashError(
+            f"block size {size} is above the draft's trained block size {draft.block_size}; "
+            "pass --allow-longer-block to export it anyway"
+        )
+    return size
+
+
+def load_target(path: Path, dtype: str = "float32") -> nn.Module:
+    """The HF causal LM, in eval mode, with SDPA attention (exports and matches HF generate)."""
+    from transformers import AutoModelForCausalLM
+
+    files = list(Path(path).glob("*.safetensors")) + list(Path(path).glob("*.bin"))
+    if not files:
+        raise DFlashError(f"target directory {path} has no weights (*.safetensors or *.bin)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=DTYPES[dtype], local_files_only=True, attn_implementation="sdpa"
+        )
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise DFlashError(f"cannot load target from {path}: {exc}") from None
+    return model.eval()
+
+
+def load_draft(path: Path, target: nn.Module, dtype: str = "float32") -> DFlashDraft:
+    """The draft body from its checkpoint, with the target's embedding and lm_head."""
+    spec = DraftSpec.from_dir(Path(path))
+    head = target.get_output_embeddings()
+    draft = DFlashDraft(spec, target.get_input_embeddings().weight, head.weight)
+    draft.to(DTYPES[dtype])
+    draft.load_checkpoint(Path(path))
+    return draft.eval()

@@ -1,0 +1,32 @@
+"""Stage-by-stage progress on stderr, so long exports show where they are without polluting stdout."""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+
+
+class Stages:
+    """Prints `[i/n] name ...` when a stage starts and its duration when it ends."""
+
+    def __init__(self, total: int, enabled: bool = True, stream=None):
+        self.total = total
+        self.index = 0
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+
+    @contextmanager
+    def stage(self, name: str):
+        self.index += 1
+        start = time.perf_counter()
+        if self.enabled:
+            print(f"[{self.index}/{self.total}] {name} ...", end="", file=self.stream, flush=True)
+        try:
+            yield
+        except BaseException:
+            if self.enabled:
+                print(" failed", file=self.stream, flush=True)
+            raise
+        if self.enabled:
+            print(f" {time.perf_counter() - start:.1f}s", file=self.stream, flush=True)

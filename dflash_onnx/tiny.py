@@ -1,0 +1,136 @@
+"""Tiny random-weight target/draft pairs in the published on-disk layouts, built in seconds.
+
+Tests build them instead of downloading models, and `dflash-onnx demo` uses one as its embedded
+default until a trained demo pair ships. `agree=True` biases target and draft towards one token so
+that the draft's proposals are often accepted, giving acceptance lengths across 1..block_size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .models.draft import DFlashDraft, DraftSpec
+
+
+@dataclass
+class TinySpec:
+    """Shapes of a tiny pair; the defaults export in seconds."""
+
+    vocab_size: int = 96
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    target_layers: int = 4
+    draft_layers: int = 1
+    target_layer_ids: list[int] = field(default_factory=lambda: [1, 2])
+    block_size: int = 4
+    model_type: str = "qwen3"
+    is_causal: bool | None = None
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    agree: bool = False
+    favourite_token: int = 7
+    eos_token_id: int = 1
+    seed: int = 0
+
+
+def _target_config(spec: TinySpec) -> dict:
+    config = {
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size, "intermediate_size": 2 * spec.hidden_size,
+        "num_hidden_layers": spec.target_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": spec.model_type == "qwen3", "eos_token_id": spec.eos_token_id,
+        "bos_token_id": 0, "pad_token_id": 0,
+    }
+    if spec.model_type == "qwen3":
+        config["head_dim"] = spec.head_dim
+    else:
+        config["head_dim"] = spec.hidden_size // spec.num_heads
+    return config
+
+
+def _draft_config(spec: TinySpec) -> dict:
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size, "intermediate_size": 2 * spec.hidden_size,
+        "num_hidden_layers": spec.draft_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6, "attention_bias": spec.attention_bias, "num_target_layers": spec.target_layers,
+        "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "dflash_config": {"target_layer_ids": spec.target_layer_ids, "block_size": spec.block_size,
+                          "mask_token_id": spec.vocab_size - 1},
+    }
+    if spec.is_causal is not None:
+        config["is_causal"] = spec.is_causal
+    if spec.sliding_window is not None:
+        config["sliding_window"] = spec.sliding_window
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                 for i in range(spec.draft_layers)]
+    for key in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        if getattr(spec, key) is not None:
+            config["dflash_config"][key] = getattr(spec, key)
+    return config
+
+
+def build_target(spec: TinySpec, directory: Path):
+    """Random-weight HF causal LM saved with save_pretrained; returns the model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(spec.seed)
+    config = AutoConfig.for_model(spec.model_type, **_target_config(spec))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if spec.agree:
+        _bias_towards(model, spec)
+    model.save_pretrained(str(directory))
+    return model
+
+
+def _bias_towards(model, spec: TinySpec) -> None:
+    """Give every embedding a positive component on one axis and read it out as the favourite token."""
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        embed[:, 0] = embed[:, 0].abs() + 0.05
+        head = model.get_output_embeddings().weight
+        if head.data_ptr() != embed.data_ptr():
+            head[spec.favourite_token, 0] = 4.0
+
+
+def build_draft(spec: TinySpec, directory: Path, target) -> None:
+    """Random draft body in the published layout (config.json with dflash_config + model.safetensors)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = _draft_config(spec)
+    draft = DFlashDraft(
+        DraftSpec.from_dict(raw), target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    )
+    torch.manual_seed(spec.seed + 1)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if name in ("embed_tokens", "lm_head"):
+                continue
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.05)
+        if spec.agree:
+            draft.norm.weight[0] = 8.0
+    state = {k: v.contiguous() for k, v in draft.state_dict().items() if k not in ("embed_tokens", "lm_head")}
+    save_file(state, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+
+
+def build_pair(spec: TinySpec, root: Path) -> tuple[Path, Path]:
+    """Write ROOT/target and ROOT/draft; return both paths."""
+    root = Path(root)
+    target_dir, draft_dir = root / "target", root / "draft"
+    target = build_target(spec, target_dir)
+    build_draft(spec, draft_dir, target)
+    return target_dir, draft_dir

@@ -1,0 +1,3 @@
+"""Graph passes (ONNX -> ONNX). The registry is filled by the passes issue; export applies none yet."""
+
+PASSES: dict = {}
