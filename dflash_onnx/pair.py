@@ -115,7 +115,9 @@ def validate_pair(
 def load_target(path: Path, dtype: str = "float32") -> nn.Module:
     """The HF causal LM, in eval mode, with SDPA attention (exports and matches HF generate)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     files = list(Path(path).glob("*.safetensors")) + list(Path(path).glob("*.bin"))
     if not files:
         raise DFlashError(f"target directory {path} has no weights (*.safetensors or *.bin)")

@@ -37,6 +37,7 @@ class TinySpec:
     input_embedding_scale: float | None = None
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
+    tie_embeddings: bool = True
     agree: bool = False
     favourite_token: int = 7
     eos_token_id: int = 1
@@ -48,7 +49,7 @@ def _target_config(spec: TinySpec) -> dict:
         "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size, "intermediate_size": 2 * spec.hidden_size,
         "num_hidden_layers": spec.target_layers, "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": spec.model_type == "qwen3", "eos_token_id": spec.eos_token_id,
+        "tie_word_embeddings": spec.tie_embeddings, "eos_token_id": spec.eos_token_id,
         "bos_token_id": 0, "pad_token_id": 0,
     }
     if spec.model_type == "qwen3":
@@ -84,7 +85,9 @@ def _draft_config(spec: TinySpec) -> dict:
 def build_target(spec: TinySpec, directory: Path):
     """Random-weight HF causal LM saved with save_pretrained; returns the model."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     torch.manual_seed(spec.seed)
     config = AutoConfig.for_model(spec.model_type, **_target_config(spec))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

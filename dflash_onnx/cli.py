@@ -1,0 +1,154 @@
+"""`dflash-onnx`: one function per subcommand; user errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from .errors import DFlashError
+
+
+def _export(args) -> int:
+    from .export import export_pair
+
+    manifest = export_pair(
+        args.target, args.draft, args.out, block_size=args.block_size, dtype=args.dtype, opset=args.opset,
+        allow_longer_block=args.allow_longer_block, overwrite=args.overwrite, progress=not args.quiet,
+    )
+    sizes = {p.name: p.stat().st_size for p in Path(args.out).iterdir() if p.suffix in (".onnx", ".data")}
+    print(f"exported to {args.out}: block size {manifest.block_size}, dtype {manifest.dtype}, opset {manifest.opset}")
+    for name, size in sorted(sizes.items()):
+        print(f"  {name:<22} {size / 2**20:10.2f} MiB")
+    return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise DFlashError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _generate(args) -> int:
+    from .decode import Decoder
+    from .sampling import SamplingParams
+    from .tokenizer import TextCodec, has_tokenizer
+
+    decoder = Decoder.open(args.out, backend=args.backend)
+    codec = TextCodec(args.out) if (args.prompt is not None or has_tokenizer(args.out)) else None
+    prompt = codec.encode(args.prompt) if args.prompt is not None else _parse_ids(args.prompt_ids)
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    produced: list[int] = []
+
+    def show(chunk: list[int]) -> None:
+        if args.json:
+            return
+        if codec is None:
+            print(" ".join(map(str, chunk)), end=" ", flush=True)
+            return
+        before = codec.decode(produced)
+        produced.extend(chunk)
+        print(codec.decode(produced)[len(before):], end="", flush=True)
+
+    result = decoder.generate(prompt, args.max_new_tokens, args.mode, sampling, on_tokens=show)
+    block = decoder.manifest.block_size if args.mode == "dflash" else 1
+    if args.json:
+        payload = {
+            "tokens": result.tokens, "prompt_tokens": result.prompt_tokens, "mode": args.mode,
+            "acceptance_lengths": result.acceptance_lengths, "tau": result.tau,
+            "acceptance_histogram": result.acceptance_histogram(block),
+            "tokens_per_second": result.tokens_per_second,
+            "end_to_end_tokens_per_second": result.end_to_end_tokens_per_second,
+            "ttft_s": result.ttft_s, "decode_s": result.decode_s, "stopped": result.stopped,
+        }
+        if codec is not None:
+            payload["text"] = codec.decode(result.tokens)
+        print(json.dumps(payload))
+    else:
+        print()
+        print(f"[{len(result.tokens)} tokens, tau {result.tau:.2f}, {result.tokens_per_second:.1f} tok/s, "
+              f"ttft {result.ttft_s * 1000:.1f} ms]", file=sys.stderr)
+    return 0
+
+
+def _parity(args) -> int:
+    from .parity import run_parity
+
+    report = run_parity(args.out, args.target, args.draft, num_prompts=args.prompts,
+                        max_new_tokens=args.max_new_tokens, seed=args.seed)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
+    return 0 if report.ok else 1
+
+
+def _demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(as_json=args.json, max_new_tokens=args.max_new_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash-onnx", description="DFlash speculative decoding: export to ONNX, run on any backend.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    export = commands.add_parser("export", help="export a target and its DFlash draft to ONNX")
+    export.add_argument("--target", type=Path, required=True, help="Hugging Face target model directory")
+    export.add_argument("--draft", type=Path, required=True, help="DFlash draft directory (config.json + safetensors)")
+    export.add_argument("--out", type=Path, required=True, help="output directory (created atomically)")
+    export.add_argument("--block-size", type=int, help="draft block size (default: the draft's trained one)")
+    export.add_argument("--allow-longer-block", action="store_true", help="allow a block above the trained size")
+    export.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    export.add_argument("--opset", type=int, default=18, help="ONNX opset, 17..23 (default 18)")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    export.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    export.set_defaults(func=_export)
+
+    generate = commands.add_parser("generate", help="generate from an exported directory")
+    generate.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--mode", choices=("dflash", "greedy"), default="dflash")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    generate.add_argument("--seed", type=int, help="sampling seed")
+    generate.add_argument("--backend", choices=("ort",), default="ort")
+    generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    generate.set_defaults(func=_generate)
+
+    parity = commands.add_parser("parity", help="check exported graphs against PyTorch and the reference")
+    parity.add_argument("out", type=Path)
+    parity.add_argument("--target", type=Path, required=True)
+    parity.add_argument("--draft", type=Path, required=True)
+    parity.add_argument("--prompts", type=int, default=4)
+    parity.add_argument("--max-new-tokens", type=int, default=32)
+    parity.add_argument("--seed", type=int, default=0)
+    parity.add_argument("--json", action="store_true")
+    parity.set_defaults(func=_parity)
+
+    demo = commands.add_parser("demo", help="build, export and run a tiny pair: greedy vs DFlash")
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--json", action="store_true")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.filterwarnings("ignore")
+    try:
+        return args.func(args)
+    except DFlashError as exc:
+        print(f"dflash-onnx {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
