@@ -74,6 +74,7 @@ def _draft_config(spec: TinySpec) -> dict:
         config["is_causal"] = spec.is_causal
     if spec.sliding_window is not None:
         config["sliding_window"] = spec.sliding_window
+        config["use_sliding_window"] = True
         config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                                  for i in range(spec.draft_layers)]
     for key in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
