@@ -99,44 +99,55 @@ def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dty
     program.save(str(out / "draft.onnx"), external_data=True)
 
 
-def share_initializers(out: Path, draft_file: str, target_file: str, shared: dict[str, str]) -> int:
-    """Point the draft's copies of `shared` (draft name -> target name) into the target's data file.
+def _external_bytes(tensor: onnx.TensorProto) -> tuple[str, int, int]:
+    info = {e.key: e.value for e in tensor.external_data}
+    return info["location"], int(info.get("offset", 0)), int(info["length"])
 
-    Rewrites the draft's own data file without those tensors; returns the bytes saved.
+
+def _digest(out: Path, tensor: onnx.TensorProto) -> str:
+    location, offset, length = _external_bytes(tensor)
+    with open(out / location, "rb") as handle:
+        handle.seek(offset)
+        return hashlib.sha256(handle.read(length)).hexdigest()
+
+
+def share_initializers(out: Path, draft_file: str, target_file: str, vocab_size: int) -> list[str]:
+    """Point the draft's vocab-sized tensors (embedding, lm_head in any layout the exporter chose)
+    at identical tensors in the target's data file, and rewrite the draft's data file without them.
+
+    Matching is by content, so it survives the exporter renaming or pre-transposing weights.
+    Returns the names of the draft tensors now shared.
     """
     target = onnx.load(str(out / target_file), load_external_data=False)
     draft = onnx.load(str(out / draft_file), load_external_data=False)
-    target_inits = {t.name: t for t in target.graph.initializer}
-    old_data = out / f"{draft_file}.data"
-    new_data = out / f"{draft_file}.data.tmp"
-    saved = 0
+
+    def vocab_sized(t: onnx.TensorProto) -> bool:
+        return t.data_location == onnx.TensorProto.EXTERNAL and vocab_size in t.dims
+
+    by_content = {
+        (tuple(t.dims), t.data_type, _digest(out, t)): t for t in target.graph.initializer if vocab_sized(t)
+    }
+    old_data, new_data = out / f"{draft_file}.data", out / f"{draft_file}.data.tmp"
+    shared = []
     with open(old_data, "rb") as src, open(new_data, "wb") as dst:
         for tensor in draft.graph.initializer:
             if tensor.data_location != onnx.TensorProto.EXTERNAL:
                 continue
-            info = {e.key: e.value for e in tensor.external_data}
-            if tensor.name in shared:
-                source = {e.key: e.value for e in target_inits[shared[tensor.name]].external_data}
-                _point_to(tensor, source["location"], int(source.get("offset", 0)), int(source["length"]))
-                saved += int(info["length"])
+            key = (tuple(tensor.dims), tensor.data_type, _digest(out, tensor)) if vocab_sized(tensor) else None
+            if key in by_content:
+                _point_to(tensor, *_external_bytes(by_content[key]))
+                shared.append(tensor.name)
                 continue
-            src.seek(int(info.get("offset", 0)))
-            payload = src.read(int(info["length"]))
+            _, offset, length = _external_bytes(tensor)
+            src.seek(offset)
+            payload = src.read(length)
             dst.seek((dst.tell() + 63) // 64 * 64)
-            offset = dst.tell()
+            position = dst.tell()
             dst.write(payload)
-            _point_to(tensor, f"{draft_file}.data", offset, len(payload))
+            _point_to(tensor, f"{draft_file}.data", position, len(payload))
     os.replace(new_data, old_data)
     onnx.save(draft, str(out / draft_file))
-    return saved
-
-
-def _initializer_names(path: Path) -> set[str]:
-    return {t.name for t in onnx.load(str(path), load_external_data=False).graph.initializer}
-
-
-def _names_of(module: torch.nn.Module, tensor: torch.Tensor) -> list[str]:
-    return [n for n, p in module.named_parameters(remove_duplicate=False) if p.data_ptr() == tensor.data_ptr()]
+    return shared
 
 
 def _graph_spec(path: Path, num_layers: int, num_kv_heads: int, head_dim: int) -> GraphSpec:
@@ -200,14 +211,9 @@ def export_pair(
         with stages.stage(f"exporting draft graph (block size {block})"):
             export_draft(draft, block, tmp, opset, torch_dtype)
         with stages.stage("sharing embedding and lm_head weights"):
-            target_names = _initializer_names(tmp / "target.onnx")
-            draft_names = _initializer_names(tmp / "draft.onnx")
-            shared = {}
-            for draft_param, weight in (("embed_tokens", draft.embed_tokens), ("lm_head", draft.lm_head)):
-                match = [n for n in _names_of(tapped, weight) if n in target_names]
-                if draft_param in draft_names and match:
-                    shared[draft_param] = match[0]
-            share_initializers(tmp, "draft.onnx", "target.onnx", shared)
+            shared = share_initializers(tmp, "draft.onnx", "target.onnx", info.vocab_size)
+            if len(shared) < 2 and not _tied(lm):
+                raise DFlashError(f"expected the draft's embedding and lm_head in the target's data, shared {shared}")
         with stages.stage("checking graphs"):
             for name in ("target.onnx", "draft.onnx"):
                 onnx.checker.check_model(str(tmp / name))

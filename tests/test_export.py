@@ -1,0 +1,68 @@
+"""The exported directory: symbolic axes, shared weights, a valid manifest, atomic writes."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.export import export_pair
+from dflash_onnx.manifest import load_manifest
+
+
+def test_graphs_pass_checker_and_keep_dynamic_axes(exported):
+    pair = exported("causal_gqa4_b4")
+    manifest = load_manifest(pair.out)
+    shapes = {t.name: t.shape for t in manifest.target.inputs + manifest.target.outputs}
+    assert all(isinstance(d, str) for d in shapes["input_ids"])
+    assert all(isinstance(d, str) for d in shapes["past_key_values.0.key"][:2])
+    assert shapes["target_hidden"][2] == 2 * pair.spec.hidden_size
+    draft = {t.name: t.shape for t in manifest.draft.inputs + manifest.draft.outputs}
+    assert isinstance(draft["input_ids"][0], str) and draft["input_ids"][1] == 4
+    assert isinstance(draft["target_hidden"][1], str) and isinstance(draft["past_key_values.0.key"][1], str)
+    assert draft["logits"][1:] == [3, pair.spec.vocab_size]
+    for name in ("target.onnx", "draft.onnx"):
+        onnx.checker.check_model(str(pair.out / name))
+
+
+def test_embedding_and_lm_head_stored_once(exported):
+    pair = exported("agree_b8")  # untied: both the embedding and lm_head are shared
+    draft = onnx.load(str(pair.out / "draft.onnx"), load_external_data=False)
+    vocab, hidden = pair.spec.vocab_size, pair.spec.hidden_size
+    locations = [{e.key: e.value for e in t.external_data}.get("location")
+                 for t in draft.graph.initializer if vocab in t.dims]
+    assert locations == ["target.onnx.data"] * 2  # the embedding and the (pre-transposed) lm_head
+    own = [t for t in draft.graph.initializer if t.external_data and vocab not in t.dims]
+    own_bytes = sum(int({e.key: e.value for e in t.external_data}["length"]) for t in own)
+    assert own_bytes <= (pair.out / "draft.onnx.data").stat().st_size < own_bytes + 64 * len(own)
+
+
+def test_manifest_contents(exported):
+    pair = exported("llama_sliding_b16")
+    raw = json.loads((pair.out / "dflash.json").read_text())
+    for key in ("format_version", "block_size", "target_layer_ids", "mask_token_id", "stop_token_ids", "vocab_size",
+                "target_hidden_size", "dtype", "opset", "passes", "sources", "tool_version", "kv_layout"):
+        assert key in raw
+    assert raw["block_size"] == 16 and raw["model_type"] == "llama"
+    assert raw["target"]["num_layers"] == 4 and raw["draft"]["num_layers"] == 3
+    assert set(raw["sources"]["draft"]) >= {"config.json", "model.safetensors"}
+
+
+def test_refuses_existing_out_and_bad_out_dirs(exported, tmp_path):
+    pair = exported("agree_b2")
+    with pytest.raises(DFlashError, match="already exists"):
+        export_pair(pair.target_dir, pair.draft_dir, pair.out, progress=False)
+    with pytest.raises(DFlashError, match="not an exported dflash-onnx directory"):
+        load_manifest(tmp_path)
+    with pytest.raises(DFlashError, match="is not a directory"):
+        load_manifest(tmp_path / "missing")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "dflash.json").write_text("{")
+    with pytest.raises(DFlashError, match="corrupt"):
+        load_manifest(broken)
+    (broken / "dflash.json").write_text((pair.out / "dflash.json").read_text())
+    with pytest.raises(DFlashError, match="lacks target.onnx"):
+        load_manifest(broken)

@@ -1,0 +1,80 @@
+"""Pair validation: each mismatch is caught before any work, with both values named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.export import export_pair
+from dflash_onnx.models.draft import DraftSpec
+from dflash_onnx.pair import TargetInfo, validate_pair
+from dflash_onnx.tiny import TinySpec, build_pair
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    return build_pair(TinySpec(block_size=4), tmp_path_factory.mktemp("pair"))
+
+
+def _edited_draft(draft_dir, **changes) -> DraftSpec:
+    raw = json.loads((draft_dir / "config.json").read_text())
+    for key, value in changes.items():
+        if key in ("target_layer_ids", "block_size", "mask_token_id"):
+            raw["dflash_config"][key] = value
+        else:
+            raw[key] = value
+    return DraftSpec.from_dict(raw)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"hidden_size": 32}, "draft hidden_size 32 != target hidden_size 64"),
+    ({"vocab_size": 50}, "draft vocab_size 50 != target vocab_size 96"),
+    ({"num_target_layers": 6}, "draft num_target_layers 6 != target num_hidden_layers 4"),
+    ({"target_layer_ids": [1, 4]}, r"has 4, outside the target's layers 0..3"),
+    ({"mask_token_id": 96}, "mask_token_id 96 is outside the target vocab \\(size 96\\)"),
+])
+def test_mismatches_name_both_values(pair_dirs, changes, message):
+    target_dir, draft_dir = pair_dirs
+    with pytest.raises(DFlashError, match=message):
+        validate_pair(TargetInfo.from_dir(target_dir), _edited_draft(draft_dir, **changes))
+
+
+def test_block_size_rules(pair_dirs):
+    target_dir, draft_dir = pair_dirs
+    info, spec = TargetInfo.from_dir(target_dir), DraftSpec.from_dir(draft_dir)
+    assert validate_pair(info, spec) == 4
+    assert validate_pair(info, spec, block_size=2) == 2
+    with pytest.raises(DFlashError, match="at least 2"):
+        validate_pair(info, spec, block_size=1)
+    with pytest.raises(DFlashError, match="above the draft's trained block size 4.*--allow-longer-block"):
+        validate_pair(info, spec, block_size=8)
+    assert validate_pair(info, spec, block_size=8, allow_longer_block=True) == 8
+    with pytest.raises(DFlashError, match="dtype 'bfloat16' is not supported"):
+        validate_pair(info, spec, dtype="bfloat16")
+
+
+def test_missing_directories_and_configs(tmp_path, pair_dirs):
+    target_dir, draft_dir = pair_dirs
+    with pytest.raises(DFlashError, match="has no config.json"):
+        TargetInfo.from_dir(tmp_path)
+    with pytest.raises(DFlashError, match="has no config.json"):
+        DraftSpec.from_dir(tmp_path)
+    with pytest.raises(DFlashError, match="no 'num_target_layers'"):
+        DraftSpec.from_dict({"hidden_size": 8})
+
+
+def test_failed_export_leaves_no_output_directory(tmp_path, pair_dirs):
+    target_dir, draft_dir = pair_dirs
+    out = tmp_path / "out"
+    with pytest.raises(DFlashError):
+        export_pair(target_dir, draft_dir, out, block_size=1, progress=False)
+    with pytest.raises(DFlashError, match="opset 12"):
+        export_pair(target_dir, draft_dir, out, opset=12, progress=False)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_stop_tokens_come_from_generation_config(pair_dirs):
+    target_dir, _ = pair_dirs
+    assert TargetInfo.from_dir(target_dir).stop_token_ids == [1]
