@@ -26,6 +26,7 @@ class TinySpec:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 16
+    intermediate_size: int | None = None
     target_layers: int = 4
     draft_layers: int = 1
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 2])
@@ -46,7 +47,8 @@ class TinySpec:
 
 def _target_config(spec: TinySpec) -> dict:
     config = {
-        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size, "intermediate_size": 2 * spec.hidden_size,
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size or 2 * spec.hidden_size,
         "num_hidden_layers": spec.target_layers, "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
         "tie_word_embeddings": spec.tie_embeddings, "eos_token_id": spec.eos_token_id,
@@ -62,7 +64,7 @@ def _target_config(spec: TinySpec) -> dict:
 def _draft_config(spec: TinySpec) -> dict:
     config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size, "intermediate_size": 2 * spec.hidden_size,
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size or 2 * spec.hidden_size,
         "num_hidden_layers": spec.draft_layers, "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "max_position_embeddings": 1024,
         "rms_norm_eps": 1e-6, "attention_bias": spec.attention_bias, "num_target_layers": spec.target_layers,
