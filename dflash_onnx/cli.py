@@ -11,7 +11,20 @@ from pathlib import Path
 from .errors import DFlashError
 
 
-def _export(args) -> int:
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `dflash-onnx export`, shared with `optimum-cli export dflash`."""
+    parser.add_argument("--target", type=Path, required=True, help="Hugging Face target model directory")
+    parser.add_argument("--draft", type=Path, required=True, help="DFlash draft directory (config.json + safetensors)")
+    parser.add_argument("--out", type=Path, required=True, help="output directory (created atomically)")
+    parser.add_argument("--block-size", type=int, help="draft block size (default: the draft's trained one)")
+    parser.add_argument("--allow-longer-block", action="store_true", help="allow a block above the trained size")
+    parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    parser.add_argument("--opset", type=int, default=18, help="ONNX opset, 17..23 (default 18)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def run_export(args) -> int:
     from .export import export_pair
 
     manifest = export_pair(
@@ -95,16 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     export = commands.add_parser("export", help="export a target and its DFlash draft to ONNX")
-    export.add_argument("--target", type=Path, required=True, help="Hugging Face target model directory")
-    export.add_argument("--draft", type=Path, required=True, help="DFlash draft directory (config.json + safetensors)")
-    export.add_argument("--out", type=Path, required=True, help="output directory (created atomically)")
-    export.add_argument("--block-size", type=int, help="draft block size (default: the draft's trained one)")
-    export.add_argument("--allow-longer-block", action="store_true", help="allow a block above the trained size")
-    export.add_argument("--dtype", choices=("float32", "float16"), default="float32")
-    export.add_argument("--opset", type=int, default=18, help="ONNX opset, 17..23 (default 18)")
-    export.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
-    export.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    export.set_defaults(func=_export)
+    add_export_arguments(export)
+    export.set_defaults(func=run_export)
 
     generate = commands.add_parser("generate", help="generate from an exported directory")
     generate.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")

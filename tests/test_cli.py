@@ -93,3 +93,12 @@ def test_help_for_every_command(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
     assert exit_info.value.code == 0 and "usage: dflash-onnx" in capsys.readouterr().out
+
+
+def test_optimum_cli_registers_export_dflash(tmp_path):
+    pytest.importorskip("optimum.commands", reason="optimum is an optional extra (installed with .[test])")
+    helped = subprocess.run(["optimum-cli", "export", "dflash", "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "--block-size" in helped.stdout
+    failed = subprocess.run(["optimum-cli", "export", "dflash", "--target", str(tmp_path), "--draft", str(tmp_path),
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert failed.returncode == 2 and "has no config.json" in failed.stderr
