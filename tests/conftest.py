@@ -22,7 +22,9 @@ EXPORTED = {
                                   sliding_window=6, agree=True, tie_embeddings=False, target_layer_ids=[0, 1, 2],
                                   seed=5),
     "agree_b2": TinySpec(agree=True, tie_embeddings=False, block_size=2, target_layer_ids=[2], seed=7),
+    "agree_b4_fp16": TinySpec(agree=True, tie_embeddings=False, block_size=4, target_layer_ids=[1, 2], seed=11),
 }
+DTYPES = {"agree_b4_fp16": "float16"}
 
 
 @dataclass
@@ -47,7 +49,7 @@ def exported(tmp_path_factory):
             root = tmp_path_factory.mktemp(name)
             target_dir, draft_dir = build_pair(EXPORTED[name], root)
             start = time.perf_counter()
-            export_pair(target_dir, draft_dir, root / "out", progress=False)
+            export_pair(target_dir, draft_dir, root / "out", dtype=DTYPES.get(name, "float32"), progress=False)
             cache[name] = ExportedPair(EXPORTED[name], target_dir, draft_dir, root / "out",
                                        time.perf_counter() - start)
         return cache[name]

@@ -1,0 +1,34 @@
+"""float16 export: fp16 graphs, lossless against their own greedy output, close to PyTorch fp16."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash_onnx.manifest import load_manifest
+from dflash_onnx.parity import run_parity
+
+
+def test_fp16_graphs_take_fp16_kv(exported):
+    manifest = load_manifest(exported("agree_b4_fp16").out)
+    assert manifest.dtype == "float16"
+    dtypes = {t.name: t.dtype for t in manifest.target.inputs + manifest.draft.inputs}
+    assert dtypes["past_key_values.0.key"] == "float16" and dtypes["target_hidden"] == "float16"
+
+
+def test_fp16_dflash_equals_fp16_greedy(decoders):
+    decoder = decoders("agree_b4_fp16")
+    rng = np.random.default_rng(3)
+    lengths = []
+    for _ in range(6):
+        prompt = rng.integers(2, 95, size=5)
+        dflash = decoder.generate(prompt, 24, "dflash", stop_token_ids=[])
+        assert dflash.tokens == decoder.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
+        lengths += dflash.acceptance_lengths
+    assert max(lengths) > 1
+
+
+def test_fp16_parity_with_pytorch(exported, decoders):
+    pair = exported("agree_b4_fp16")
+    report = run_parity(pair.out, pair.target_dir, pair.draft_dir, num_prompts=2, max_new_tokens=12,
+                        decoder=decoders("agree_b4_fp16"))
+    assert report.ok, report.table()
