@@ -16,6 +16,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 
@@ -105,20 +106,27 @@ def _external_bytes(tensor: onnx.TensorProto) -> tuple[str, int, int]:
     return info["location"], int(info.get("offset", 0)), int(info["length"])
 
 
-def _digest(out: Path, tensor: onnx.TensorProto) -> str:
+def _read(out: Path, tensor: onnx.TensorProto) -> bytes:
     location, offset, length = _external_bytes(tensor)
     with open(out / location, "rb") as handle:
         handle.seek(offset)
-        return hashlib.sha256(handle.read(length)).hexdigest()
+        return handle.read(length)
+
+
+def _transposed(payload: bytes, tensor: onnx.TensorProto) -> bytes:
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    return np.frombuffer(payload, dtype=dtype).reshape(tuple(tensor.dims)).T.tobytes()
 
 
 def share_initializers(
     out: Path, draft_file: str, target_file: str, vocab_size: int
 ) -> tuple[list[str], list[str]]:
-    """Point the draft's vocab-sized tensors (embedding, lm_head in any layout the exporter chose)
-    at identical tensors in the target's data file, and rewrite the draft's data file without them.
+    """Point the draft's vocab-sized tensors (embedding, lm_head) at identical tensors in the
+    target's data file, and rewrite the draft's data file without them.
 
-    Matching is by content, so it survives the exporter renaming or pre-transposing weights.
+    Matching is by content, so it survives the exporter renaming weights. When the exporter
+    pre-transposed a weight in one graph only, the draft reads the target's copy through a
+    Transpose node (ORT folds it at load), so the bytes are still stored once.
     Returns the names of the vocab-sized draft tensors now shared, and of those left unshared.
     """
     target = onnx.load(str(out / target_file), load_external_data=False)
@@ -127,30 +135,46 @@ def share_initializers(
     def vocab_sized(t: onnx.TensorProto) -> bool:
         return t.data_location == onnx.TensorProto.EXTERNAL and vocab_size in t.dims
 
-    by_content = {
-        (tuple(t.dims), t.data_type, _digest(out, t)): t for t in target.graph.initializer if vocab_sized(t)
-    }
+    def key(dims, data_type, payload: bytes):
+        return tuple(dims), data_type, hashlib.sha256(payload).hexdigest()
+
+    by_content = {key(t.dims, t.data_type, _read(out, t)): t for t in target.graph.initializer if vocab_sized(t)}
     old_data, new_data = out / f"{draft_file}.data", out / f"{draft_file}.data.tmp"
-    shared, unshared = [], []
-    with open(old_data, "rb") as src, open(new_data, "wb") as dst:
+    shared, unshared, transposes = [], [], []
+    kept = []
+    with open(new_data, "wb") as dst:
         for tensor in draft.graph.initializer:
+            kept.append(tensor)
             if tensor.data_location != onnx.TensorProto.EXTERNAL:
                 continue
-            key = (tuple(tensor.dims), tensor.data_type, _digest(out, tensor)) if vocab_sized(tensor) else None
-            if key in by_content:
-                _point_to(tensor, *_external_bytes(by_content[key]))
-                shared.append(tensor.name)
-                continue
-            if key is not None:
+            payload = _read(out, tensor)
+            if vocab_sized(tensor):
+                same = by_content.get(key(tensor.dims, tensor.data_type, payload))
+                flipped = None
+                if same is None and len(tensor.dims) == 2:
+                    flipped = by_content.get(key(tensor.dims[::-1], tensor.data_type, _transposed(payload, tensor)))
+                if same is not None:
+                    _point_to(tensor, *_external_bytes(same))
+                    shared.append(tensor.name)
+                    continue
+                if flipped is not None:
+                    source = onnx.TensorProto()
+                    source.CopyFrom(flipped)
+                    source.name = f"{tensor.name}.shared_transposed"
+                    kept[-1] = source
+                    transposes.append(onnx.helper.make_node("Transpose", [source.name], [tensor.name], perm=[1, 0]))
+                    shared.append(tensor.name)
+                    continue
                 unshared.append(tensor.name)
-            _, offset, length = _external_bytes(tensor)
-            src.seek(offset)
-            payload = src.read(length)
             dst.seek((dst.tell() + 63) // 64 * 64)
             position = dst.tell()
             dst.write(payload)
             _point_to(tensor, f"{draft_file}.data", position, len(payload))
     os.replace(new_data, old_data)
+    del draft.graph.initializer[:]
+    draft.graph.initializer.extend(kept)
+    for node in reversed(transposes):
+        draft.graph.node.insert(0, node)
     onnx.save(draft, str(out / draft_file))
     return shared, unshared
 

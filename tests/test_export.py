@@ -66,3 +66,42 @@ def test_refuses_existing_out_and_bad_out_dirs(exported, tmp_path):
     (broken / "dflash.json").write_text((pair.out / "dflash.json").read_text())
     with pytest.raises(DFlashError, match="lacks target.onnx"):
         load_manifest(broken)
+
+
+def _save_external(model: onnx.ModelProto, path) -> None:
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=f"{path.name}.data", size_threshold=0)
+
+
+def test_share_initializers_reads_a_pre_transposed_copy_through_transpose(tmp_path):
+    """One graph got W [vocab, hidden], the other W^T: the draft keeps no copy of its own."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dflash_onnx.export import share_initializers
+
+    vocab, hidden = 11, 4
+    weight = np.random.default_rng(0).normal(size=(vocab, hidden)).astype(np.float32)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, hidden])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, vocab])
+    target = helper.make_model(helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W"], ["y"], transB=1)], "t", [x], [y],
+        [numpy_helper.from_array(weight, "W")]), opset_imports=[helper.make_opsetid("", 18)])
+    draft = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "WT"], ["y"])], "d", [x], [y],
+        [numpy_helper.from_array(weight.T.copy(), "WT"), numpy_helper.from_array(np.ones(7, np.float32), "own")]),
+        opset_imports=[helper.make_opsetid("", 18)])
+    _save_external(target, tmp_path / "target.onnx")
+    _save_external(draft, tmp_path / "draft.onnx")
+    feed = {"x": np.arange(hidden, dtype=np.float32)[None]}
+    before = ort.InferenceSession(str(tmp_path / "draft.onnx")).run(None, feed)[0]
+
+    shared, unshared = share_initializers(tmp_path, "draft.onnx", "target.onnx", vocab)
+
+    assert shared == ["WT"] and unshared == []
+    assert (tmp_path / "draft.onnx.data").stat().st_size < weight.nbytes  # only `own` is left
+    rewritten = onnx.load(str(tmp_path / "draft.onnx"), load_external_data=False)
+    assert rewritten.graph.node[0].op_type == "Transpose"
+    after = ort.InferenceSession(str(tmp_path / "draft.onnx")).run(None, feed)[0]
+    np.testing.assert_array_equal(before, after)

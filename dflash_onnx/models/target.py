@@ -39,7 +39,7 @@ class TappedTarget(nn.Module):
         pairs = [(past[2 * i].transpose(1, 2), past[2 * i + 1].transpose(1, 2)) for i in range(self.num_layers)]
         cache = DynamicCache(ddp_cache_data=pairs, config=self.lm.config)
         num_keys = past[0].shape[1] + input_ids.shape[1]
-        out = self.lm.model(
+        out = self.lm.get_decoder()(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=causal_mask(position_ids, num_keys),
@@ -47,7 +47,7 @@ class TappedTarget(nn.Module):
             use_cache=True,
             output_hidden_states=True,
         )
-        logits = self.lm.lm_head(out.last_hidden_state)
+        logits = self.lm.get_output_embeddings()(out.last_hidden_state)
         hidden = torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
         present: list[torch.Tensor] = []
         for layer in out.cache.layers:
