@@ -64,7 +64,10 @@ class KVState:
 
     def __init__(self, graph: GraphSpec, dtype: np.dtype):
         self.inputs = graph.kv_input_names()
-        self.outputs = graph.kv_output_names()
+        self.outputs = [name.replace("past_key_values.", "present.", 1) for name in self.inputs]
+        missing = sorted(set(self.outputs) - set(graph.kv_output_names()))
+        if missing:
+            raise DFlashError(f"{graph.file} has no outputs {missing} to pair with its past_key_values inputs")
         empty = np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), dtype=dtype)
         self.arrays = [empty] * len(self.inputs)
         self.length = 0
@@ -80,7 +83,10 @@ class KVState:
 class Decoder:
     """Greedy and DFlash decoding over a target and a draft Session described by one manifest."""
 
-    def __init__(self, manifest: Manifest, target: Session, draft: Session | None):
+    def __init__(self, manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int = 256):
+        if prefill_chunk < 1:
+            raise DFlashError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.manifest = manifest
         self.target = target
         self.draft = draft
@@ -88,13 +94,13 @@ class Decoder:
         self.stop_token_ids = list(manifest.stop_token_ids)
 
     @classmethod
-    def open(cls, directory: Path, backend: str = "ort", **options) -> "Decoder":
+    def open(cls, directory: Path, backend: str = "ort", prefill_chunk: int = 256, **options) -> "Decoder":
         from targets import open_session
 
         manifest = load_manifest(directory)
         target = open_session(directory, manifest, "target", backend, **options)
         draft = open_session(directory, manifest, "draft", backend, **options)
-        return cls(manifest, target, draft)
+        return cls(manifest, target, draft, prefill_chunk)
 
     def _target_call(self, kv: KVState, ids: np.ndarray, want_logits: bool):
         positions = np.arange(kv.length, kv.length + len(ids), dtype=np.int64)[None]
@@ -137,13 +143,17 @@ class Decoder:
         draft_kv = KVState(self.manifest.draft, self.dtype)
 
         started = time.perf_counter()
-        out = self._target_call(target_kv, prompt, want_logits=not sampling.greedy)
-        target_kv.update(out, len(prompt))
+        features = []
+        for begin in range(0, len(prompt), self.prefill_chunk):  # chunks bound the [chunk, vocab] logits
+            chunk = prompt[begin : begin + self.prefill_chunk]
+            out = self._target_call(target_kv, chunk, want_logits=not sampling.greedy)
+            target_kv.update(out, begin + len(chunk))
+            features.append(out["target_hidden"][0])
+        context = features[0] if len(features) == 1 else np.concatenate(features)
         if sampling.greedy:
             first = int(out["greedy_ids"][0, -1])
         else:
             first = int(sample_rows(sampling_probs(out["logits"][0, -1], sampling), rng))
-        context = out["target_hidden"][0]
         result.tokens.append(first)
         result.ttft_s = time.perf_counter() - started
         yield [first]

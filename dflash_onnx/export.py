@@ -24,8 +24,8 @@ from . import __version__
 from .errors import DFlashError
 from .manifest import GraphSpec, Manifest, TensorSpec
 from .models.draft import DFlashDraft, DraftSpec
-from .models.target import TappedTarget
-from .pair import TargetInfo, load_draft, load_target, validate_pair
+from .models.target import TappedTarget, check_against_hf
+from .pair import LOGIT_TOLERANCE, TargetInfo, load_draft, load_target, validate_pair
 from .progress import Stages
 
 DEFAULT_OPSET = 18
@@ -219,8 +219,7 @@ def export_pair(
 ) -> Manifest:
     """Export target and draft into `out` (created atomically); return the manifest written there."""
     target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out)
-    if out.exists() and not overwrite:
-        raise DFlashError(f"{out} already exists: choose another --out or pass --overwrite")
+    _check_out_dir(out, (target_dir, draft_dir), overwrite)
     if not 17 <= opset <= 23:
         raise DFlashError(f"opset {opset} is not supported: choose 17..23")
     info = TargetInfo.from_dir(target_dir)
@@ -235,6 +234,7 @@ def export_pair(
             lm = load_target(target_dir, dtype)
             draft = load_draft(draft_dir, lm, dtype)
             tapped = TappedTarget(lm, spec.target_layer_ids).eval()
+            check_against_hf(tapped, LOGIT_TOLERANCE[dtype])
         with stages.stage("exporting target graph"):
             export_target(tapped, tmp, opset, torch_dtype)
         with stages.stage(f"exporting draft graph (block size {block})"):
@@ -272,10 +272,33 @@ def export_pair(
                 tool_version=__version__,
             )
             manifest.save(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _check_out_dir(out: Path, sources: tuple[Path, ...], overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise DFlashError(f"{out} exists and is not a directory: choose another --out")
+    if out.exists() and not overwrite:
+        raise DFlashError(f"{out} already exists: choose another --out or pass --overwrite")
+    resolved = out.resolve()
+    for source in sources:
+        if resolved == source.resolve() or resolved in source.resolve().parents:
+            raise DFlashError(f"--out {out} would replace the model directory {source}: choose another --out")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished export into place; an old --out is set aside first and removed only after."""
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

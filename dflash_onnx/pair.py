@@ -16,6 +16,8 @@ from .errors import DFlashError
 from .models.draft import DFlashDraft, DraftSpec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# Largest logit difference accepted between two computations of the same model, per dtype.
+LOGIT_TOLERANCE = {"float32": 2e-3, "float16": 5e-2}
 
 
 @dataclass
@@ -135,6 +137,8 @@ def load_draft(path: Path, target: nn.Module, dtype: str = "float32") -> DFlashD
     spec = DraftSpec.from_dir(Path(path))
     head = target.get_output_embeddings()
     draft = DFlashDraft(spec, target.get_input_embeddings().weight, head.weight)
+    inv_freq = draft.rotary_emb.inv_freq.clone()
     draft.to(DTYPES[dtype])
+    draft.rotary_emb.inv_freq = inv_freq  # RoPE frequencies stay float32, as in the reference and HF
     draft.load_checkpoint(Path(path))
     return draft.eval()

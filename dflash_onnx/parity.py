@@ -17,9 +17,7 @@ from .decode import Decoder
 from .manifest import Manifest
 from .models.draft import DFlashDraft
 from .models.target import TappedTarget
-from .pair import load_draft, load_target
-
-TOLERANCE = {"float32": 2e-3, "float16": 5e-2}
+from .pair import LOGIT_TOLERANCE, load_draft, load_target
 
 
 @dataclass
@@ -142,7 +140,7 @@ def run_parity(out_dir: Path, target_dir: Path, draft_dir: Path, num_prompts: in
     lm = load_target(Path(target_dir), manifest.dtype)
     draft = load_draft(Path(draft_dir), lm, manifest.dtype)
     tapped = TappedTarget(lm, manifest.target_layer_ids).eval()
-    report = ParityReport(tolerance=TOLERANCE[manifest.dtype])
+    report = ParityReport(tolerance=LOGIT_TOLERANCE[manifest.dtype])
     reference_model = _reference_model(Path(draft_dir), lm.dtype)
     report.reference_available = reference_model is not None
     rng = np.random.default_rng(seed)

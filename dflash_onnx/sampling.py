@@ -33,9 +33,11 @@ def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Probabilities over the vocab (last axis) after temperature, top-k, then top-p."""
     scores = logits.astype(np.float64) / params.temperature
     vocab = scores.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = np.partition(scores, vocab - params.top_k, axis=-1)[..., vocab - params.top_k, None]
-        scores = np.where(scores >= kth, scores, -np.inf)
+    if 0 < params.top_k < vocab:  # exactly k survivors, ties included, as torch.topk keeps
+        top = np.argpartition(-scores, params.top_k - 1, axis=-1)[..., : params.top_k]
+        kept = np.full_like(scores, -np.inf)
+        np.put_along_axis(kept, top, np.take_along_axis(scores, top, axis=-1), axis=-1)
+        scores = kept
     scores = scores - scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)

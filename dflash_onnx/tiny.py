@@ -34,6 +34,7 @@ class TinySpec:
     model_type: str = "qwen3"
     is_causal: bool | None = None
     sliding_window: int | None = None
+    target_sliding_window: int | None = None
     attention_bias: bool = False
     input_embedding_scale: float | None = None
     output_multiplier: float | None = None
@@ -54,6 +55,11 @@ def _target_config(spec: TinySpec) -> dict:
         "tie_word_embeddings": spec.tie_embeddings, "eos_token_id": spec.eos_token_id,
         "bos_token_id": 0, "pad_token_id": 0,
     }
+    if spec.target_sliding_window is not None:  # hybrid: every other layer slides (Qwen3 / Qwen2 style)
+        config["use_sliding_window"] = True
+        config["sliding_window"] = spec.target_sliding_window
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                 for i in range(spec.target_layers)]
     if spec.model_type == "qwen3":
         config["head_dim"] = spec.head_dim
     else:

@@ -13,11 +13,12 @@ from dflash_onnx.export import export_pair
 from dflash_onnx.tiny import TinySpec, build_pair
 
 # Each exported pair covers a different corner: GQA ratios 1/2/4, 1-3 draft layers, tapped layers
-# including the last but one, block sizes 2/4/8/16, causal and non-causal, a sliding window, Llama.
+# including the last but one, block sizes 2/4/8/16, causal and non-causal, sliding windows in the draft and
+# in a hybrid target, Llama.
 EXPORTED = {
     "agree_b8": TinySpec(agree=True, tie_embeddings=False, block_size=8, draft_layers=1, target_layer_ids=[1, 2]),
     "causal_gqa4_b4": TinySpec(num_heads=8, num_kv_heads=2, head_dim=8, draft_layers=2, block_size=4,
-                               is_causal=True, target_layer_ids=[0, 2], seed=3),
+                               is_causal=True, target_layer_ids=[0, 2], target_sliding_window=5, seed=3),
     "llama_sliding_b16": TinySpec(model_type="llama", num_heads=4, num_kv_heads=4, draft_layers=3, block_size=16,
                                   sliding_window=6, agree=True, tie_embeddings=False, target_layer_ids=[0, 1, 2],
                                   seed=5),

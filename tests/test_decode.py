@@ -141,6 +141,29 @@ def test_kv_feeds_are_zero_copy_views(decoders):
         assert view.shape[1] == 5 and view.flags.c_contiguous and np.shares_memory(view, source)
 
 
+def test_kv_outputs_are_paired_with_inputs_by_name(decoders):
+    import dataclasses
+
+    graph = decoders("agree_b8").manifest.target
+    shuffled = dataclasses.replace(graph, outputs=list(reversed(graph.outputs)))
+    kv = KVState(shuffled, np.float32)
+    assert all(o == i.replace("past_key_values", "present") for i, o in zip(kv.inputs, kv.outputs))
+    broken = dataclasses.replace(graph, outputs=[t for t in graph.outputs if t.name != "present.0.value"])
+    with pytest.raises(DFlashError, match="present.0.value"):
+        KVState(broken, np.float32)
+
+
+def test_chunked_prefill_changes_nothing(exported, decoders):
+    from dflash_onnx.decode import Decoder
+
+    pair, whole = exported("agree_b8"), decoders("agree_b8")
+    chunked = Decoder.open(pair.out, prefill_chunk=3)
+    for prompt in _prompts(5, pair.spec.vocab_size, seed=21):
+        a = whole.generate(prompt, 20, "dflash", stop_token_ids=[])
+        b = chunked.generate(prompt, 20, "dflash", stop_token_ids=[])
+        assert (a.tokens, a.acceptance_lengths) == (b.tokens, b.acceptance_lengths)
+
+
 def test_streaming_yields_what_generate_returns(decoders):
     decoder = decoders("agree_b8")
     chunks = []

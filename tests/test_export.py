@@ -68,6 +68,19 @@ def test_refuses_existing_out_and_bad_out_dirs(exported, tmp_path):
         load_manifest(broken)
 
 
+def test_overwrite_replaces_an_export(exported, tmp_path):
+    import shutil
+
+    pair = exported("agree_b2")
+    out = tmp_path / "copy"
+    shutil.copytree(pair.out, out)
+    (out / "stale.txt").write_text("from an older export")
+    export_pair(pair.target_dir, pair.draft_dir, out, overwrite=True, progress=False)
+    assert not (out / "stale.txt").exists() and load_manifest(out).block_size == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["copy"]
+    assert oct((out).stat().st_mode & 0o777) != oct(0o700)
+
+
 def _save_external(model: onnx.ModelProto, path) -> None:
     onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
               location=f"{path.name}.data", size_threshold=0)

@@ -15,6 +15,16 @@ def test_fp16_graphs_take_fp16_kv(exported):
     assert dtypes["past_key_values.0.key"] == "float16" and dtypes["target_hidden"] == "float16"
 
 
+def test_fp16_draft_keeps_float32_rope_frequencies(exported):
+    import torch
+
+    from dflash_onnx.pair import load_draft, load_target
+
+    pair = exported("agree_b4_fp16")
+    draft = load_draft(pair.draft_dir, load_target(pair.target_dir, "float16"), "float16")
+    assert draft.fc.weight.dtype == torch.float16 and draft.rotary_emb.inv_freq.dtype == torch.float32
+
+
 def test_fp16_dflash_equals_fp16_greedy(decoders):
     decoder = decoders("agree_b4_fp16")
     rng = np.random.default_rng(3)

@@ -65,14 +65,37 @@ def test_missing_directories_and_configs(tmp_path, pair_dirs):
         DraftSpec.from_dict({"hidden_size": 8})
 
 
-def test_failed_export_leaves_no_output_directory(tmp_path, pair_dirs):
+def test_invalid_exports_are_refused_before_any_work(tmp_path, pair_dirs):
     target_dir, draft_dir = pair_dirs
     out = tmp_path / "out"
     with pytest.raises(DFlashError):
         export_pair(target_dir, draft_dir, out, block_size=1, progress=False)
     with pytest.raises(DFlashError, match="opset 12"):
         export_pair(target_dir, draft_dir, out, opset=12, progress=False)
-    assert not out.exists() and list(tmp_path.iterdir()) == []
+    with pytest.raises(DFlashError, match="would replace the model directory"):
+        export_pair(target_dir, draft_dir, target_dir.parent, overwrite=True, progress=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DFlashError, match="not a directory"):
+        export_pair(target_dir, draft_dir, tmp_path / "file", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_a_failure_mid_export_leaves_no_output_and_keeps_the_old_one(tmp_path, pair_dirs, monkeypatch):
+    import dflash_onnx.export as export_module
+
+    target_dir, draft_dir = pair_dirs
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "previous.txt").write_text("an earlier export")
+
+    def broken_draft_export(*args, **kwargs):
+        raise DFlashError("simulated failure while exporting the draft")
+
+    monkeypatch.setattr(export_module, "export_draft", broken_draft_export)
+    with pytest.raises(DFlashError, match="simulated failure"):
+        export_pair(target_dir, draft_dir, out, overwrite=True, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp dir left behind
+    assert (out / "previous.txt").read_text() == "an earlier export"
 
 
 def test_stop_tokens_come_from_generation_config(pair_dirs):

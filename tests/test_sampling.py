@@ -33,6 +33,14 @@ def test_sampling_probs_match_reference(temperature, top_p, top_k):
     np.testing.assert_allclose(ours, want, atol=1e-6)
 
 
+def test_top_k_keeps_exactly_k_tokens_when_scores_tie():
+    logits = np.array([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]], dtype=np.float32)
+    ours = sampling_probs(logits, SamplingParams(1.0, 1.0, 2))
+    assert np.count_nonzero(ours) == 2
+    want = dflash_model._sampling_probs(torch.tensor(logits), 1.0, 1.0, 2).numpy()
+    np.testing.assert_allclose(np.sort(ours[0]), np.sort(want[0]), atol=1e-6)
+
+
 def test_rejection_sampling_output_follows_target_distribution():
     rng = np.random.default_rng(1)
     vocab = 6

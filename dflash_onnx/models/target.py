@@ -1,7 +1,8 @@
 """The target LLM as the graph the decoding loop needs: logits, greedy ids, tapped features, explicit KV.
 
-Wraps any Hugging Face causal LM whose decoder accepts a `cache=` DynamicCache and a ready 4D mask
-(Qwen3, Llama, Qwen2, Mistral ...). K/V tensors cross the graph boundary as [batch, seq, kv_heads,
+Wraps any Hugging Face causal LM whose decoder accepts a `cache=` DynamicCache and ready masks
+(Qwen3, Qwen2, Llama, Mistral ...); `check_against_hf` proves the wrapper reproduces the model's own
+logits before anything is exported. K/V tensors cross the graph boundary as [batch, seq, kv_heads,
 head_dim] so that a committed prefix of a present tensor is a contiguous view the host can feed back
 without copying (see README, "KV state").
 """
@@ -12,11 +13,21 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from ..errors import DFlashError
 
-def causal_mask(position_ids: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """[batch, 1, seq, keys] boolean mask: key slot j is position j, visible when j <= the query's position."""
-    key_pos = torch.arange(num_keys, device=position_ids.device)
-    return (key_pos[None, None, None, :] <= position_ids[:, None, :, None])
+# Logit post-processing that lives in a CausalLM head's forward, which this wrapper does not replay.
+UNSUPPORTED_HEAD_OPTIONS = {"logits_scaling": 1.0, "final_logit_softcapping": None, "logit_scale": 1.0}
+
+
+def causal_mask(position_ids: torch.Tensor, num_keys: int, window: int | None = None) -> torch.Tensor:
+    """[batch, 1, seq, keys] boolean mask: key slot j holds position j, visible when j <= the query's
+    position (and, with a sliding window, when the query is fewer than `window` positions ahead)."""
+    key_pos = torch.arange(num_keys, device=position_ids.device)[None, None, None, :]
+    query_pos = position_ids[:, None, :, None]
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible = visible & (query_pos - key_pos < window)
+    return visible
 
 
 class TappedTarget(nn.Module):
@@ -30,19 +41,32 @@ class TappedTarget(nn.Module):
         self.num_layers = text.num_hidden_layers
         self.num_kv_heads = text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.sliding_window = getattr(text, "sliding_window", None)
+        self.layer_types = list(getattr(text, "layer_types", None) or [])
 
     def empty_cache(self, batch: int = 1, dtype=torch.float32) -> list[torch.Tensor]:
         shape = (batch, 0, self.num_kv_heads, self.head_dim)
         return [torch.zeros(shape, dtype=dtype) for _ in range(2 * self.num_layers)]
 
+    def _masks(self, position_ids: torch.Tensor, num_keys: int):
+        """Per-layer-type masks for hybrid models, one windowed mask for all-sliding ones (Mistral)."""
+        full = causal_mask(position_ids, num_keys)
+        if self.sliding_window is None:
+            return full
+        windowed = causal_mask(position_ids, num_keys, self.sliding_window)
+        if "sliding_attention" in self.layer_types:
+            return {"full_attention": full, "sliding_attention": windowed}
+        return windowed
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
         pairs = [(past[2 * i].transpose(1, 2), past[2 * i + 1].transpose(1, 2)) for i in range(self.num_layers)]
-        cache = DynamicCache(ddp_cache_data=pairs, config=self.lm.config)
+        # Plain (non-sliding) cache layers: the host owns the K/V and the masks apply any window.
+        cache = DynamicCache(ddp_cache_data=pairs)
         num_keys = past[0].shape[1] + input_ids.shape[1]
         out = self.lm.get_decoder()(
             input_ids=input_ids,
             position_ids=position_ids,
-            attention_mask=causal_mask(position_ids, num_keys),
+            attention_mask=self._masks(position_ids, num_keys),
             cache=cache,
             use_cache=True,
             output_hidden_states=True,
@@ -53,3 +77,23 @@ class TappedTarget(nn.Module):
         for layer in out.cache.layers:
             present += [layer.keys.transpose(1, 2), layer.values.transpose(1, 2)]
         return (logits, torch.argmax(logits, dim=-1), hidden, *present)
+
+
+def check_against_hf(tapped: TappedTarget, tolerance: float) -> None:
+    """Refuse a target whose own forward this wrapper does not reproduce (masks, head post-processing)."""
+    text = tapped.lm.config.get_text_config(decoder=True)
+    for option, neutral in UNSUPPORTED_HEAD_OPTIONS.items():
+        value = getattr(text, option, neutral)
+        if value is not None and value != neutral:
+            raise DFlashError(f"target {text.model_type} uses {option}={value}: not supported yet")
+    length = min(64, max(12, (tapped.sliding_window or 0) + 6))
+    ids = torch.arange(length)[None] % text.vocab_size
+    with torch.no_grad():
+        ours = tapped(ids, torch.arange(length)[None], *tapped.empty_cache(dtype=tapped.lm.dtype))[0]
+        theirs = tapped.lm(input_ids=ids).logits
+    diff = float((ours.float() - theirs.float()).abs().max())
+    if diff > tolerance:
+        raise DFlashError(
+            f"target {text.model_type}: the exported wrapper's logits differ from the model's own by {diff:.3g} "
+            "(an attention mask or logit post-processing this exporter does not reproduce): not supported yet"
+        )
