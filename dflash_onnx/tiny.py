@@ -91,6 +91,19 @@ def _draft_config(spec: TinySpec) -> dict:
     return config
 
 
+def write_char_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A character-level tokenizer.json for a tiny vocab: <pad>=0, <eos>=1, printable ASCII, <mask> last."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)][: vocab_size - 3]
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(chars)}, "<mask>": vocab_size - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(["<pad>", "<eos>", "<mask>"])
+    tokenizer.save(str(Path(directory) / "tokenizer.json"))
+
+
 def build_target(spec: TinySpec, directory: Path):
     """Random-weight HF causal LM saved with save_pretrained; returns the model."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -103,6 +116,7 @@ def build_target(spec: TinySpec, directory: Path):
     if spec.agree:
         _bias_towards(model, spec)
     model.save_pretrained(str(directory))
+    write_char_tokenizer(directory, spec.vocab_size)
     return model
 
 

@@ -11,6 +11,17 @@ import pytest
 from dflash_onnx.cli import main
 
 
+@pytest.fixture
+def ids_only_out(exported, tmp_path):
+    """The agree_b8 export without its tokenizer.json (links to the same files)."""
+    out = tmp_path / "ids_only"
+    out.mkdir()
+    for path in exported("agree_b8").out.iterdir():
+        if path.name != "tokenizer.json":
+            (out / path.name).symlink_to(path)
+    return out
+
+
 def test_generate_json_has_the_promised_fields(exported, capsys):
     pair = exported("agree_b8")
     for mode in ("dflash", "greedy"):
@@ -25,9 +36,8 @@ def test_generate_json_has_the_promised_fields(exported, capsys):
             assert set(payload["acceptance_lengths"]) <= {1}
 
 
-def test_generate_streams_ids_without_json(exported, capsys):
-    pair = exported("agree_b8")
-    assert main(["generate", str(pair.out), "--prompt-ids", "3,4,5", "--max-new-tokens", "6"]) == 0
+def test_generate_streams_ids_without_json(ids_only_out, capsys):
+    assert main(["generate", str(ids_only_out), "--prompt-ids", "3,4,5", "--max-new-tokens", "6"]) == 0
     captured = capsys.readouterr()
     assert len(captured.out.split()) == 6 and "tau" in captured.err
 
@@ -42,14 +52,13 @@ def test_sampling_flags(exported, capsys):
     assert json.loads(capsys.readouterr().out)["tokens"] == first  # a seed makes sampling repeatable
 
 
-def test_user_errors_are_one_line_and_exit_2(tmp_path, exported, capsys):
+def test_user_errors_are_one_line_and_exit_2(tmp_path, ids_only_out, capsys):
     assert main(["generate", str(tmp_path), "--prompt-ids", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not an exported dflash-onnx directory" in err
-    pair = exported("agree_b8")
-    assert main(["generate", str(pair.out), "--prompt", "hello"]) == 2
+    assert main(["generate", str(ids_only_out), "--prompt", "hello"]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
-    assert main(["generate", str(pair.out), "--prompt-ids", "1,x"]) == 2
+    assert main(["generate", str(ids_only_out), "--prompt-ids", "1,x"]) == 2
     assert main(["export", "--target", str(tmp_path), "--draft", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "has no config.json" in capsys.readouterr().err
 
@@ -102,3 +111,12 @@ def test_optimum_cli_registers_export_dflash(tmp_path):
     failed = subprocess.run(["optimum-cli", "export", "dflash", "--target", str(tmp_path), "--draft", str(tmp_path),
                              "--out", str(tmp_path / "out")], capture_output=True, text=True)
     assert failed.returncode == 2 and "has no config.json" in failed.stderr
+
+
+def test_generate_text_prompt_streams_and_reports_text(exported, capsys):
+    pair = exported("agree_b8")
+    assert main(["generate", str(pair.out), "--prompt", "def f(x):", "--max-new-tokens", "10", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["prompt_tokens"] == len("def f(x):") and isinstance(payload["text"], str)
+    assert main(["generate", str(pair.out), "--prompt", "def f(x):", "--max-new-tokens", "10"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == payload["text"]

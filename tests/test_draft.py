@@ -92,6 +92,19 @@ def test_missing_and_corrupt_draft_weights(tmp_path):
         DraftSpec.from_dir(draft_dir)
 
 
+def test_drafts_that_ship_embedding_copies_load_with_the_targets(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    target_dir, draft_dir = build_pair(TinySpec(), tmp_path)
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir))
+    state = load_file(str(draft_dir / "model.safetensors"))
+    state["embed_tokens.weight"] = torch.zeros(96, 64)
+    save_file(state, str(draft_dir / "model.safetensors"))
+    draft = load_draft(draft_dir, target)
+    assert torch.equal(draft.embed_tokens, target.get_input_embeddings().weight)
+
+
 def test_default_target_layer_ids_follow_reference(tmp_path):
     raw = json.loads(json.dumps({"num_target_layers": 36, "num_hidden_layers": 5, "hidden_size": 64,
                                  "num_attention_heads": 4, "num_key_value_heads": 2,

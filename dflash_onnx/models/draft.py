@@ -215,6 +215,8 @@ class DFlashDraft(nn.Module):
             except Exception as exc:  # safetensors raises several types for corrupt files
                 raise DFlashError(f"cannot read draft weights {file}: {exc}") from None
         own = {k for k in self.state_dict() if k not in ("embed_tokens", "lm_head")}
+        for shared in ("embed_tokens.weight", "lm_head.weight"):  # some drafts ship copies: the target's win
+            state.pop(shared, None)
         missing = sorted(own - state.keys())
         unexpected = sorted(set(state) - own)
         if missing:
