@@ -15,6 +15,7 @@ import numpy as np
 
 from .decode import Decoder
 from .manifest import MANIFEST_NAME
+from .tokenizer import TextCodec, has_tokenizer
 
 DEMO_VERSION = "tiny-agree-v1"
 
@@ -42,6 +43,7 @@ def ensure_demo_export(progress: bool = True) -> Path:
 def run_demo(as_json: bool = False, max_new_tokens: int = 48, num_prompts: int = 4) -> int:
     out = ensure_demo_export(progress=True)
     decoder = Decoder.open(out)
+    codec = TextCodec(out) if has_tokenizer(out) else None
     rng = np.random.default_rng(0)
     rows = []
     for index in range(num_prompts):
@@ -55,7 +57,8 @@ def run_demo(as_json: bool = False, max_new_tokens: int = 48, num_prompts: int =
             "dflash_tokens_per_second": dflash.tokens_per_second,
         })
         if not as_json:
-            print(f"prompt {index}: {prompt.tolist()} -> {dflash.tokens}")
+            shown = repr(codec.decode(dflash.tokens)) if codec else dflash.tokens
+            print(f"prompt {index}: {prompt.tolist()} -> {shown}")
             print(f"  tau {dflash.tau:.2f}  identical to greedy: {dflash.tokens == greedy.tokens}  "
                   f"greedy {greedy.tokens_per_second:.0f} tok/s  dflash {dflash.tokens_per_second:.0f} tok/s")
     greedy_tps = float(np.median([r["greedy_tokens_per_second"] for r in rows]))
