@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DFlashError
-from .manifest import GraphSpec, Manifest, load_manifest
+from .manifest import Manifest, load_manifest
+from .runners import open_runners
 from .sampling import SamplingParams, rejection_sample, sample_rows, sampling_probs
 from .session import Session
 
@@ -55,42 +56,16 @@ class GenerationResult:
         return counts[1 : block_size + 1].tolist()
 
 
-class KVState:
-    """One graph's K/V, kept as the arrays the last call returned plus a committed length.
-
-    K/V are [batch, seq, kv_heads, head_dim]; with batch 1 the committed prefix `array[:, :length]`
-    is a contiguous view, so feeding it back copies nothing and rollback is `length = n`.
-    """
-
-    def __init__(self, graph: GraphSpec, dtype: np.dtype):
-        self.inputs = graph.kv_input_names()
-        self.outputs = [name.replace("past_key_values.", "present.", 1) for name in self.inputs]
-        missing = sorted(set(self.outputs) - set(graph.kv_output_names()))
-        if missing:
-            raise DFlashError(f"{graph.file} has no outputs {missing} to pair with its past_key_values inputs")
-        empty = np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), dtype=dtype)
-        self.arrays = [empty] * len(self.inputs)
-        self.length = 0
-
-    def feeds(self) -> dict[str, np.ndarray]:
-        return {name: array[:, : self.length] for name, array in zip(self.inputs, self.arrays)}
-
-    def update(self, outputs: dict[str, np.ndarray], length: int) -> None:
-        self.arrays = [outputs[name] for name in self.outputs]
-        self.length = length
-
-
 class Decoder:
     """Greedy and DFlash decoding over a target and a draft Session described by one manifest."""
 
     def __init__(self, manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int = 256):
         if prefill_chunk < 1:
             raise DFlashError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk
         self.manifest = manifest
         self.target = target
         self.draft = draft
-        self.dtype = np.float16 if manifest.dtype == "float16" else np.float32
+        self.prefill_chunk = prefill_chunk
         self.stop_token_ids = list(manifest.stop_token_ids)
 
     @classmethod
@@ -101,21 +76,6 @@ class Decoder:
         target = open_session(directory, manifest, "target", backend, **options)
         draft = open_session(directory, manifest, "draft", backend, **options)
         return cls(manifest, target, draft, prefill_chunk)
-
-    def _target_call(self, kv: KVState, ids: np.ndarray, want_logits: bool):
-        positions = np.arange(kv.length, kv.length + len(ids), dtype=np.int64)[None]
-        names = ["greedy_ids", "target_hidden", *kv.outputs] + (["logits"] if want_logits else [])
-        out = self.target.run({"input_ids": ids[None].astype(np.int64), "position_ids": positions, **kv.feeds()}, names)
-        return out
-
-    def _draft_call(self, kv: KVState, block: np.ndarray, context: np.ndarray, want_logits: bool):
-        start = kv.length + len(context)
-        positions = np.arange(kv.length, start + len(block), dtype=np.int64)[None]
-        names = ["draft_ids", *kv.outputs] + (["logits"] if want_logits else [])
-        feeds = {"input_ids": block[None], "target_hidden": context[None], "position_ids": positions, **kv.feeds()}
-        out = self.draft.run(feeds, names)
-        kv.update(out, start)
-        return out
 
     def stream(
         self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int = 64, mode: str = "dflash",
@@ -139,21 +99,19 @@ class Decoder:
         block_size = self.manifest.block_size if mode == "dflash" else 1
         mask_id = self.manifest.mask_token_id
         result = GenerationResult(prompt_tokens=int(prompt.size))
-        target_kv = KVState(self.manifest.target, self.dtype)
-        draft_kv = KVState(self.manifest.draft, self.dtype)
+        target, draft = open_runners(self.manifest, self.target, self.draft, self.prefill_chunk)
+        if target.capacity is not None and len(prompt) + max_new_tokens > target.capacity:
+            raise DFlashError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceed the "
+                              f"{target.capacity} positions this lowering holds: lower with a larger --ctx-len")
 
         started = time.perf_counter()
-        features = []
-        for begin in range(0, len(prompt), self.prefill_chunk):  # chunks bound the [chunk, vocab] logits
-            chunk = prompt[begin : begin + self.prefill_chunk]
-            out = self._target_call(target_kv, chunk, want_logits=not sampling.greedy)
-            target_kv.update(out, begin + len(chunk))
-            features.append(out["target_hidden"][0])
-        context = features[0] if len(features) == 1 else np.concatenate(features)
+        out = target.forward(prompt, want_logits=not sampling.greedy)
+        target.commit(len(prompt))
+        context = out.context
         if sampling.greedy:
-            first = int(out["greedy_ids"][0, -1])
+            first = int(out.greedy_ids[-1])
         else:
-            first = int(sample_rows(sampling_probs(out["logits"][0, -1], sampling), rng))
+            first = int(sample_rows(sampling_probs(out.logits[-1], sampling), rng))
         result.tokens.append(first)
         result.ttft_s = time.perf_counter() - started
         yield [first]
@@ -167,20 +125,20 @@ class Decoder:
             block = np.full(block_size, mask_id, dtype=np.int64)
             block[0] = result.tokens[-1]
             if verify > 1:
-                drafted = self._draft_call(draft_kv, block, context, want_logits=not sampling.greedy)
+                draft_ids, draft_logits = draft.propose(block, context, want_logits=not sampling.greedy)
                 if sampling.greedy:
-                    block[1:verify] = drafted["draft_ids"][0, : verify - 1]
+                    block[1:verify] = draft_ids[: verify - 1]
                 else:
-                    draft_probs = sampling_probs(drafted["logits"][0, : verify - 1], sampling)
+                    draft_probs = sampling_probs(draft_logits[: verify - 1], sampling)
                     block[1:verify] = sample_rows(draft_probs, rng)
-            out = self._target_call(target_kv, block[:verify], want_logits=not sampling.greedy)
+            out = target.forward(block[:verify], want_logits=not sampling.greedy)
             if sampling.greedy:
-                posterior = out["greedy_ids"][0]
+                posterior = out.greedy_ids
                 agree = block[1:verify] == posterior[: verify - 1]
                 accepted = int(np.cumprod(agree).sum())
                 bonus = int(posterior[accepted])
             else:
-                target_probs = sampling_probs(out["logits"][0], sampling)
+                target_probs = sampling_probs(out.logits, sampling)
                 if verify > 1:
                     accepted, bonus = rejection_sample(block[1:verify], target_probs, draft_probs, rng)
                 else:
@@ -191,8 +149,8 @@ class Decoder:
                 new = new[: hits[0] + 1]
                 stopped = True
             start += len(new)
-            target_kv.update(out, start)
-            context = out["target_hidden"][0, : len(new)]
+            target.commit(start)
+            context = out.context[: len(new)]
             result.tokens.extend(new)
             result.acceptance_lengths.append(len(new))
             yield new

@@ -179,7 +179,9 @@ def share_initializers(
     return shared, unshared
 
 
-def _graph_spec(path: Path, num_layers: int, num_kv_heads: int, head_dim: int) -> GraphSpec:
+def graph_spec(path: Path, num_layers: int, num_kv_heads: int, head_dim: int, kv_inputs: list[str],
+               kv_outputs: list[str]) -> GraphSpec:
+    """Describe an exported graph file for the manifest."""
     model = onnx.load(str(path), load_external_data=False)
 
     def spec(value) -> TensorSpec:
@@ -189,6 +191,7 @@ def _graph_spec(path: Path, num_layers: int, num_kv_heads: int, head_dim: int) -
     return GraphSpec(
         file=path.name, inputs=[spec(v) for v in model.graph.input], outputs=[spec(v) for v in model.graph.output],
         num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        kv_inputs=kv_inputs, kv_outputs=kv_outputs,
     )
 
 
@@ -247,12 +250,15 @@ def export_pair(
         with stages.stage("checking graphs"):
             for name in ("target.onnx", "draft.onnx"):
                 onnx.checker.check_model(str(tmp / name))
-            target_graph = _graph_spec(tmp / "target.onnx", tapped.num_layers, tapped.num_kv_heads, tapped.head_dim)
-            draft_graph = _graph_spec(tmp / "draft.onnx", len(draft.layers), draft.num_kv_heads, draft.head_dim)
-            kv_t = {name: [0, 1] for name in target_graph.kv_input_names() + target_graph.kv_output_names()}
+            n_t, n_d = tapped.num_layers, len(draft.layers)
+            target_graph = graph_spec(tmp / "target.onnx", n_t, tapped.num_kv_heads, tapped.head_dim,
+                                      kv_names("past_key_values", n_t), kv_names("present", n_t))
+            draft_graph = graph_spec(tmp / "draft.onnx", n_d, draft.num_kv_heads, draft.head_dim,
+                                     kv_names("past_key_values", n_d), kv_names("present", n_d))
+            kv_t = {name: [0, 1] for name in target_graph.kv_inputs + target_graph.kv_outputs}
             check_symbolic(target_graph, {"input_ids": [0, 1], "position_ids": [0, 1], "logits": [0, 1],
                                           "target_hidden": [0, 1], **kv_t})
-            kv_d = {name: [0, 1] for name in draft_graph.kv_input_names() + draft_graph.kv_output_names()}
+            kv_d = {name: [0, 1] for name in draft_graph.kv_inputs + draft_graph.kv_outputs}
             check_symbolic(draft_graph, {"input_ids": [0], "target_hidden": [0, 1], "position_ids": [0, 1], **kv_d})
             block_axis = next(t for t in draft_graph.inputs if t.name == "input_ids").shape[1]
             if block_axis != block:
@@ -270,6 +276,7 @@ def export_pair(
                 tokenizer="tokenizer.json" in copied or "tokenizer.model" in copied or "vocab.json" in copied,
                 sources={"target": _file_hashes(target_dir), "draft": _file_hashes(draft_dir)},
                 tool_version=__version__,
+                source_dirs={"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve())},
             )
             manifest.save(tmp)
         _publish(tmp, out)

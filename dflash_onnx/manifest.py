@@ -22,21 +22,22 @@ class TensorSpec:
 
 @dataclass
 class GraphSpec:
+    """One graph file, its I/O, and which outputs carry each K/V input's next value (paired by index)."""
+
     file: str
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    kv_inputs: list[str] = field(default_factory=list)
+    kv_outputs: list[str] = field(default_factory=list)
 
     def input_names(self) -> list[str]:
         return [t.name for t in self.inputs]
 
-    def kv_input_names(self) -> list[str]:
-        return [t.name for t in self.inputs if t.name.startswith("past_key_values.")]
-
-    def kv_output_names(self) -> list[str]:
-        return [t.name for t in self.outputs if t.name.startswith("present.")]
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
 
 
 @dataclass
@@ -58,7 +59,13 @@ class Manifest:
     sources: dict[str, dict[str, str]]
     tool_version: str
     kv_layout: str = KV_LAYOUT
+    # "concat": past in, past+new out (ORT form). "retained": fixed ctx_len buffers returned whole
+    # (AI 100 form; the target graph also applies the draft's fc + hidden_norm).
+    form: str = "concat"
+    ctx_len: int | None = None
+    prefill_len: int | None = None
     passes: list[dict] = field(default_factory=list)
+    source_dirs: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property

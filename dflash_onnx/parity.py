@@ -89,7 +89,7 @@ def _reference_tokens(model, lm, prompt: np.ndarray, max_new_tokens: int, stops:
 def _compare_graphs(prompt_index: int, prompt: np.ndarray, manifest: Manifest, decoder: Decoder,
                     tapped: TappedTarget, draft: DFlashDraft, tol: float) -> list[Check]:
     checks = []
-    t_in, t_out = manifest.target.kv_input_names(), manifest.target.kv_output_names()
+    t_in, t_out = manifest.target.kv_inputs, manifest.target.kv_outputs
     n = len(prompt)
     ids = torch.tensor(prompt)[None]
     positions = torch.arange(n)[None]
@@ -113,7 +113,7 @@ def _compare_graphs(prompt_index: int, prompt: np.ndarray, manifest: Manifest, d
     checks.append(Check(prompt_index, "present K/V (verify)",
                         max(_max_diff(got_v[o], r) for o, r in zip(t_out, ref_v[3:])), False))
 
-    d_in = manifest.draft.kv_input_names()
+    d_in = manifest.draft.kv_inputs
     context = ref[2]
     past = draft.empty_cache(dtype=context.dtype)
     start = 0

@@ -1,0 +1,192 @@
+"""How each graph form is fed: the decoding loop sees only forward/commit and propose.
+
+- concat form (ORT): K/V grow with the context; `present` is past + new, and the committed prefix is
+  a zero-copy view fed back as the next past (rollback = a length change).
+- retained form (AI 100): fixed [batch, kv_heads, ctx_len, head_dim] buffers, writes at positions,
+  inputs padded to the compiled specializations (padded rows sit at the scratch slot ctx_len - 1).
+  A Session with `retains_state = True` keeps the buffers on the device; otherwise (ORT emulation)
+  each `*_RetainedState` output is fed back as the next input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import DFlashError
+from .manifest import GraphSpec, Manifest
+from .session import Session
+
+
+@dataclass
+class TargetStep:
+    """Per input row: the target's greedy id, its logits (when asked for) and the draft's context features."""
+
+    greedy_ids: np.ndarray
+    logits: np.ndarray | None
+    context: np.ndarray
+
+
+class KVState:
+    """One graph's K/V: the arrays the last call returned, each paired by name with its input, and the
+    committed length. In the concat form (batch 1) `array[:, :length]` is a contiguous view."""
+
+    def __init__(self, graph: GraphSpec, initial: np.ndarray):
+        if len(graph.kv_inputs) != len(graph.kv_outputs):
+            raise DFlashError(f"{graph.file}: {len(graph.kv_inputs)} K/V inputs but {len(graph.kv_outputs)} outputs")
+        missing = sorted(set(graph.kv_outputs) - set(graph.output_names()))
+        if missing:
+            raise DFlashError(f"{graph.file} has no outputs {missing} to pair with its K/V inputs")
+        self.inputs, self.outputs = list(graph.kv_inputs), list(graph.kv_outputs)
+        self.arrays = [initial] * len(self.inputs)
+        self.length = 0
+
+    def prefix_feeds(self) -> dict[str, np.ndarray]:
+        return {name: array[:, : self.length] for name, array in zip(self.inputs, self.arrays)}
+
+    def whole_feeds(self) -> dict[str, np.ndarray]:
+        return dict(zip(self.inputs, self.arrays))
+
+    def update(self, outputs: dict[str, np.ndarray], length: int) -> None:
+        self.arrays = [outputs[name] for name in self.outputs]
+        self.length = length
+
+
+def _dtype(manifest: Manifest):
+    return np.float16 if manifest.dtype == "float16" else np.float32
+
+
+class ConcatTarget:
+    def __init__(self, session: Session, manifest: Manifest, prefill_chunk: int):
+        graph = manifest.target
+        self.session, self.chunk = session, prefill_chunk
+        self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), _dtype(manifest)))
+        self.capacity: int | None = None
+
+    def forward(self, ids: np.ndarray, want_logits: bool) -> TargetStep:
+        """Run `ids` from the committed length on; chunked so logits stay [chunk, vocab] at most.
+        Earlier chunks are committed as they go; `logits` covers the final chunk's rows."""
+        chunks = [ids[begin : begin + self.chunk] for begin in range(0, len(ids), self.chunk)]
+        names = ["greedy_ids", "target_hidden", *self.kv.outputs] + (["logits"] if want_logits else [])
+        contexts, greedy = [], []
+        for index, chunk in enumerate(chunks):
+            positions = np.arange(self.kv.length, self.kv.length + len(chunk), dtype=np.int64)[None]
+            out = self.session.run({"input_ids": chunk[None], "position_ids": positions, **self.kv.prefix_feeds()},
+                                   names)
+            final = index == len(chunks) - 1
+            self.kv.update(out, self.kv.length if final else self.kv.length + len(chunk))
+            contexts.append(out["target_hidden"][0])
+            greedy.append(out["greedy_ids"][0])
+        context = contexts[0] if len(contexts) == 1 else np.concatenate(contexts)
+        return TargetStep(np.concatenate(greedy), out["logits"][0] if want_logits else None, context)
+
+    def commit(self, length: int) -> None:
+        self.kv.length = length
+
+
+class ConcatDraft:
+    def __init__(self, session: Session, manifest: Manifest):
+        graph = manifest.draft
+        self.session = session
+        self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), _dtype(manifest)))
+
+    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool):
+        """Append `context` rows to the draft's context cache and draft the block after them."""
+        start = self.kv.length + len(context)
+        positions = np.arange(self.kv.length, start + len(block), dtype=np.int64)[None]
+        names = ["draft_ids", *self.kv.outputs] + (["logits"] if want_logits else [])
+        feeds = {"input_ids": block[None], "target_hidden": context[None], "position_ids": positions,
+                 **self.kv.prefix_feeds()}
+        out = self.session.run(feeds, names)
+        self.kv.update(out, start)
+        return out["draft_ids"][0], out["logits"][0] if want_logits else None
+
+
+def _pad(rows: np.ndarray, size: int, fill) -> np.ndarray:
+    if len(rows) == size:
+        return rows
+    pad = np.full((size - len(rows), *rows.shape[1:]), fill, dtype=rows.dtype)
+    return np.concatenate([rows, pad])
+
+
+class _Retained:
+    """Shared by the retained-form target and draft: buffers, specialization sizes, the scratch slot."""
+
+    def __init__(self, session: Session, manifest: Manifest, graph: GraphSpec):
+        self.session = session
+        self.ctx_len = int(manifest.ctx_len)
+        self.sizes = sorted({manifest.block_size, int(manifest.prefill_len)})
+        self.scratch = self.ctx_len - 1
+        self.capacity = self.ctx_len - 1
+        self.on_device = bool(getattr(session, "retains_state", False))
+        initial = np.zeros((1, graph.num_kv_heads, self.ctx_len, graph.head_dim), _dtype(manifest))
+        self.kv = KVState(graph, initial)
+
+    def chunks(self, count: int) -> list[tuple[int, int, int]]:
+        """(begin, end, padded size) per call: one call at the smallest size that fits, else prefill_len chunks."""
+        fitting = [s for s in self.sizes if s >= count]
+        if fitting:
+            return [(0, count, fitting[0])]
+        big = self.sizes[-1]
+        return [(b, min(b + big, count), big) for b in range(0, count, big)]
+
+    def positions(self, start: int, count: int, size: int) -> np.ndarray:
+        if start + count > self.capacity:
+            raise DFlashError(f"context of {start + count} tokens exceeds this lowering's ctx_len {self.ctx_len} "
+                              "(one slot is scratch): lower again with a larger --ctx-len")
+        return _pad(np.arange(start, start + count, dtype=np.int64), size, self.scratch)[None]
+
+    def run(self, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        if self.on_device:
+            return self.session.run(feeds, names)
+        out = self.session.run({**feeds, **self.kv.whole_feeds()}, names + self.kv.outputs)
+        self.kv.update(out, self.kv.length)
+        return out
+
+
+class RetainedTarget(_Retained):
+    def __init__(self, session: Session, manifest: Manifest):
+        super().__init__(session, manifest, manifest.target)
+        self.length = 0
+
+    def forward(self, ids: np.ndarray, want_logits: bool) -> TargetStep:
+        contexts, greedy = [], []
+        for begin, end, size in self.chunks(len(ids)):
+            rows = end - begin
+            feeds = {"input_ids": _pad(ids[begin:end], size, 0)[None],
+                     "position_ids": self.positions(self.length + begin, rows, size)}
+            out = self.run(feeds, ["greedy_ids", "context_hidden"] + (["logits"] if want_logits else []))
+            contexts.append(out["context_hidden"][0, :rows])
+            greedy.append(out["greedy_ids"][0, :rows])
+        context = contexts[0] if len(contexts) == 1 else np.concatenate(contexts)
+        return TargetStep(np.concatenate(greedy), out["logits"][0, :rows] if want_logits else None, context)
+
+    def commit(self, length: int) -> None:
+        self.length = length
+
+
+class RetainedDraft(_Retained):
+    def __init__(self, session: Session, manifest: Manifest):
+        super().__init__(session, manifest, manifest.draft)
+        self.length = 0
+
+    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool):
+        start = self.length + len(context)
+        block_positions = np.arange(start, start + len(block), dtype=np.int64)[None]
+        for begin, end, size in self.chunks(len(context)):
+            feeds = {"input_ids": block[None], "context_hidden": _pad(context[begin:end], size, 0)[None],
+                     "ctx_position_ids": self.positions(self.length + begin, end - begin, size),
+                     "position_ids": block_positions}
+            out = self.run(feeds, ["draft_ids"] + (["logits"] if want_logits else []))
+        self.length = start
+        return out["draft_ids"][0], out["logits"][0] if want_logits else None
+
+
+def open_runners(manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int):
+    """The target and draft runners for the manifest's graph form."""
+    if manifest.form == "concat":
+        return ConcatTarget(target, manifest, prefill_chunk), draft and ConcatDraft(draft, manifest)
+    if manifest.form == "retained":
+        return RetainedTarget(target, manifest), draft and RetainedDraft(draft, manifest)
+    raise DFlashError(f"unknown graph form {manifest.form!r} in the manifest")
