@@ -19,7 +19,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, help="draft block size (default: the draft's trained one)")
     parser.add_argument("--allow-longer-block", action="store_true", help="allow a block above the trained size")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
-    parser.add_argument("--opset", type=int, default=18, help="ONNX opset, 17..23 (default 18)")
+    parser.add_argument("--opset", type=int, default=18, help="ONNX opset, 18..23 (default 18)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -87,6 +87,24 @@ def _generate(args) -> int:
     return 0
 
 
+def _lower(args) -> int:
+    if args.target == "ai100":
+        from targets.ai100 import Ai100Options, lower_ai100
+
+        options = Ai100Options(ctx_len=args.ctx_len, prefill_len=args.prefill_len, num_cores=args.num_cores,
+                               mxfp6_matmul=args.mxfp6_matmul, kv_dtype=args.kv_dtype, opset=args.opset)
+        manifest = lower_ai100(args.out, args.dest, options, dry_run=args.dry_run, target_dir=args.target_dir,
+                               draft_dir=args.draft_dir, progress=not args.quiet)
+        calibration = manifest.lowering["calibration"]
+        print(f"lowered to {args.dest} for AI 100 (ctx_len {options.ctx_len}, prefill {options.prefill_len}, "
+              f"block {manifest.block_size}); fc scale {calibration['fc_scale']:g}, largest activation "
+              f"{calibration['largest_activation']:.3g} at {calibration['largest_activation_at']}")
+        print("compiled: qpc/" if manifest.lowering["compiled"] else f"not compiled: run {args.dest}/compile.sh "
+              "where the Cloud AI 100 SDK is installed")
+        return 0
+    raise DFlashError(f"lowering for --target {args.target} is not available yet")
+
+
 def _parity(args) -> int:
     from .parity import run_parity
 
@@ -122,9 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     generate.add_argument("--seed", type=int, help="sampling seed")
-    generate.add_argument("--backend", choices=("ort",), default="ort")
+    generate.add_argument("--backend", choices=("ort", "ai100"), default="ort",
+                          help="ort runs any exported or lowered directory; ai100 needs a compiled AI 100 lowering")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate.set_defaults(func=_generate)
+
+    lower = commands.add_parser("lower", help="lower an exported directory for a backend (ai100)")
+    lower.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
+    lower.add_argument("--target", choices=("ai100",), required=True, help="backend to lower for")
+    lower.add_argument("--out", dest="dest", type=Path, required=True, help="lowered directory (created atomically)")
+    lower.add_argument("--ctx-len", type=int, default=4096, help="KV buffer length (one slot is scratch)")
+    lower.add_argument("--prefill-len", type=int, default=128, help="prefill chunk: a multiple of the block size")
+    lower.add_argument("--num-cores", type=int, default=16)
+    lower.add_argument("--mxfp6-matmul", action="store_true", help="compile matmul weights to MXFP6")
+    lower.add_argument("--kv-dtype", choices=("float16", "mxint8"), default="float16")
+    lower.add_argument("--opset", type=int, default=18, choices=(18,), help="ONNX opset (AI 100 accepts 17-18)")
+    lower.add_argument("--dry-run", action="store_true", help="write compile.sh instead of compiling")
+    lower.add_argument("--target-dir", type=Path, help="target checkpoint, if it moved since export")
+    lower.add_argument("--draft-dir", type=Path, help="draft checkpoint, if it moved since export")
+    lower.add_argument("--quiet", action="store_true")
+    lower.set_defaults(func=_lower)
 
     parity = commands.add_parser("parity", help="check exported graphs against PyTorch and the reference")
     parity.add_argument("out", type=Path)

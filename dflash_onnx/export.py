@@ -50,7 +50,7 @@ def kv_names(prefix: str, num_layers: int) -> list[str]:
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 
-def _export(module: torch.nn.Module, args: tuple, input_names, output_names, dynamic_shapes, opset: int):
+def export_program(module: torch.nn.Module, args: tuple, input_names, output_names, dynamic_shapes, opset: int):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -70,7 +70,7 @@ def export_target(target: TappedTarget, out: Path, opset: int, dtype: torch.dtyp
     ids = torch.randint(0, 8, (2, 3))
     positions = (torch.arange(3) + 4)[None].repeat(2, 1)
     past_kv = tuple(torch.zeros(2, 4, target.num_kv_heads, target.head_dim, dtype=dtype) for _ in range(2 * n))
-    program = _export(
+    program = export_program(
         target, (ids, positions, *past_kv),
         ["input_ids", "position_ids", *kv_names("past_key_values", n)],
         ["logits", "greedy_ids", "target_hidden", *kv_names("present", n)],
@@ -90,7 +90,7 @@ def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dty
     hidden = torch.zeros(2, 3, features, dtype=dtype)
     positions = (torch.arange(3 + block_size) + 4)[None].repeat(2, 1)
     past_kv = tuple(torch.zeros(2, 4, draft.num_kv_heads, draft.head_dim, dtype=dtype) for _ in range(2 * n))
-    program = _export(
+    program = export_program(
         draft, (ids, hidden, positions, *past_kv),
         ["input_ids", "target_hidden", "position_ids", *kv_names("past_key_values", n)],
         ["logits", "draft_ids", *kv_names("present", n)],
@@ -222,9 +222,9 @@ def export_pair(
 ) -> Manifest:
     """Export target and draft into `out` (created atomically); return the manifest written there."""
     target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out)
-    _check_out_dir(out, (target_dir, draft_dir), overwrite)
-    if not 17 <= opset <= 23:
-        raise DFlashError(f"opset {opset} is not supported: choose 17..23")
+    check_out_dir(out, (target_dir, draft_dir), overwrite)
+    if not 18 <= opset <= 23:
+        raise DFlashError(f"opset {opset} is not supported: choose 18..23 (torch's exporter emits 18 and newer)")
     info = TargetInfo.from_dir(target_dir)
     spec = DraftSpec.from_dir(draft_dir)
     block = validate_pair(info, spec, block_size, allow_longer_block, dtype)
@@ -279,14 +279,14 @@ def export_pair(
                 source_dirs={"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve())},
             )
             manifest.save(tmp)
-        _publish(tmp, out)
+        publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
 
 
-def _check_out_dir(out: Path, sources: tuple[Path, ...], overwrite: bool) -> None:
+def check_out_dir(out: Path, sources: tuple[Path, ...], overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise DFlashError(f"{out} exists and is not a directory: choose another --out")
     if out.exists() and not overwrite:
@@ -297,7 +297,7 @@ def _check_out_dir(out: Path, sources: tuple[Path, ...], overwrite: bool) -> Non
             raise DFlashError(f"--out {out} would replace the model directory {source}: choose another --out")
 
 
-def _publish(tmp: Path, out: Path) -> None:
+def publish_dir(tmp: Path, out: Path) -> None:
     """Move the finished export into place; an old --out is set aside first and removed only after."""
     umask = os.umask(0)
     os.umask(umask)

@@ -30,8 +30,8 @@ class GraphSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    kv_inputs: list[str] = field(default_factory=list)
-    kv_outputs: list[str] = field(default_factory=list)
+    kv_inputs: list[str]
+    kv_outputs: list[str]
 
     def input_names(self) -> list[str]:
         return [t.name for t in self.inputs]
@@ -65,6 +65,7 @@ class Manifest:
     ctx_len: int | None = None
     prefill_len: int | None = None
     passes: list[dict] = field(default_factory=list)
+    lowering: dict = field(default_factory=dict)
     source_dirs: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 

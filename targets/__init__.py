@@ -11,7 +11,7 @@ from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest
 from dflash_onnx.session import Session
 
-BACKENDS = ("ort",)
+BACKENDS = ("ort", "ai100")
 
 
 def open_session(directory: Path, manifest: Manifest, graph: str, backend: str = "ort", **options) -> Session:
@@ -23,4 +23,11 @@ def open_session(directory: Path, manifest: Manifest, graph: str, backend: str =
         from .ort import OrtSession
 
         return OrtSession(Path(directory) / spec.file, **options)
+    if backend == "ai100":
+        if manifest.form != "retained":
+            raise DFlashError(f"{directory} holds {manifest.form}-form graphs: lower it with "
+                              "'dflash-onnx lower OUT --target ai100' first")
+        from .ai100 import Ai100Session
+
+        return Ai100Session(Path(directory) / "qpc" / graph, **options)
     raise DFlashError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
