@@ -113,6 +113,7 @@ def check_graph(path: Path, opset: int) -> dict:
     """Standard-domain ops only, within the opset; returns node counts for the report."""
     import onnx
 
+    onnx.checker.check_model(str(path))
     model = onnx.load(str(path), load_external_data=False)
     domains = {n.domain for n in model.graph.node} - {"", "ai.onnx"}
     if domains:

@@ -68,3 +68,49 @@ def decoders(exported):
         return cache[name]
 
     return get
+
+
+FAKE_COMPILER = """#!/usr/bin/env bash
+# Stands in for qaic-compile: records its arguments and creates the binary dir it was given.
+echo "$@" >> "$FAKE_QAIC_LOG"
+for arg in "$@"; do
+  case "$arg" in -aic-binary-dir=*) mkdir -p "${arg#-aic-binary-dir=}" && touch "${arg#-aic-binary-dir=}/programqpc.bin";; esac
+done
+"""
+
+
+@pytest.fixture(scope="session")
+def lowered(exported, tmp_path_factory):
+    """lowered(name) -> (directory, compiler log or None): AI 100 lowerings of the exported pairs.
+
+    agree_b8 is lowered with a fake qaic-compile on PATH (so the compile step runs); others are dry runs.
+    """
+    import os
+
+    from targets.ai100 import Ai100Options, lower_ai100
+
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            pair = exported(name)
+            root = tmp_path_factory.mktemp(f"ai100_{name}")
+            options = Ai100Options(ctx_len=160, prefill_len=2 * pair.spec.block_size, num_cores=4)
+            log = None
+            saved_path = os.environ.get("PATH", "")
+            if name == "agree_b8":
+                bin_dir = root / "bin"
+                bin_dir.mkdir()
+                (bin_dir / "qaic-compile").write_text(FAKE_COMPILER)
+                (bin_dir / "qaic-compile").chmod(0o755)
+                log = root / "compiler.log"
+                os.environ["PATH"] = f"{bin_dir}{os.pathsep}{saved_path}"
+                os.environ["FAKE_QAIC_LOG"] = str(log)
+            try:
+                lower_ai100(pair.out, root / "ai100", options, dry_run=log is None, progress=False)
+            finally:
+                os.environ["PATH"] = saved_path
+            cache[name] = (root / "ai100", log)
+        return cache[name]
+
+    return get

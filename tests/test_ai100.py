@@ -1,0 +1,159 @@
+"""AI 100 lowering: the compiler inputs are consistent, and the exact graphs decode losslessly (ORT emulation)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_onnx.decode import Decoder
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import load_manifest
+from dflash_onnx.sampling import SamplingParams
+from targets.ai100 import Ai100Options, lower_ai100
+
+dflash_model = pytest.importorskip("dflash.model", reason="the reference package is a test dependency")
+from dflash import DFlashDraftModel  # noqa: E402
+
+dflash_model._cuda_time = time.perf_counter
+
+
+def _prompts(count, vocab, seed):
+    rng = np.random.default_rng(seed)
+    lengths = [1, 3, 15, 16, 17, 40] + [int(rng.integers(1, 30)) for _ in range(count - 6)]
+    return [rng.integers(2, vocab - 1, size=n).tolist() for n in lengths]
+
+
+def test_ai100_graphs_equal_reference_and_the_ort_form(exported, lowered, decoders):
+    pair, (directory, _) = exported("agree_b8"), lowered("agree_b8")
+    ai100, ort_form = Decoder.open(directory), decoders("agree_b8")
+    target = AutoModelForCausalLM.from_pretrained(str(pair.target_dir), attn_implementation="sdpa").eval()
+    draft = DFlashDraftModel.from_pretrained(str(pair.draft_dir)).eval()
+    lengths = []
+    for prompt in _prompts(12, pair.spec.vocab_size, seed=4):  # up to 40 tokens: chunked prefill and ingest
+        ours = ai100.generate(prompt, 40, "dflash", stop_token_ids=[])
+        ref = dflash_model.dflash_generate(draft, target, torch.tensor(prompt)[None], 40, None)
+        assert ours.tokens == ref[0, len(prompt):].tolist()
+        twin = ort_form.generate(prompt, 40, "dflash", stop_token_ids=[])
+        assert (ours.tokens, ours.acceptance_lengths) == (twin.tokens, twin.acceptance_lengths)
+        assert ai100.generate(prompt, 40, "greedy", stop_token_ids=[]).tokens == ours.tokens
+        lengths += ours.acceptance_lengths
+    assert max(lengths) == 8 and min(lengths) == 1
+
+
+def test_ai100_stop_tokens_and_sampling(exported, lowered):
+    pair, (directory, _) = exported("agree_b8"), lowered("agree_b8")
+    decoder = Decoder.open(directory)
+    favourite = pair.spec.favourite_token
+    stopped = decoder.generate([3, 4, 5], 30, "dflash", stop_token_ids=[favourite])
+    assert stopped.tokens[-1] == favourite and favourite not in stopped.tokens[:-1]
+    sampled = decoder.generate([3, 4, 5], 30, "dflash", SamplingParams(0.8, 0.9, 20, seed=1), stop_token_ids=[])
+    again = decoder.generate([3, 4, 5], 30, "dflash", SamplingParams(0.8, 0.9, 20, seed=1), stop_token_ids=[])
+    assert sampled.tokens == again.tokens and len(sampled.tokens) == 30
+
+
+def test_ai100_fp16_weights_stay_lossless(lowered):
+    directory, _ = lowered("agree_b4_fp16")
+    decoder = Decoder.open(directory)
+    assert load_manifest(directory).dtype == "float16"
+    for prompt in ([5], [9, 8, 7, 6, 5, 4, 3, 2, 11, 12], list(range(2, 30))):
+        dflash = decoder.generate(prompt, 24, "dflash", stop_token_ids=[])
+        assert dflash.tokens == decoder.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
+
+
+def _dims(model: onnx.ModelProto) -> dict[str, list]:
+    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in list(model.graph.input) + list(model.graph.output)}
+
+
+@pytest.mark.parametrize("graph", ["target", "draft"])
+def test_specializations_retained_pairs_and_custom_io_match_the_graphs(lowered, graph):
+    directory, _ = lowered("agree_b8")
+    manifest = load_manifest(directory)
+    model = onnx.load(str(directory / f"{graph}.onnx"), load_external_data=False)
+    dims = _dims(model)
+    symbols = {d for shape in dims.values() for d in shape if isinstance(d, str)}
+    specs = json.loads((directory / f"{graph}_specializations.json").read_text())["specializations"]
+    for spec in specs:
+        assert set(spec["symbols"]) == symbols == {"batch_size", "seq_len", "ctx_len"}
+        assert all(isinstance(v, str) for v in spec["symbols"].values())
+        assert spec["symbols"]["ctx_len"] == str(manifest.ctx_len)
+    seq_lens = sorted(int(s["symbols"]["seq_len"]) for s in specs)
+    assert seq_lens == [manifest.block_size, manifest.prefill_len]
+    assert manifest.prefill_len % manifest.block_size == 0
+    past = [n for n in dims if n.startswith("past_") and not n.endswith("_RetainedState")]
+    assert past and all(dims[f"{n}_RetainedState"] == dims[n] for n in past)
+    assert all(dims[n][2] == "ctx_len" for n in past)
+    custom_io = (directory / f"{graph}_custom_io.yaml").read_text()
+    for name in past:
+        assert f"- IOName: {name}\n  Precision: float16" in custom_io
+        assert f"- IOName: {name}_RetainedState\n  Precision: float16" in custom_io
+
+
+@pytest.mark.parametrize("graph", ["target", "draft"])
+def test_graphs_use_standard_ops_at_opset_18_and_scatter_writes(lowered, graph):
+    directory, _ = lowered("agree_b8")
+    model = onnx.load(str(directory / f"{graph}.onnx"), load_external_data=False)
+    assert {n.domain for n in model.graph.node} <= {""}
+    assert {o.domain: o.version for o in model.opset_import}.get("") == 18
+    onnx.checker.check_model(str(directory / f"{graph}.onnx"))
+    assert sum(n.op_type == "ScatterND" for n in model.graph.node) >= 2
+    assert any(n.op_type == "ArgMax" for n in model.graph.node)  # greedy ids computed on the device
+
+
+def test_compile_commands_reach_the_compiler(lowered):
+    directory, log = lowered("agree_b8")
+    recorded = log.read_text().splitlines()
+    script = [line for line in (directory / "compile.sh").read_text().splitlines() if "-aic-hw" in line]
+    assert [shlex.split(line)[1:] for line in script] == [shlex.split(line) for line in recorded]
+    for graph, line in zip(("target", "draft"), recorded):
+        args = shlex.split(line)
+        for expected in ("-aic-hw", "-aic-hw-version=ai100", f"-m={graph}.onnx", "-retained-state",
+                         "-convert-to-fp16", "-aic-num-cores=4", f"-network-specialization-config={graph}_"
+                         "specializations.json", f"-custom-IO-list-file={graph}_custom_io.yaml",
+                         f"-aic-binary-dir=qpc/{graph}"):
+            assert expected in args
+    assert load_manifest(directory).lowering["compiled"] and (directory / "qpc" / "target").is_dir()
+
+
+def test_missing_compiler_writes_compile_sh_and_says_so(exported, tmp_path, monkeypatch):
+    import targets.ai100 as ai100
+
+    pair = exported("agree_b2")
+    monkeypatch.setattr(ai100, "find_compiler", lambda: None)
+    with pytest.raises(DFlashError, match="qaic-compile not found.*compile.sh.*--dry-run"):
+        lower_ai100(pair.out, tmp_path / "ai", Ai100Options(ctx_len=64, prefill_len=4), progress=False)
+    assert (tmp_path / "ai" / "compile.sh").read_text().count("qaic-compile -aic-hw") == 2
+
+
+def test_ai100_backend_needs_the_sdk_and_a_lowering(lowered, exported):
+    directory, _ = lowered("agree_b8")
+    with pytest.raises(DFlashError, match="needs the Cloud AI 100 platform and apps SDKs"):
+        Decoder.open(directory, backend="ai100")
+    with pytest.raises(DFlashError, match="lower it with"):
+        Decoder.open(exported("agree_b8").out, backend="ai100")
+
+
+def test_context_beyond_ctx_len_is_refused(lowered):
+    decoder = Decoder.open(lowered("agree_b8")[0])
+    with pytest.raises(DFlashError, match="ctx-len"):
+        decoder.generate(list(range(2, 90)), 100, "dflash", stop_token_ids=[])
+
+
+@pytest.mark.parametrize("options,message", [
+    (Ai100Options(prefill_len=12), "multiple of the block size 8"),
+    (Ai100Options(prefill_len=8), "larger than it"),
+    (Ai100Options(ctx_len=16, prefill_len=16), "must exceed --prefill-len"),
+    (Ai100Options(kv_dtype="int4"), "--kv-dtype int4"),
+    (Ai100Options(opset=17), "opset 18"),
+])
+def test_bad_lowering_options(exported, tmp_path, options, message):
+    with pytest.raises(DFlashError, match=message):
+        lower_ai100(exported("agree_b8").out, tmp_path / "x", options, dry_run=True, progress=False)
+    assert not (tmp_path / "x").exists()
