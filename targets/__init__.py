@@ -29,5 +29,5 @@ def open_session(directory: Path, manifest: Manifest, graph: str, backend: str =
                               "'dflash-onnx lower OUT --target ai100' first")
         from .ai100 import Ai100Session
 
-        return Ai100Session(Path(directory) / "qpc" / graph, **options)
+        return Ai100Session(Path(directory) / "qpc" / graph, Path(directory) / spec.file, **options)
     raise DFlashError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")

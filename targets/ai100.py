@@ -161,6 +161,20 @@ def calibrate_fc_scale(tapped, draft, vocab_size: int, prompts: int = 4, length:
             "fc_output_peak": fc_peak, "fc_scale": scale, "fp16_overflow": largest["value"] > FP16_MAX}
 
 
+def round_traffic(manifest: Manifest, hidden_size: int, itemsize: int = 4) -> dict[str, int]:
+    """Host<->device bytes of one greedy DFlash round (draft step + target verify) with retained state on
+    the device: what this design moves, and what shipping the draft's logits instead of ids would add."""
+    block, ids = manifest.block_size, 8
+    draft_in = block * ids + block * hidden_size * itemsize + 2 * block * ids  # ids, context rows, 2 positions
+    draft_out = (block - 1) * ids
+    target_in = 2 * block * ids
+    target_out = block * ids + block * hidden_size * itemsize  # greedy ids + context rows for the next step
+    logits = (block - 1) * manifest.vocab_size * itemsize
+    return {"draft_in": draft_in, "draft_out": draft_out, "target_in": target_in, "target_out": target_out,
+            "round_total": draft_in + draft_out + target_in + target_out,
+            "draft_logits_if_shipped": logits}
+
+
 def _export(module, args, input_names, output_names, dynamic_shapes, opset, path: Path) -> None:
     from dflash_onnx.export import export_program
 
@@ -262,7 +276,8 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options, dry_run: bool = 
                 manifest, target=graphs["target"], draft=graphs["draft"], form="retained", ctx_len=options.ctx_len,
                 prefill_len=options.prefill_len, opset=options.opset, kv_layout="batch,kv_heads,ctx_len,head_dim",
                 lowering={"target": "ai100", "options": options.__dict__, "calibration": calibration,
-                          "graphs": report, "compiled": False},
+                          "graphs": report, "compiled": False,
+                          "round_traffic_bytes": round_traffic(manifest, draft.spec.config.hidden_size)},
             )
             lowered.save(tmp)
         with stages.stage("compiling" if compiler and not dry_run else "compile skipped"):
@@ -285,15 +300,26 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options, dry_run: bool = 
 
 
 class Ai100Session:
-    """A compiled QPC on Cloud AI 100 through qaicrt; retained-state buffers never leave the device."""
+    """A compiled QPC on Cloud AI 100 through qaicrt; retained-state buffers never leave the device.
+
+    Output buffers are sized per call from the ONNX graph's output dims (the input shapes pick the
+    specialization); outputs not asked for, such as logits during greedy decoding, are skipped so they
+    are never copied to the host.
+    """
 
     retains_state = True
 
-    def __init__(self, qpc_dir: Path, device_id: int = 0):
+    def __init__(self, qpc_dir: Path, graph_file: Path, device_id: int = 0):
+        import onnx
+
         qaicrt, aicapi = _import_sdk()
         qpc_path = Path(qpc_dir)
         if not qpc_path.is_dir():
             raise DFlashError(f"{qpc_path} does not exist: compile first (AI100_DIR/compile.sh)")
+        graph = onnx.load(str(graph_file), load_external_data=False)
+        shape = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]  # noqa: E731
+        self.input_dims = {v.name: shape(v) for v in graph.graph.input}
+        self.output_dims = {v.name: shape(v) for v in graph.graph.output}
         self._qaicrt = qaicrt
         self.context = qaicrt.Context()
         self.queue = qaicrt.Queue(self.context, device_id)
@@ -305,8 +331,9 @@ class Ai100Session:
         descriptor.ParseFromString(bytes(raw))
         self.bindings = list(descriptor.selected_set.bindings)
         self.index = {b.name: b.index for b in self.bindings}
-        self.dtypes = {aicapi.FLOAT_TYPE: np.float32, aicapi.FLOAT_16_TYPE: np.float16,
-                       aicapi.INT64_I_TYPE: np.int64, aicapi.INT32_I_TYPE: np.int32}
+        types = {aicapi.FLOAT_TYPE: np.float32, aicapi.FLOAT_16_TYPE: np.float16,
+                 aicapi.INT64_I_TYPE: np.int64, aicapi.INT32_I_TYPE: np.int32}
+        self.dtypes = {b.name: np.dtype(types[b.type]) for b in self.bindings}
         self.input_names = [b.name for b in self.bindings if b.dir == aicapi.BUFFER_IO_TYPE_INPUT]
         self.output_names = [b.name for b in self.bindings if b.dir == aicapi.BUFFER_IO_TYPE_OUTPUT]
         self.program = qaicrt.Program(self.context, device_id, qpc, qaicrt.QAicProgramProperties())
@@ -314,20 +341,34 @@ class Ai100Session:
             raise DFlashError(f"cannot load {qpc_path} on AI 100 device {device_id}")
         self.exec_obj = qaicrt.ExecObj(self.context, self.program)
         self.buffers = [qaicrt.QBuffer(bytes(b.size)) for b in self.bindings]
-        self.dims = qaicrt.BufferDimensionsVecRef(
-            [(np.dtype(self.dtypes[b.type]).itemsize, list(b.dims)) for b in self.bindings])
-        retained = [n for n in self.input_names + self.output_names if n.startswith("past_")]
-        self._set({name: np.array([], dtype=np.float16) for name in retained})  # state stays on the device
+        self.dims = qaicrt.BufferDimensionsVecRef([(self.dtypes[b.name].itemsize, list(b.dims)) for b in self.bindings])
+        self._skip([n for n in self.input_names + self.output_names if n.startswith("past_")])
 
-    def _set(self, arrays: dict[str, np.ndarray]) -> None:
-        for name, array in arrays.items():
-            index = self.index[name]
-            self.buffers[index] = self._qaicrt.QBuffer(np.ascontiguousarray(array).tobytes())
-            self.dims[index] = (array.itemsize, list(array.shape) if array.ndim else [1])
+    def _put(self, name: str, array: np.ndarray) -> None:
+        index = self.index[name]
+        self.buffers[index] = self._qaicrt.QBuffer(np.ascontiguousarray(array).tobytes())
+        self.dims[index] = (array.itemsize, list(array.shape) if array.ndim else [1])
+
+    def _skip(self, names: list[str]) -> None:
+        for name in names:
+            self._put(name, np.array([], dtype=self.dtypes[name]))
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
         qaicrt = self._qaicrt
-        self._set({k: v for k, v in feeds.items() if not k.startswith("past_")})
+        visible = [n for n in self.output_names if not n.startswith("past_")]
+        wanted = output_names or visible
+        symbols = {}
+        for name, array in feeds.items():
+            if name.startswith("past_"):
+                continue
+            self._put(name, array.astype(self.dtypes[name], copy=False))
+            symbols.update({d: n for d, n in zip(self.input_dims[name], array.shape) if isinstance(d, str)})
+        for name in visible:
+            if name in wanted:
+                shape = [symbols[d] if isinstance(d, str) else d for d in self.output_dims[name]]
+                self._put(name, np.zeros(shape, dtype=self.dtypes[name]))
+            else:
+                self._skip([name])
         if self.exec_obj.setData(self.buffers, self.dims) != qaicrt.QStatus.QS_SUCCESS:
             raise DFlashError("AI 100: setData failed")
         if self.queue.enqueue(self.exec_obj) != qaicrt.QStatus.QS_SUCCESS or \
@@ -337,10 +378,9 @@ class Ai100Session:
         if status != qaicrt.QStatus.QS_SUCCESS:
             raise DFlashError("AI 100: getData failed")
         result = {}
-        for name in output_names or [n for n in self.output_names if not n.startswith("past_")]:
-            binding = self.bindings[self.index[name]]
-            result[name] = np.frombuffer(bytes(outputs[binding.index]), self.dtypes[binding.type]).reshape(
-                self.dims[binding.index][1])
+        for name in wanted:
+            index = self.index[name]
+            result[name] = np.frombuffer(bytes(outputs[index]), self.dtypes[name]).reshape(self.dims[index][1])
         return result
 
 
