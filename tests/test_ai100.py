@@ -157,3 +157,33 @@ def test_bad_lowering_options(exported, tmp_path, options, message):
     with pytest.raises(DFlashError, match=message):
         lower_ai100(exported("agree_b8").out, tmp_path / "x", options, dry_run=True, progress=False)
     assert not (tmp_path / "x").exists()
+
+
+def test_ai100_session_on_a_fake_sdk_keeps_state_on_device_and_skips_logits(lowered, monkeypatch):
+    """The qaicrt Session logic against a stand-in SDK whose 'device' runs the QPC's graph on ORT."""
+    import json as jsonlib
+    import sys
+    from pathlib import Path
+
+    fake = Path(__file__).parent / "fake_qaic_sdk"
+    monkeypatch.syspath_prepend(str(fake))
+    for module in ("qaicrt", "QAicApi_pb2"):
+        sys.modules.pop(module, None)
+    directory, _ = lowered("agree_b8")
+    for graph in ("target", "draft"):
+        (directory / "qpc" / graph / "fake_qpc.json").write_text(jsonlib.dumps(
+            {"onnx": f"../../{graph}.onnx", "specializations": f"../../{graph}_specializations.json"}))
+    import qaicrt
+
+    qaicrt.CALLS.clear()
+    device = Decoder.open(directory, backend="ai100")
+    emulated = Decoder.open(directory, backend="ort")
+    for prompt in ([3, 4, 5], list(range(2, 40))):
+        ours = device.generate(prompt, 30, "dflash", stop_token_ids=[])
+        twin = emulated.generate(prompt, 30, "dflash", stop_token_ids=[])
+        assert (ours.tokens, ours.acceptance_lengths) == (twin.tokens, twin.acceptance_lengths)
+    # The device state is reused across prompts: stale slots are never read before being rewritten.
+    seq_lens = {shapes["input_ids"][1] for name, shapes, _ in qaicrt.CALLS if name == "target.onnx"}
+    assert seq_lens == {8, 16}  # verify and prefill specializations only
+    copied = {name for _, _, names in qaicrt.CALLS for name in names}
+    assert copied == {"greedy_ids", "context_hidden", "draft_ids"}  # never logits, never K/V
