@@ -68,13 +68,13 @@ class ConcatTarget:
         """Run `ids` from the committed length on; chunked so logits stay [chunk, vocab] at most.
         Earlier chunks are committed as they go; `logits` covers the final chunk's rows."""
         chunks = [ids[begin : begin + self.chunk] for begin in range(0, len(ids), self.chunk)]
-        names = ["greedy_ids", "target_hidden", *self.kv.outputs] + (["logits"] if want_logits else [])
         contexts, greedy = [], []
         for index, chunk in enumerate(chunks):
+            final = index == len(chunks) - 1
+            names = ["greedy_ids", "target_hidden", *self.kv.outputs] + (["logits"] if want_logits and final else [])
             positions = np.arange(self.kv.length, self.kv.length + len(chunk), dtype=np.int64)[None]
             out = self.session.run({"input_ids": chunk[None], "position_ids": positions, **self.kv.prefix_feeds()},
                                    names)
-            final = index == len(chunks) - 1
             self.kv.update(out, self.kv.length if final else self.kv.length + len(chunk))
             contexts.append(out["target_hidden"][0])
             greedy.append(out["greedy_ids"][0])
@@ -156,7 +156,8 @@ class RetainedTarget(_Retained):
             rows = end - begin
             feeds = {"input_ids": _pad(ids[begin:end], size, 0)[None],
                      "position_ids": self.positions(self.length + begin, rows, size)}
-            out = self.run(feeds, ["greedy_ids", "context_hidden"] + (["logits"] if want_logits else []))
+            final = end == len(ids)
+            out = self.run(feeds, ["greedy_ids", "context_hidden"] + (["logits"] if want_logits and final else []))
             contexts.append(out["context_hidden"][0, :rows])
             greedy.append(out["greedy_ids"][0, :rows])
         context = contexts[0] if len(contexts) == 1 else np.concatenate(contexts)

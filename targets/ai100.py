@@ -127,24 +127,26 @@ def check_graph(path: Path, opset: int) -> dict:
     return {"nodes": len(model.graph.node), "scatters": counts.get("ScatterND", 0), "ops": counts}
 
 
-def calibrate_fc_scale(tapped, draft, vocab_size: int, prompts: int = 4, length: int = 64, seed: int = 0):
-    """Largest activation of the target (+ folded fc) on random prompts, and the fc scale keeping the
-    fc output's squares (RMSNorm) inside float16: |fc(x)| / scale <= 128."""
+def calibrate_fc_scale(tapped, draft, vocab_size: int, mask_token_id: int, block_size: int, prompts: int = 4,
+                       length: int = 64, seed: int = 0) -> dict:
+    """Run target and draft on random prompts: the largest activation anywhere (is float16 safe?) and the
+    fc scale keeping fc's output squares (RMSNorm) inside float16: |fc(x)| / scale <= 128."""
     import torch
 
     largest = {"value": 0.0, "where": ""}
 
     def hook(name):
         def record(_module, _args, output):
-            tensors = output if isinstance(output, tuple) else (output,)
-            for tensor in tensors:
-                if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-                    peak = float(tensor.detach().abs().max())
+            for tensor in output if isinstance(output, tuple) else (output,):
+                if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel():
+                    peak = float(tensor.detach().float().abs().max())
                     if peak > largest["value"]:
                         largest.update(value=peak, where=name)
         return record
 
-    handles = [m.register_forward_hook(hook(n)) for n, m in tapped.lm.named_modules() if n]
+    modules = [(f"target.{n}", m) for n, m in tapped.lm.named_modules() if n]
+    modules += [(f"draft.{n}", m) for n, m in draft.named_modules() if n]
+    handles = [module.register_forward_hook(hook(name)) for name, module in modules]
     generator = torch.Generator().manual_seed(seed)
     fc_peak = 0.0
     try:
@@ -152,7 +154,10 @@ def calibrate_fc_scale(tapped, draft, vocab_size: int, prompts: int = 4, length:
             for _ in range(prompts):
                 ids = torch.randint(0, vocab_size, (1, length), generator=generator)
                 out = tapped(ids, torch.arange(length)[None], *tapped.empty_cache(dtype=tapped.lm.dtype))
-                fc_peak = max(fc_peak, float(draft.fc(out[2]).abs().max()))
+                fc_peak = max(fc_peak, float(draft.fc(out[2]).float().abs().max()))
+                block = torch.full((1, block_size), mask_token_id)
+                block[0, 0] = out[1][0, -1]
+                draft(block, out[2], torch.arange(length + block_size)[None], *draft.empty_cache(dtype=out[2].dtype))
     finally:
         for handle in handles:
             handle.remove()
@@ -251,7 +256,11 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options, dry_run: bool = 
             draft = load_draft(draft_dir, lm, manifest.dtype)
             tapped = TappedTarget(lm, manifest.target_layer_ids).eval()
         with stages.stage("calibrating float16 range"):
-            calibration = calibrate_fc_scale(tapped, draft, manifest.vocab_size)
+            calibration = calibrate_fc_scale(tapped, draft, manifest.vocab_size, manifest.mask_token_id,
+                                             manifest.block_size)
+            if calibration["fp16_overflow"]:
+                print(f"warning: activation {calibration['largest_activation']:.3g} at "
+                      f"{calibration['largest_activation_at']} overflows float16 (-convert-to-fp16)", file=sys.stderr)
         with stages.stage("exporting retained-state graphs"):
             export_retained(tapped, draft, manifest, options, tmp, calibration["fc_scale"])
             share_initializers(tmp, "draft.onnx", "target.onnx", manifest.vocab_size)

@@ -187,3 +187,38 @@ def test_ai100_session_on_a_fake_sdk_keeps_state_on_device_and_skips_logits(lowe
     assert seq_lens == {8, 16}  # verify and prefill specializations only
     copied = {name for _, _, names in qaicrt.CALLS for name in names}
     assert copied == {"greedy_ids", "context_hidden", "draft_ids"}  # never logits, never K/V
+
+
+def test_fp16_calibration_scales_fc_and_reports_the_largest_activation(exported):
+    from dflash_onnx.models.target import TappedTarget
+    from dflash_onnx.pair import load_draft, load_target
+    from targets.ai100 import calibrate_fc_scale
+
+    pair = exported("agree_b2")
+    lm = load_target(pair.target_dir)
+    draft = load_draft(pair.draft_dir, lm)
+    tapped = TappedTarget(lm, draft.spec.target_layer_ids)
+    plain = calibrate_fc_scale(tapped, draft, 96, 95, 2, prompts=1, length=8)
+    assert plain["fc_scale"] == 1.0 and not plain["fp16_overflow"] and plain["largest_activation_at"]
+    with torch.no_grad():
+        draft.fc.weight.mul_(1000.0)  # fc output far outside float16's safe range for RMSNorm
+    scaled = calibrate_fc_scale(tapped, draft, 96, 95, 2, prompts=1, length=8)
+    assert scaled["fc_output_peak"] / scaled["fc_scale"] <= 128 < scaled["fc_output_peak"]
+    assert scaled["largest_activation_at"].startswith("draft.fc")
+
+
+def test_scaled_fc_leaves_the_context_unchanged(exported):
+    from dflash_onnx.models.retained import RetainedTarget
+    from dflash_onnx.models.target import TappedTarget
+    from dflash_onnx.pair import load_draft, load_target
+
+    pair = exported("agree_b2")
+    lm = load_target(pair.target_dir)
+    draft = load_draft(pair.draft_dir, lm)
+    tapped = TappedTarget(lm, draft.spec.target_layer_ids)
+    ids, positions = torch.tensor([[3, 4, 5]]), torch.arange(3)[None]
+    buffers = [torch.zeros(1, 2, 8, 16) for _ in range(8)]
+    with torch.no_grad():
+        plain = RetainedTarget(tapped, draft, 1.0)(ids, positions, *buffers)[2]
+        scaled = RetainedTarget(tapped, draft, 64.0)(ids, positions, *buffers)[2]
+    torch.testing.assert_close(scaled, plain, atol=1e-4, rtol=1e-3)

@@ -58,16 +58,15 @@ class RetainedTarget(nn.Module):
     """forward(input_ids, position_ids, *past) -> greedy_ids, logits, context_hidden, *retained.
 
     `context_hidden` is the draft's hidden_norm(fc(taps)): folding the draft's input projection here
-    moves H instead of n_taps*H values per token from target to draft. `fc_scale` divides fc's output
-    (RMSNorm is scale invariant) to keep it inside float16 range.
+    moves H instead of n_taps*H values per token from target to draft. fc's weight is divided by
+    `fc_scale` (RMSNorm is scale invariant) so its output stays inside float16 range on the device.
     """
 
     def __init__(self, tapped: TappedTarget, draft: DFlashDraft, fc_scale: float = 1.0):
         super().__init__()
         self.tapped = tapped
-        self.fc = draft.fc
+        self.fc_weight = nn.Parameter(draft.fc.weight.detach() / fc_scale, requires_grad=False)
         self.hidden_norm = draft.hidden_norm
-        self.fc_scale = fc_scale
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
         tapped = self.tapped
@@ -85,7 +84,7 @@ class RetainedTarget(nn.Module):
                                       cache=cache, use_cache=True, output_hidden_states=True)
         logits = tapped.lm.get_output_embeddings()(out.last_hidden_state)
         taps = torch.cat([out.hidden_states[i + 1] for i in tapped.target_layer_ids], dim=-1)
-        context = self.hidden_norm(self.fc(taps) / self.fc_scale)
+        context = self.hidden_norm(F.linear(taps, self.fc_weight))
         retained: list[torch.Tensor] = []
         for layer in cache.layers:
             retained += [layer.keys, layer.values]
