@@ -99,6 +99,19 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, :, None, :] + _rotate_half(x) * sin[:, :, None, :]
 
 
+def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, is_causal: bool, window: int | None) -> torch.Tensor:
+    """DFlash's attention rule on absolute positions (broadcasting query_pos [..., Q, 1] against key_pos
+    [..., 1, K]): causal layers see keys up to the query, sliding layers keys less than `window` away."""
+    mask = torch.ones_like(query_pos - key_pos, dtype=torch.bool)
+    if is_causal:
+        mask = mask & (key_pos <= query_pos)
+    if window is not None:
+        mask = mask & (query_pos - key_pos < window)
+        if not is_causal:
+            mask = mask & (key_pos - query_pos < window)
+    return mask
+
+
 def draft_attention_mask(
     num_queries: int, num_keys: int, is_causal: bool, sliding_window: int | None, device=None
 ) -> torch.Tensor | None:
@@ -106,15 +119,7 @@ def draft_attention_mask(
     if not is_causal and sliding_window is None:
         return None
     query_pos = num_keys - num_queries + torch.arange(num_queries, device=device)[:, None]
-    key_pos = torch.arange(num_keys, device=device)[None, :]
-    visible = torch.ones((num_queries, num_keys), dtype=torch.bool, device=device)
-    if is_causal:
-        visible = visible & (key_pos <= query_pos)
-    if sliding_window is not None:
-        visible = visible & (query_pos - key_pos < sliding_window)
-        if not is_causal:
-            visible = visible & (key_pos - query_pos < sliding_window)
-    return visible
+    return visible(query_pos, torch.arange(num_keys, device=device)[None, :], is_causal, sliding_window)
 
 
 class DraftAttention(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .draft import DFlashDraft, _rope
+from .draft import DFlashDraft, _rope, visible
 from .target import TappedTarget
 
 
@@ -40,18 +40,6 @@ class ScatterLayer(DynamicLayer):
         self.keys = scatter_positions(self.keys, key_states, self.positions)
         self.values = scatter_positions(self.values, value_states, self.positions)
         return self.keys, self.values
-
-
-def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, is_causal: bool, window: int | None) -> torch.Tensor:
-    """Absolute-position visibility: [B, Q, 1] query positions vs [1, 1, K] key positions -> [B, Q, K]."""
-    mask = torch.ones_like(query_pos - key_pos, dtype=torch.bool)
-    if is_causal:
-        mask = mask & (key_pos <= query_pos)
-    if window is not None:
-        mask = mask & (query_pos - key_pos < window)
-        if not is_causal:
-            mask = mask & (key_pos - query_pos < window)
-    return mask
 
 
 class RetainedTarget(nn.Module):
