@@ -1,3 +1,36 @@
-"""Graph passes (ONNX -> ONNX). The registry is filled by the passes issue; export applies none yet."""
+"""Graph passes: ONNX -> ONNX transformations of exported graphs, each a function plus a report.
 
-PASSES: dict = {}
+A pass is `run(model: onnx.ModelProto, graph: "target" | "draft", options: dict) -> (model, details)`;
+`apply_pipeline` (passes/pipeline.py) measures nodes and bytes around each one and writes the report.
+`bound` is the largest logit difference against the untransformed graph the pass is allowed (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import onnx
+
+PassFunction = Callable[[onnx.ModelProto, str, dict], "tuple[onnx.ModelProto, dict]"]
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    name: str
+    run: PassFunction
+    bound: float
+    lossy: bool
+    help: str
+
+
+def registry() -> dict[str, GraphPass]:
+    from . import cleanup, fp16, quantize
+
+    passes = [
+        GraphPass("cleanup", cleanup.run, 1e-4, False, "constant folding, dead code and CSE, shape inference"),
+        GraphPass("int8", quantize.int8, 0.5, True, "block-wise int8 weight-only MatMulNBits"),
+        GraphPass("int4", quantize.int4, 2.0, True, "block-wise int4 weight-only MatMulNBits"),
+        GraphPass("fp16", fp16.run, 5e-2, True, "float16 weights and activations, fp32 norm/softmax islands"),
+    ]
+    return {p.name: p for p in passes}

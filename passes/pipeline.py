@@ -1,0 +1,87 @@
+"""Apply registered passes to an exported directory, writing a complete new one with a report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import onnx
+
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import Manifest, load_manifest
+
+from . import registry
+
+
+def parse_pass_options(items: list[str]) -> dict[str, dict]:
+    """`int4.block_size=64` -> {"int4": {"block_size": "64"}}; `block_size=64` applies to every pass."""
+    options: dict[str, dict] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise DFlashError(f"--pass-option {item!r} must look like NAME.KEY=VALUE or KEY=VALUE")
+        name, _, option = key.rpartition(".")
+        options.setdefault(name or "*", {})[option] = value
+    return options
+
+
+def _size(model: onnx.ModelProto) -> int:
+    return sum(len(t.raw_data) or onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+
+
+def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict[str, dict] | None = None,
+                   overwrite: bool = False, progress: bool = True) -> tuple[Manifest, list[dict]]:
+    """Run `names` in order on both graphs of `source`; write `out` (atomically) with passes_report.json."""
+    from dflash_onnx.export import check_out_dir, publish_dir, share_initializers
+
+    passes = registry()
+    unknown = [n for n in names if n not in passes]
+    if unknown or not names:
+        raise DFlashError(f"unknown passes {unknown or names}: choose from {', '.join(passes)}")
+    manifest = load_manifest(source)
+    if manifest.form != "concat":
+        raise DFlashError(f"{source} is a lowered ({manifest.form}) directory: run passes on an export")
+    out = Path(out)
+    check_out_dir(out, (Path(source),), overwrite)
+    pass_options = pass_options or {}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    report = []
+    try:
+        for graph in ("target", "draft"):
+            spec = getattr(manifest, graph)
+            model = onnx.load(str(Path(source) / spec.file))
+            for name in names:
+                options = {**pass_options.get("*", {}), **pass_options.get(name, {}),
+                           "vocab_size": manifest.vocab_size}
+                before_nodes, before_bytes = len(model.graph.node), _size(model)
+                started = time.perf_counter()
+                model, details = passes[name].run(model, graph, options)
+                row = {"pass": name, "graph": graph, "nodes_before": before_nodes, "nodes_after": len(model.graph.node),
+                       "bytes_before": before_bytes, "bytes_after": _size(model),
+                       "seconds": round(time.perf_counter() - started, 3), "details": details}
+                report.append(row)
+                if progress:
+                    print(f"{name:>8} {graph:<6} nodes {before_nodes:>6} -> {row['nodes_after']:<6} "
+                          f"MiB {before_bytes / 2**20:8.2f} -> {row['bytes_after'] / 2**20:<8.2f}", file=sys.stderr)
+            onnx.save_model(model, str(tmp / spec.file), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=f"{spec.file}.data", size_threshold=1024)
+        share_initializers(tmp, manifest.draft.file, manifest.target.file, manifest.vocab_size)
+        for path in Path(source).iterdir():
+            if path.suffix not in (".onnx", ".data") and path.name != "dflash.json" and path.is_file():
+                shutil.copy2(path, tmp / path.name)
+        applied = [{"name": n, "options": {**pass_options.get("*", {}), **pass_options.get(n, {})},
+                    "bound": passes[n].bound, "lossy": passes[n].lossy} for n in names]
+        result = replace(manifest, passes=[*manifest.passes, *applied])
+        result.save(tmp)
+        (tmp / "passes_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        publish_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result, report

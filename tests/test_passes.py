@@ -1,0 +1,125 @@
+"""Graph passes: each stays within its stated bound of the untransformed graphs and keeps DFlash lossless."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from dflash_onnx.decode import Decoder
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import load_manifest
+from passes import registry
+from passes.pipeline import apply_pipeline, parse_pass_options
+
+PIPELINES = {"cleanup": ["cleanup"], "int8": ["int8"], "int4": ["int4"], "fp16": ["fp16"],
+             "cleanup_int4": ["cleanup", "int4"]}
+SMALL_BLOCKS = {"*": {"block_size": "16"}}  # the tiny models' matrices are 64 wide
+
+
+@pytest.fixture(scope="session")
+def optimized(exported, tmp_path_factory):
+    cache = {}
+
+    def get(key: str, options: dict | None = None):
+        if key not in cache:
+            out = tmp_path_factory.mktemp("passes") / key
+            names = PIPELINES.get(key, [key.split("@")[0]])
+            apply_pipeline(exported("agree_b8").out, names, out, options or SMALL_BLOCKS, progress=False)
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+def _prompts(seed=0, count=6):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 94, size=int(rng.integers(1, 12))).tolist() for _ in range(count)]
+
+
+def _graph_outputs(decoder: Decoder, prompt: list[int]) -> dict[str, np.ndarray]:
+    manifest = decoder.manifest
+    empty = {n: np.zeros((1, 0, manifest.target.num_kv_heads, manifest.target.head_dim), np.float32)
+             for n in manifest.target.kv_inputs}
+    ids = np.array([prompt])
+    target = decoder.target.run({"input_ids": ids, "position_ids": np.arange(len(prompt))[None], **empty})
+    block = np.full((1, manifest.block_size), manifest.mask_token_id)
+    block[0, 0] = prompt[-1]
+    d_empty = {n: np.zeros((1, 0, manifest.draft.num_kv_heads, manifest.draft.head_dim), np.float32)
+               for n in manifest.draft.kv_inputs}
+    draft = decoder.draft.run({"input_ids": block, "target_hidden": target["target_hidden"],
+                               "position_ids": np.arange(len(prompt) + manifest.block_size)[None], **d_empty})
+    return {"target logits": target["logits"], "draft logits": draft["logits"]}
+
+
+@pytest.mark.parametrize("key", sorted(PIPELINES))
+def test_pass_stays_within_its_bound_and_keeps_dflash_lossless(key, exported, decoders, optimized):
+    out = optimized(key)
+    manifest = load_manifest(out)
+    assert [p["name"] for p in manifest.passes] == PIPELINES[key]
+    bound = max(registry()[name].bound for name in PIPELINES[key])
+    transformed, original = Decoder.open(out), decoders("agree_b8")
+    for prompt in _prompts(count=3):
+        got, want = _graph_outputs(transformed, prompt), _graph_outputs(original, prompt)
+        for name in got:
+            assert np.abs(got[name] - want[name]).max() <= bound, name
+    for prompt in _prompts(seed=1):
+        dflash = transformed.generate(prompt, 32, "dflash", stop_token_ids=[])
+        assert dflash.tokens == transformed.generate(prompt, 32, "greedy", stop_token_ids=[]).tokens
+
+
+def test_cleanup_is_exact_enough_to_keep_the_original_tokens(decoders, optimized):
+    cleaned, original = Decoder.open(optimized("cleanup")), decoders("agree_b8")
+    for prompt in _prompts(seed=2):
+        assert cleaned.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == \
+            original.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
+
+
+def test_quantization_report_and_what_it_leaves_alone(optimized):
+    report = json.loads((optimized("int4") / "passes_report.json").read_text())
+    target = next(r for r in report if r["graph"] == "target")
+    assert target["bytes_after"] < target["bytes_before"] / 2
+    assert target["details"]["quantized_matmuls"] >= 4 * 7  # q, k, v, o, gate, up, down per layer
+    reasons = " ".join(target["details"]["not_quantized"].values())
+    assert "lm_head" in reasons and "not a constant" in reasons  # the RoPE MatMul is never quantized
+    model = onnx.load(str(optimized("int4") / "target.onnx"), load_external_data=False)
+    assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == target["details"]["quantized_matmuls"]
+
+
+def test_lm_head_can_be_quantized_on_request(optimized):
+    with_head = optimized("int4@lm_head", {"*": {"block_size": "16"}, "int4": {"lm_head": "true"}})
+    plain = json.loads((optimized("int4") / "passes_report.json").read_text())[0]["details"]["quantized_matmuls"]
+    report = json.loads((with_head / "passes_report.json").read_text())
+    assert report[0]["details"]["quantized_matmuls"] == plain + 1
+
+
+def test_quantizing_only_the_draft_keeps_fp32_output_and_measures_tau(decoders, optimized):
+    draft_only = Decoder.open(optimized("int4@draft", {"*": {"block_size": "16"}, "int4": {"graphs": "draft"}}))
+    original = decoders("agree_b8")
+    taus = {"fp32": [], "int4 draft": []}
+    for prompt in _prompts(seed=3, count=8):
+        reference = original.generate(prompt, 32, "dflash", stop_token_ids=[])
+        quantized = draft_only.generate(prompt, 32, "dflash", stop_token_ids=[])
+        assert quantized.tokens == reference.tokens == original.generate(prompt, 32, "greedy", stop_token_ids=[]).tokens
+        taus["fp32"].append(reference.tau)
+        taus["int4 draft"].append(quantized.tau)
+    fp32, quant = np.mean(taus["fp32"]), np.mean(taus["int4 draft"])
+    print(f"tau fp32 draft {fp32:.3f}, int4 draft {quant:.3f}")
+    assert quant > 1.0 and abs(quant - fp32) < 0.5 * fp32  # the quantized draft still proposes useful blocks
+
+
+def test_bad_pass_requests(exported, tmp_path):
+    out = exported("agree_b8").out
+    with pytest.raises(DFlashError, match="unknown passes"):
+        apply_pipeline(out, ["rope-magic"], tmp_path / "a", progress=False)
+    with pytest.raises(DFlashError, match="graphs=both2"):
+        apply_pipeline(out, ["int4"], tmp_path / "b", {"int4": {"graphs": "both2"}}, progress=False)
+    with pytest.raises(DFlashError, match="power of two"):
+        apply_pipeline(out, ["int8"], tmp_path / "c", {"*": {"block_size": "24"}}, progress=False)
+    with pytest.raises(DFlashError, match="NAME.KEY=VALUE"):
+        parse_pass_options(["nonsense"])
+    assert parse_pass_options(["int4.block_size=64", "symmetric=false"]) == {
+        "int4": {"block_size": "64"}, "*": {"symmetric": "false"}}
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
