@@ -105,6 +105,20 @@ def _lower(args) -> int:
     raise DFlashError(f"lowering for --target {args.target} is not available yet")
 
 
+def _optimize(args) -> int:
+    from passes.pipeline import apply_pipeline, parse_pass_options
+
+    names = [n.strip() for n in args.passes.split(",") if n.strip()]
+    manifest, report = apply_pipeline(args.out, names, args.dest, parse_pass_options(args.pass_option),
+                                      overwrite=args.overwrite, progress=not args.quiet)
+    print(f"{'pass':>8} {'graph':<6} {'nodes':>15} {'MiB':>19}")
+    for row in report:
+        print(f"{row['pass']:>8} {row['graph']:<6} {row['nodes_before']:>6} -> {row['nodes_after']:<6} "
+              f"{row['bytes_before'] / 2**20:8.2f} -> {row['bytes_after'] / 2**20:<8.2f}")
+    print(f"wrote {args.dest} (passes: {', '.join(p['name'] for p in manifest.passes)}; report in passes_report.json)")
+    return 0
+
+
 def _parity(args) -> int:
     from .parity import run_parity
 
@@ -144,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
                           help="ort runs any exported or lowered directory; ai100 needs a compiled AI 100 lowering")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate.set_defaults(func=_generate)
+
+    optimize = commands.add_parser("optimize", help="apply graph passes to an exported directory")
+    optimize.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
+    optimize.add_argument("--passes", required=True, help="comma-separated: cleanup,int8,int4,fp16 (in order)")
+    optimize.add_argument("--out", dest="dest", type=Path, required=True, help="new directory (created atomically)")
+    optimize.add_argument("--pass-option", action="append", default=[], metavar="[PASS.]KEY=VALUE",
+                          help="e.g. int4.block_size=64, int4.graphs=draft, int4.lm_head=true, symmetric=false")
+    optimize.add_argument("--overwrite", action="store_true")
+    optimize.add_argument("--quiet", action="store_true")
+    optimize.set_defaults(func=_optimize)
 
     lower = commands.add_parser("lower", help="lower an exported directory for a backend (ai100)")
     lower.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")

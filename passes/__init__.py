@@ -2,7 +2,9 @@
 
 A pass is `run(model: onnx.ModelProto, graph: "target" | "draft", options: dict) -> (model, details)`;
 `apply_pipeline` (passes/pipeline.py) measures nodes and bytes around each one and writes the report.
-`bound` is the largest logit difference against the untransformed graph the pass is allowed (tested).
+`bound` is the largest logit difference against the untransformed graph the pass is allowed, relative
+to the largest |logit| of the untransformed graph (tested on the tiny random pairs, whose 64-wide random
+matrices are far harder to quantize than trained checkpoints).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ def registry() -> dict[str, GraphPass]:
     from . import cleanup, fp16, quantize
 
     passes = [
-        GraphPass("cleanup", cleanup.run, 1e-4, False, "constant folding, dead code and CSE, shape inference"),
-        GraphPass("int8", quantize.int8, 0.5, True, "block-wise int8 weight-only MatMulNBits"),
-        GraphPass("int4", quantize.int4, 2.0, True, "block-wise int4 weight-only MatMulNBits"),
-        GraphPass("fp16", fp16.run, 5e-2, True, "float16 weights and activations, fp32 norm/softmax islands"),
+        GraphPass("cleanup", cleanup.run, 1e-5, False, "constant folding, dead code and CSE, shape inference"),
+        GraphPass("int8", quantize.int8, 0.15, True, "block-wise int8 weight-only MatMulNBits"),
+        GraphPass("int4", quantize.int4, 0.75, True, "block-wise int4 weight-only MatMulNBits"),
+        GraphPass("fp16", fp16.run, 1e-2, True, "float16 weights and activations, fp32 norm/softmax islands"),
     ]
     return {p.name: p for p in passes}
