@@ -22,15 +22,35 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset, 18..23 (default 18)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--passes", help="graph passes to apply right after export, e.g. cleanup,int4")
+    parser.add_argument("--pass-option", action="append", default=[], metavar="[PASS.]KEY=VALUE")
 
 
 def run_export(args) -> int:
-    from .export import export_pair
+    import shutil
+    import tempfile
 
-    manifest = export_pair(
-        args.target, args.draft, args.out, block_size=args.block_size, dtype=args.dtype, opset=args.opset,
-        allow_longer_block=args.allow_longer_block, overwrite=args.overwrite, progress=not args.quiet,
-    )
+    from .export import check_out_dir, export_pair
+
+    passes = [n.strip() for n in (getattr(args, "passes", None) or "").split(",") if n.strip()]
+    if not passes:
+        manifest = export_pair(
+            args.target, args.draft, args.out, block_size=args.block_size, dtype=args.dtype, opset=args.opset,
+            allow_longer_block=args.allow_longer_block, overwrite=args.overwrite, progress=not args.quiet,
+        )
+    else:
+        from passes.pipeline import apply_pipeline, parse_pass_options
+
+        check_out_dir(Path(args.out), (args.target, args.draft), args.overwrite)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{Path(args.out).name}.export.", dir=Path(args.out).parent))
+        try:
+            export_pair(args.target, args.draft, staging / "raw", block_size=args.block_size, dtype=args.dtype,
+                        opset=args.opset, allow_longer_block=args.allow_longer_block, progress=not args.quiet)
+            manifest, _ = apply_pipeline(staging / "raw", passes, args.out, parse_pass_options(args.pass_option),
+                                         overwrite=args.overwrite, progress=not args.quiet)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     sizes = {p.name: p.stat().st_size for p in Path(args.out).iterdir() if p.suffix in (".onnx", ".data")}
     print(f"exported to {args.out}: block size {manifest.block_size}, dtype {manifest.dtype}, opset {manifest.opset}")
     for name, size in sorted(sizes.items()):
@@ -119,6 +139,14 @@ def _optimize(args) -> int:
     return 0
 
 
+def _steps(args) -> int:
+    from .steps import measure, table
+
+    rows = measure(args.dirs, context=args.context, repeats=args.repeats)
+    print(json.dumps(rows, indent=2) if args.json else table(rows))
+    return 0
+
+
 def _parity(args) -> int:
     from .parity import run_parity
 
@@ -168,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     optimize.add_argument("--overwrite", action="store_true")
     optimize.add_argument("--quiet", action="store_true")
     optimize.set_defaults(func=_optimize)
+
+    steps = commands.add_parser("steps", help="median decode / verify / draft step latency, side by side")
+    steps.add_argument("dirs", type=Path, nargs="+", help="exported directories to compare")
+    steps.add_argument("--context", type=int, default=256, help="K/V length the steps run at")
+    steps.add_argument("--repeats", type=int, default=20)
+    steps.add_argument("--json", action="store_true")
+    steps.set_defaults(func=_steps)
 
     lower = commands.add_parser("lower", help="lower an exported directory for a backend (ai100)")
     lower.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")

@@ -145,3 +145,25 @@ def test_parity_accepts_a_quantized_export_within_its_stated_bound(exported, opt
     assert report.ok, report.table()
     names = {c.name for c in report.checks}
     assert "tokens: dflash-ort == ort greedy" in names and "tokens: dflash-ort == hf greedy" not in names
+
+
+def test_export_with_passes(exported, tmp_path, capsys):
+    from dflash_onnx.cli import main
+
+    pair = exported("agree_b2")
+    out = tmp_path / "exported"
+    assert main(["export", "--target", str(pair.target_dir), "--draft", str(pair.draft_dir), "--out", str(out),
+                 "--passes", "cleanup", "--quiet"]) == 0
+    assert [p["name"] for p in load_manifest(out).passes] == ["cleanup"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]  # the staging export is gone
+
+
+def test_steps_measures_directories_side_by_side(exported, optimized, capsys):
+    from dflash_onnx.cli import main
+
+    original, quantized = exported("agree_b8").out, optimized("int8")
+    assert main(["steps", str(original), str(quantized), "--context", "16", "--repeats", "3", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["passes"] for r in rows] == [[], ["int8"]]
+    assert all(r["decode_ms"] > 0 and r["verify_ms"] > 0 and r["draft_ms"] > 0 for r in rows)
+    assert rows[1]["size_mib"] < rows[0]["size_mib"]

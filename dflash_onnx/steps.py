@@ -1,0 +1,83 @@
+"""`dflash-onnx steps`: median latency of the three calls a DFlash round makes, for several exported
+directories side by side (round-robin, so machine noise hits all of them alike).
+
+decode = target on 1 token, verify = target on block_size tokens, draft = one draft step with block_size
+new context rows; all at `context` tokens of K/V. Used to measure what a graph pass buys.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .errors import DFlashError
+from .manifest import Manifest, load_manifest
+
+
+def _feeds(manifest: Manifest, context: int) -> dict[str, dict[str, np.ndarray]]:
+    dtype = np.float16 if manifest.dtype == "float16" else np.float32
+    block = manifest.block_size
+
+    def kv(graph):
+        return {n: np.zeros((1, context, graph.num_kv_heads, graph.head_dim), dtype) for n in graph.kv_inputs}
+
+    def target(count):
+        return {"input_ids": np.full((1, count), 3, np.int64),
+                "position_ids": np.arange(context, context + count, dtype=np.int64)[None], **kv(manifest.target)}
+
+    features = manifest.num_taps * manifest.target_hidden_size
+    draft = {"input_ids": np.full((1, block), manifest.mask_token_id, np.int64),
+             "target_hidden": np.zeros((1, block, features), dtype),
+             "position_ids": np.arange(context, context + 2 * block, dtype=np.int64)[None], **kv(manifest.draft)}
+    return {"decode": target(1), "verify": target(block), "draft": draft}
+
+
+def _size_and_nodes(directory: Path, manifest: Manifest) -> tuple[float, int, int]:
+    size = sum(p.stat().st_size for p in directory.iterdir() if p.suffix in (".onnx", ".data"))
+    nodes = [len(onnx.load(str(directory / g.file), load_external_data=False).graph.node)
+             for g in (manifest.target, manifest.draft)]
+    return size / 2**20, nodes[0], nodes[1]
+
+
+def measure(directories: list[Path], context: int = 256, repeats: int = 20) -> list[dict]:
+    """Median milliseconds per call kind for each directory (concat-form exports)."""
+    from targets import open_session
+
+    runs = []
+    for directory in directories:
+        manifest = load_manifest(directory)
+        if manifest.form != "concat":
+            raise DFlashError(f"{directory}: steps measures exported (ORT-form) directories")
+        sessions = {"target": open_session(directory, manifest, "target"),
+                    "draft": open_session(directory, manifest, "draft")}
+        runs.append((Path(directory), manifest, sessions, _feeds(manifest, context), {"decode": [], "verify": [],
+                                                                                      "draft": []}))
+    for _ in range(repeats + 1):  # the first round warms up and is dropped
+        for _, _, sessions, feeds, times in runs:
+            for kind, feed in feeds.items():
+                session = sessions["draft" if kind == "draft" else "target"]
+                started = time.perf_counter()
+                session.run(feed, ["draft_ids"] if kind == "draft" else ["greedy_ids", "target_hidden"])
+                times[kind].append(time.perf_counter() - started)
+    rows = []
+    for directory, manifest, _, _, times in runs:
+        size, target_nodes, draft_nodes = _size_and_nodes(directory, manifest)
+        medians = {kind: 1000 * float(np.median(values[1:])) for kind, values in times.items()}
+        rows.append({"directory": str(directory), "passes": [p["name"] for p in manifest.passes], "size_mib": size,
+                     "target_nodes": target_nodes, "draft_nodes": draft_nodes, "context": context,
+                     "block_size": manifest.block_size, **{f"{k}_ms": v for k, v in medians.items()},
+                     "verify_over_decode": medians["verify"] / medians["decode"]})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'directory':<28} {'passes':<16} {'MiB':>9} {'nodes t/d':>11} {'decode ms':>10} "
+             f"{'verify ms':>10} {'draft ms':>9} {'verify/decode':>14}"]
+    for r in rows:
+        lines.append(f"{Path(r['directory']).name:<28} {','.join(r['passes']) or '-':<16} {r['size_mib']:>9.1f} "
+                     f"{r['target_nodes']:>5}/{r['draft_nodes']:<5} {r['decode_ms']:>10.2f} {r['verify_ms']:>10.2f} "
+                     f"{r['draft_ms']:>9.2f} {r['verify_over_decode']:>14.2f}")
+    return "\n".join(lines)
