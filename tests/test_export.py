@@ -30,7 +30,7 @@ def test_graphs_pass_checker_and_keep_dynamic_axes(exported):
 def test_embedding_and_lm_head_stored_once(exported):
     pair = exported("agree_b8")  # untied: both the embedding and lm_head are shared
     draft = onnx.load(str(pair.out / "draft.onnx"), load_external_data=False)
-    vocab, hidden = pair.spec.vocab_size, pair.spec.hidden_size
+    vocab = pair.spec.vocab_size
     locations = [{e.key: e.value for e in t.external_data}.get("location")
                  for t in draft.graph.initializer if vocab in t.dims]
     assert locations == ["target.onnx.data"] * 2  # the embedding and the (pre-transposed) lm_head
