@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .decode import Decoder
+from .errors import DFlashError
 from .manifest import Manifest
 from .models.draft import DFlashDraft
 from .models.target import TappedTarget
@@ -145,6 +146,9 @@ def run_parity(out_dir: Path, target_dir: Path, draft_dir: Path, num_prompts: in
     """Compare the exported graphs in `out_dir` with the PyTorch pair they were exported from."""
     decoder = decoder or Decoder.open(Path(out_dir))
     manifest = decoder.manifest
+    if manifest.form != "concat":
+        raise DFlashError(f"{out_dir} is a lowered ({manifest.form}) directory: run parity on the export it came "
+                          "from, and compare 'generate --backend ort' of both")
     lm = load_target(Path(target_dir), manifest.dtype)
     draft = load_draft(Path(draft_dir), lm, manifest.dtype)
     tapped = TappedTarget(lm, manifest.target_layer_ids).eval()

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import shlex
-import time
 
 import numpy as np
 import onnx
 import pytest
 import torch
+from reference import (  # skips the module when the oracle is missing
+    DFlashDraftModel,
+    dflash_model,
+)
 from transformers import AutoModelForCausalLM
 
 from dflash_onnx.decode import Decoder
@@ -17,11 +20,6 @@ from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import load_manifest
 from dflash_onnx.sampling import SamplingParams
 from targets.ai100 import Ai100Options, lower_ai100
-
-dflash_model = pytest.importorskip("dflash.model", reason="the reference package is a test dependency")
-from dflash import DFlashDraftModel  # noqa: E402
-
-dflash_model._cuda_time = time.perf_counter
 
 
 def _prompts(count, vocab, seed):
@@ -242,3 +240,11 @@ def test_padded_rows_write_only_the_scratch_slot(lowered):
     for name, retained in zip(graph.kv_inputs, graph.kv_outputs):
         changed = np.flatnonzero((out[retained] != buffers[name]).any(axis=(0, 1, 3)))
         assert set(changed) <= {5, 6, 7, manifest.ctx_len - 1} and {5, 6, 7} <= set(changed)
+
+
+def test_parity_refuses_a_lowered_directory(exported, lowered):
+    from dflash_onnx.parity import run_parity
+
+    pair = exported("agree_b8")
+    with pytest.raises(DFlashError, match="lowered \\(retained\\) directory"):
+        run_parity(lowered("agree_b8")[0], pair.target_dir, pair.draft_dir, num_prompts=1)

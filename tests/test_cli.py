@@ -105,7 +105,7 @@ def test_help_for_every_command(command, capsys):
 
 
 def test_optimum_cli_registers_export_dflash(tmp_path):
-    pytest.importorskip("optimum.commands", reason="optimum is an optional extra (installed with .[test])")
+    pytest.importorskip("optimum.commands", reason="optimum is not installed: pip install -e .[optimum]")
     helped = subprocess.run(["optimum-cli", "export", "dflash", "--help"], capture_output=True, text=True)
     assert helped.returncode == 0 and "--block-size" in helped.stdout
     failed = subprocess.run(["optimum-cli", "export", "dflash", "--target", str(tmp_path), "--draft", str(tmp_path),

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import onnxruntime as ort
-
 import QAicApi_pb2 as aicapi
 
 QStatus = SimpleNamespace(QS_SUCCESS=0, QS_ERROR=1)
