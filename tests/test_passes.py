@@ -167,3 +167,42 @@ def test_steps_measures_directories_side_by_side(exported, optimized, capsys):
     assert [r["passes"] for r in rows] == [[], ["int8"]]
     assert all(r["decode_ms"] > 0 and r["verify_ms"] > 0 and r["draft_ms"] > 0 for r in rows)
     assert rows[1]["size_mib"] < rows[0]["size_mib"]
+
+
+def test_weight_transposes_are_folded_so_tied_heads_can_be_quantized():
+    """A tied lm_head exports as MatMul(x, Transpose(embedding)): int4 must still see a constant weight."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from passes.quantize import int4
+
+    embedding = np.random.default_rng(0).normal(size=(40, 32)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["E", "ids"], ["h"]), helper.make_node("Transpose", ["E"], ["ET"], perm=[1, 0]),
+         helper.make_node("MatMul", ["h", "ET"], ["logits"], name="lm_head")], "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3, 40])],
+        [numpy_helper.from_array(embedding, "E")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    feeds = {"ids": np.array([[1, 5, 9]])}
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    out, details = int4(model, "target", {"block_size": "16", "lm_head": "true", "vocab_size": 40})
+    assert details["folded_weight_transposes"] == 1 and details["quantized_matmuls"] == 1
+    assert not any(n.op_type == "Transpose" for n in out.graph.node)
+    got = ort.InferenceSession(out.SerializeToString()).run(None, feeds)[0]
+    assert np.abs(got - want).max() <= 0.75 * np.abs(want).max()
+
+
+def test_a_weight_kept_in_float_is_not_folded_into_a_second_copy():
+    from onnx import TensorProto, helper, numpy_helper
+
+    from passes.quantize import int4
+
+    embedding = np.ones((40, 32), np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["E"], ["ET"], perm=[1, 0]), helper.make_node("MatMul", ["h", "ET"], ["y"])],
+        "tied", [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 40])], [numpy_helper.from_array(embedding, "E")])
+    out, details = int4(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), "target",
+                        {"block_size": "16", "vocab_size": 40})
+    assert details["folded_weight_transposes"] == 0 and len(out.graph.initializer) == 1
