@@ -117,6 +117,7 @@ class Decoder:
         yield [first]
 
         decode_started = time.perf_counter()
+        consumer_s = 0.0  # time the caller spends between steps (printing a stream) is not decode time
         start = len(prompt)
         max_length = len(prompt) + max_new_tokens
         stopped = bool(np.isin(first, stops))
@@ -153,8 +154,10 @@ class Decoder:
             context = out.context[: len(new)]
             result.tokens.extend(new)
             result.acceptance_lengths.append(len(new))
+            paused = time.perf_counter()
             yield new
-        result.decode_s = time.perf_counter() - decode_started
+            consumer_s += time.perf_counter() - paused
+        result.decode_s = time.perf_counter() - decode_started - consumer_s
         result.stopped = stopped
         return result
 

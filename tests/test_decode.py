@@ -168,3 +168,23 @@ def test_streaming_yields_what_generate_returns(decoders):
     assert [len(c) for c in chunks[1:]] == result.acceptance_lengths
     stream = decoder.stream([3, 4, 5], 20, "dflash", stop_token_ids=[])
     assert [t for c in stream for t in c] == result.tokens
+
+
+def test_time_spent_by_the_stream_consumer_is_not_decode_time(decoders, monkeypatch):
+    import time as real_time
+
+    import dflash_onnx.decode as decode_module
+
+    class Clock:  # real time plus whatever the consumer "spends"
+        offset = 0.0
+
+        @classmethod
+        def perf_counter(cls):
+            return real_time.perf_counter() + cls.offset
+
+    def slow_consumer(_chunk):
+        Clock.offset += 10.0
+
+    monkeypatch.setattr(decode_module, "time", Clock)
+    result = decoders("agree_b8").generate([3, 4, 5], 12, "greedy", stop_token_ids=[], on_tokens=slow_consumer)
+    assert result.decode_s < 10.0 and result.ttft_s < 10.0
