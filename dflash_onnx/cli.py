@@ -222,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parity = commands.add_parser("parity", help="check exported graphs against PyTorch and the reference")
     parity.add_argument("out", type=Path)
-    parity.add_argument("--target", type=Path, required=True)
-    parity.add_argument("--draft", type=Path, required=True)
+    parity.add_argument("--target", type=Path, help="target checkpoint (default: the one recorded at export)")
+    parity.add_argument("--draft", type=Path, help="draft checkpoint (default: the one recorded at export)")
     parity.add_argument("--prompts", type=int, default=4)
     parity.add_argument("--max-new-tokens", type=int, default=32)
     parity.add_argument("--seed", type=int, default=0)

@@ -73,6 +73,19 @@ class Manifest:
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
+    def checkpoints(self, target_dir: Path | None = None, draft_dir: Path | None = None,
+                    flag: str = "--{kind}") -> tuple[Path, Path]:
+        """The target and draft checkpoint directories: those given, else those recorded at export."""
+        chosen = {"target": target_dir, "draft": draft_dir}
+        for kind, given in chosen.items():
+            directory = given or self.source_dirs.get(kind)
+            if directory is None:
+                raise DFlashError(f"this export does not record its {kind} checkpoint: pass {flag.format(kind=kind)}")
+            if not (Path(directory) / "config.json").is_file():
+                raise DFlashError(f"the {kind} checkpoint {directory} is gone: pass {flag.format(kind=kind)}")
+            chosen[kind] = Path(directory)
+        return chosen["target"], chosen["draft"]
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
 

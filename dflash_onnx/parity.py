@@ -141,7 +141,7 @@ def _compare_graphs(prompt_index: int, prompt: np.ndarray, manifest: Manifest, d
     return checks
 
 
-def run_parity(out_dir: Path, target_dir: Path, draft_dir: Path, num_prompts: int = 4, max_new_tokens: int = 32,
+def run_parity(out_dir: Path, target_dir: Path | None = None, draft_dir: Path | None = None, num_prompts: int = 4, max_new_tokens: int = 32,
                seed: int = 0, decoder: Decoder | None = None) -> ParityReport:
     """Compare the exported graphs in `out_dir` with the PyTorch pair they were exported from."""
     decoder = decoder or Decoder.open(Path(out_dir))
@@ -149,13 +149,14 @@ def run_parity(out_dir: Path, target_dir: Path, draft_dir: Path, num_prompts: in
     if manifest.form != "concat":
         raise DFlashError(f"{out_dir} is a lowered ({manifest.form}) directory: run parity on the export it came "
                           "from, and compare 'generate --backend ort' of both")
-    lm = load_target(Path(target_dir), manifest.dtype)
-    draft = load_draft(Path(draft_dir), lm, manifest.dtype)
+    target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir)
+    lm = load_target(target_dir, manifest.dtype)
+    draft = load_draft(draft_dir, lm, manifest.dtype)
     tapped = TappedTarget(lm, manifest.target_layer_ids).eval()
     report = ParityReport(tolerance=LOGIT_TOLERANCE[manifest.dtype])
     lossy = [p for p in manifest.passes if p.get("lossy")]
     relative = max((float(p["bound"]) for p in lossy), default=0.0)  # graph passes state their own bounds
-    reference_model = _reference_model(Path(draft_dir), lm.dtype)
+    reference_model = _reference_model(draft_dir, lm.dtype)
     report.reference_available = reference_model is not None
     rng = np.random.default_rng(seed)
     stops = list(manifest.stop_token_ids)

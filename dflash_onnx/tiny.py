@@ -43,7 +43,16 @@ class TinySpec:
     agree: bool = False
     favourite_token: int = 7
     eos_token_id: int = 1
+    max_positions: int = 1024
     seed: int = 0
+
+
+# Full-size shapes with random weights: for measuring speed and size where no checkpoint can be downloaded.
+PRESETS = {
+    "qwen3-0.6b-shaped": TinySpec(vocab_size=151936, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
+                                  intermediate_size=3072, target_layers=28, draft_layers=1, target_layer_ids=[14],
+                                  block_size=16, max_positions=40960),
+}
 
 
 def _target_config(spec: TinySpec) -> dict:
@@ -51,8 +60,8 @@ def _target_config(spec: TinySpec) -> dict:
         "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size or 2 * spec.hidden_size,
         "num_hidden_layers": spec.target_layers, "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": spec.tie_embeddings, "eos_token_id": spec.eos_token_id,
+        "num_key_value_heads": spec.num_kv_heads, "max_position_embeddings": spec.max_positions,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": spec.tie_embeddings, "eos_token_id": spec.eos_token_id,
         "bos_token_id": 0, "pad_token_id": 0,
     }
     if spec.target_sliding_window is not None:  # hybrid: every other layer slides (Qwen3 / Qwen2 style)
@@ -72,7 +81,8 @@ def _draft_config(spec: TinySpec) -> dict:
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size or 2 * spec.hidden_size,
         "num_hidden_layers": spec.draft_layers, "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "max_position_embeddings": 1024,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_positions,
         "rms_norm_eps": 1e-6, "attention_bias": spec.attention_bias, "num_target_layers": spec.target_layers,
         "rope_theta": 10000.0, "tie_word_embeddings": False,
         "dflash_config": {"target_layer_ids": spec.target_layer_ids, "block_size": spec.block_size,
@@ -160,3 +170,19 @@ def build_pair(spec: TinySpec, root: Path) -> tuple[Path, Path]:
     target = build_target(spec, target_dir)
     build_draft(spec, draft_dir, target)
     return target_dir, draft_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m dflash_onnx.tiny --preset qwen3-0.6b-shaped --out DIR: write DIR/target and DIR/draft."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dflash_onnx.tiny", description=main.__doc__)
+    parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    target_dir, draft_dir = build_pair(PRESETS[args.preset], args.out)
+    print(f"wrote {target_dir} and {draft_dir}")
+
+
+if __name__ == "__main__":
+    main()

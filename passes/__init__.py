@@ -24,15 +24,20 @@ class GraphPass:
     bound: float
     lossy: bool
     help: str
+    calibrated: bool = False  # run() gets options["calibration_feeds"]: recorded inputs of this graph
 
 
 def registry() -> dict[str, GraphPass]:
-    from . import cleanup, fp16, quantize
+    from . import cleanup, fp16, quantize, rope_fusion
 
     passes = [
         GraphPass("cleanup", cleanup.run, 1e-5, False, "constant folding, dead code and CSE, shape inference"),
+        GraphPass("rope-fusion", rope_fusion.run, 1e-5, False,
+                  "one RotaryEmbedding per q/k rotation, cos/sin once per position stream (form=com.microsoft|onnx|hoist)"),
         GraphPass("int8", quantize.int8, 0.15, True, "block-wise int8 weight-only MatMulNBits"),
         GraphPass("int4", quantize.int4, 0.75, True, "block-wise int4 weight-only MatMulNBits"),
-        GraphPass("fp16", fp16.run, 1e-2, True, "float16 weights and activations, fp32 norm/softmax islands"),
+        GraphPass("fp16", fp16.run, 1e-2, True,
+                  "float16 weights and activations, fp32 norm/softmax islands, draft fc pre-scaled, overflow check",
+                  calibrated=True),
     ]
     return {p.name: p for p in passes}

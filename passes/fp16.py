@@ -1,20 +1,80 @@
 """fp16: weights and activations to float16 (ONNX Runtime's converter), graph I/O kept float32.
 
 Norm statistics (Pow/ReduceMean/Sqrt/Reciprocal), Softmax and the RoPE trigonometry stay float32
-islands; values beyond float16's range are clamped by the converter and counted in the report.
+islands. Before converting the draft, its fc (n_taps*hidden -> hidden, summing several layers' features)
+is divided by a power of two so its output stays well inside float16: hidden_norm follows it, and RMSNorm
+is scale invariant, so the draft's output is unchanged. Then every float tensor of the graph is measured on
+calibration feeds and an activation beyond float16's range is reported as a warning.
 """
 
 from __future__ import annotations
 
 import onnx
+import onnx_ir as ir
+from onnx import numpy_helper
+from onnx_ir.passes.common import ShapeInferencePass
+
+from .calibration import activation_peaks, fp16_range_report, power_of_two_scale
 
 FP32_ISLANDS = ["Pow", "ReduceMean", "Sqrt", "Reciprocal", "Softmax", "Cos", "Sin", "Range", "CumSum"]
+DRAFT_FEATURES = "target_hidden"
+
+
+def _draft_fc(model: onnx.ModelProto) -> tuple[onnx.NodeProto, onnx.TensorProto] | None:
+    """The MatMul applying fc to the target features, and its weight initializer."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    initializers = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "MatMul":
+            continue
+        source = producers.get(node.input[0])
+        reads_features = node.input[0] == DRAFT_FEATURES or (
+            source is not None and source.op_type == "Cast" and source.input[0] == DRAFT_FEATURES)
+        weight = node.input[1]
+        if weight in producers and producers[weight].op_type == "Transpose":
+            weight = producers[weight].input[0]
+        if reads_features and weight in initializers:
+            return node, initializers[weight]
+    return None
+
+
+def _scale_fc(model: onnx.ModelProto, feeds: list[dict]) -> dict:
+    found = _draft_fc(model)
+    if found is None:
+        return {"fc_scale": None, "fc_note": f"no MatMul reads {DRAFT_FEATURES} through a constant weight"}
+    node, weight = found
+    peak = max(activation_peaks(model, feeds).get(node.output[0], 0.0), 0.0)
+    scale = power_of_two_scale(peak)
+    if scale > 1:
+        values = numpy_helper.to_array(weight)
+        weight.CopyFrom(numpy_helper.from_array((values / scale).astype(values.dtype), weight.name))
+    return {"fc_output_peak": peak, "fc_scale": scale}
+
+
+def _with_value_types(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The converter casts around fp32 islands only where it knows a tensor's type: infer missing ones."""
+    known = {v.name for v in (*model.graph.value_info, *model.graph.input, *model.graph.output)}
+    if all(o in known or not o for n in model.graph.node for o in n.output):
+        return model
+    ir_model = ir.serde.deserialize_model(model)
+    ShapeInferencePass(strict_mode=False)(ir_model)  # works on large models (weights set aside)
+    return ir.serde.serialize_model(ir_model)
 
 
 def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    converted = convert_float_to_float16(model, keep_io_types=True, op_block_list=FP32_ISLANDS,
+    feeds = options.get("calibration_feeds") or []
+    details: dict = {"fp32_islands": FP32_ISLANDS}
+    if feeds:
+        if graph == "draft":
+            details.update(_scale_fc(model, feeds))
+        details.update(fp16_range_report(activation_peaks(model, feeds)))
+        if details["fp16_overflow"]:
+            where = details["largest_activation_at"]
+            details["warnings"] = [f"{graph}: activation {details['largest_activation']:.3g} at {where} "
+                                   "exceeds float16's range; it will saturate"]
+    converted = convert_float_to_float16(_with_value_types(model), keep_io_types=True, op_block_list=FP32_ISLANDS,
                                          disable_shape_infer=True)
-    casts = sum(n.op_type == "Cast" for n in converted.graph.node)
-    return converted, {"fp32_islands": FP32_ISLANDS, "casts": casts}
+    details["casts"] = sum(n.op_type == "Cast" for n in converted.graph.node)
+    return converted, details

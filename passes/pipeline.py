@@ -16,6 +16,7 @@ from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest, load_manifest
 
 from . import registry
+from .calibration import record_feeds
 
 
 def parse_pass_options(items: list[str]) -> dict[str, dict]:
@@ -53,12 +54,17 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     report = []
     try:
+        feeds = {}
+        if any(passes[n].calibrated for n in names):
+            if progress:
+                print("recording calibration inputs (DFlash on random prompts)", file=sys.stderr)
+            feeds = record_feeds(Path(source))
         for graph in ("target", "draft"):
             spec = getattr(manifest, graph)
             model = onnx.load(str(Path(source) / spec.file))
             for name in names:
                 options = {**pass_options.get("*", {}), **pass_options.get(name, {}),
-                           "vocab_size": manifest.vocab_size}
+                           "vocab_size": manifest.vocab_size, "calibration_feeds": feeds.get(graph)}
                 before_nodes, before_bytes = len(model.graph.node), _size(model)
                 started = time.perf_counter()
                 model, details = passes[name].run(model, graph, options)
@@ -66,6 +72,8 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
                        "bytes_before": before_bytes, "bytes_after": _size(model),
                        "seconds": round(time.perf_counter() - started, 3), "details": details}
                 report.append(row)
+                for warning in details.get("warnings", []):
+                    print(f"warning: {name}: {warning}", file=sys.stderr)
                 if progress:
                     print(f"{name:>8} {graph:<6} nodes {before_nodes:>6} -> {row['nodes_after']:<6} "
                           f"MiB {before_bytes / 2**20:8.2f} -> {row['bytes_after'] / 2**20:<8.2f}", file=sys.stderr)

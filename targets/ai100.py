@@ -23,11 +23,11 @@ import numpy as np
 
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest, load_manifest
+from passes.calibration import FP16_MAX, power_of_two_scale
 
 SDK_DIR = Path("/opt/qti-aic")
 DEFAULT_OPSET = 18  # AI 100 takes 17 or 18; torch's dynamo exporter emits 18 and newer
 KV_DTYPES = ("float16", "mxint8")
-FP16_MAX = 65504.0
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def calibrate_fc_scale(tapped, draft, vocab_size: int, mask_token_id: int, block
     finally:
         for handle in handles:
             handle.remove()
-    scale = float(2 ** max(0, int(np.ceil(np.log2(max(fc_peak, 1e-9) / 128.0)))))
+    scale = power_of_two_scale(fc_peak)
     return {"largest_activation": largest["value"], "largest_activation_at": largest["where"],
             "fc_output_peak": fc_peak, "fc_scale": scale, "fp16_overflow": largest["value"] > FP16_MAX}
 
@@ -180,14 +180,19 @@ def round_traffic(manifest: Manifest, hidden_size: int, itemsize: int = 4) -> di
             "draft_logits_if_shipped": logits}
 
 
-def _export(module, args, input_names, output_names, dynamic_shapes, opset, path: Path) -> None:
+def _export(module, args, input_names, output_names, dynamic_shapes, opset, path: Path) -> dict:
+    """Export, then share cos/sin per position stream (rope-fusion's opset-17/18 form); returns its report."""
     from dflash_onnx.export import export_program
+    from passes.rope_fusion import fuse
 
     program = export_program(module, args, input_names, output_names, dynamic_shapes, opset)
+    hoisting = fuse(program.model, "hoist")
     program.save(str(path), external_data=True)
+    return hoisting
 
 
-def export_retained(tapped, draft, manifest: Manifest, options: Ai100Options, out: Path, fc_scale: float) -> None:
+def export_retained(tapped, draft, manifest: Manifest, options: Ai100Options, out: Path,
+                    fc_scale: float) -> dict[str, dict]:
     import torch
 
     from dflash_onnx.models.retained import RetainedDraft, RetainedTarget
@@ -203,10 +208,10 @@ def export_retained(tapped, draft, manifest: Manifest, options: Ai100Options, ou
     buffers = tuple(torch.zeros(2, tapped.num_kv_heads, 16, tapped.head_dim, dtype=dtype) for _ in range(2 * n))
     ids = torch.randint(0, 8, (2, 3))
     positions = torch.tensor([[2, 3, 4], [5, 6, 15]])
-    _export(RetainedTarget(tapped, draft, fc_scale).eval(), (ids, positions, *buffers),
-            ["input_ids", "position_ids", *kv_in], ["greedy_ids", "logits", "context_hidden", *kv_out],
-            ({0: batch, 1: seq}, {0: batch, 1: seq}, tuple({0: batch, 2: ctx} for _ in range(2 * n))),
-            options.opset, out / "target.onnx")
+    target = _export(RetainedTarget(tapped, draft, fc_scale).eval(), (ids, positions, *buffers),
+                     ["input_ids", "position_ids", *kv_in], ["greedy_ids", "logits", "context_hidden", *kv_out],
+                     ({0: batch, 1: seq}, {0: batch, 1: seq}, tuple({0: batch, 2: ctx} for _ in range(2 * n))),
+                     options.opset, out / "target.onnx")
 
     n = len(draft.layers)
     kv_in, kv_out = kv_names(n)
@@ -214,12 +219,13 @@ def export_retained(tapped, draft, manifest: Manifest, options: Ai100Options, ou
     hidden = torch.zeros(2, 3, draft.spec.config.hidden_size, dtype=dtype)
     block_ids = torch.randint(0, 8, (2, block))
     block_positions = (torch.arange(block) + 5)[None].repeat(2, 1)
-    _export(RetainedDraft(draft).eval(), (block_ids, hidden, positions, block_positions, *buffers),
-            ["input_ids", "context_hidden", "ctx_position_ids", "position_ids", *kv_in],
-            ["draft_ids", "logits", *kv_out],
-            ({0: batch}, {0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch},
-             tuple({0: batch, 2: ctx} for _ in range(2 * n))),
-            options.opset, out / "draft.onnx")
+    draft_report = _export(RetainedDraft(draft).eval(), (block_ids, hidden, positions, block_positions, *buffers),
+                           ["input_ids", "context_hidden", "ctx_position_ids", "position_ids", *kv_in],
+                           ["draft_ids", "logits", *kv_out],
+                           ({0: batch}, {0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch},
+                            tuple({0: batch, 2: ctx} for _ in range(2 * n))),
+                           options.opset, out / "draft.onnx")
+    return {"target": target, "draft": draft_report}
 
 
 def lower_ai100(source: Path, out: Path, options: Ai100Options, dry_run: bool = False,
@@ -227,7 +233,12 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options, dry_run: bool = 
     """Write AI100_DIR (graphs, specializations, custom IO, compile.sh, manifest); compile if possible."""
     import torch
 
-    from dflash_onnx.export import check_out_dir, graph_spec, publish_dir, share_initializers
+    from dflash_onnx.export import (
+        check_out_dir,
+        graph_spec,
+        publish_dir,
+        share_initializers,
+    )
     from dflash_onnx.models.target import TappedTarget
     from dflash_onnx.pair import load_draft, load_target
     from dflash_onnx.progress import Stages
@@ -236,15 +247,7 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options, dry_run: bool = 
     if manifest.form != "concat":
         raise DFlashError(f"{source} is already lowered ({manifest.form} form): pass the directory 'export' wrote")
     options.validate(manifest.block_size)
-    chosen = {"target": target_dir, "draft": draft_dir}
-    for kind in ("target", "draft"):
-        directory = chosen[kind] or manifest.source_dirs.get(kind)
-        if directory is None:
-            raise DFlashError(f"{source} does not record its {kind} checkpoint: pass --{kind}-dir")
-        if not (Path(directory) / "config.json").is_file():
-            raise DFlashError(f"the {kind} checkpoint {directory} is gone: pass --{kind}-dir")
-        chosen[kind] = Path(directory)
-    target_dir, draft_dir = chosen["target"], chosen["draft"]
+    target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir, flag="--{kind}-dir")
     out = Path(out)
     check_out_dir(out, (target_dir, draft_dir, Path(source)), overwrite=False)
     stages = Stages(5, enabled=progress)
@@ -262,7 +265,7 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options, dry_run: bool = 
                 print(f"warning: activation {calibration['largest_activation']:.3g} at "
                       f"{calibration['largest_activation_at']} overflows float16 (-convert-to-fp16)", file=sys.stderr)
         with stages.stage("exporting retained-state graphs"):
-            export_retained(tapped, draft, manifest, options, tmp, calibration["fc_scale"])
+            rope_hoisting = export_retained(tapped, draft, manifest, options, tmp, calibration["fc_scale"])
             share_initializers(tmp, "draft.onnx", "target.onnx", manifest.vocab_size)
         with stages.stage("checking graphs and writing compiler inputs"):
             report = {name: check_graph(tmp / f"{name}.onnx", options.opset) for name in ("target", "draft")}
@@ -285,7 +288,7 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options, dry_run: bool = 
                 manifest, target=graphs["target"], draft=graphs["draft"], form="retained", ctx_len=options.ctx_len,
                 prefill_len=options.prefill_len, opset=options.opset, kv_layout="batch,kv_heads,ctx_len,head_dim",
                 lowering={"target": "ai100", "options": options.__dict__, "calibration": calibration,
-                          "graphs": report, "compiled": False,
+                          "graphs": report, "rope_hoisting": rope_hoisting, "compiled": False,
                           "round_traffic_bytes": round_traffic(manifest, draft.spec.config.hidden_size)},
             )
             lowered.save(tmp)
@@ -326,7 +329,7 @@ class Ai100Session:
         if not qpc_path.is_dir():
             raise DFlashError(f"{qpc_path} does not exist: compile first (AI100_DIR/compile.sh)")
         graph = onnx.load(str(graph_file), load_external_data=False)
-        shape = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]  # noqa: E731
+        shape = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
         self.input_dims = {v.name: shape(v) for v in graph.graph.input}
         self.output_dims = {v.name: shape(v) for v in graph.graph.output}
         self._qaicrt = qaicrt

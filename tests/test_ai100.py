@@ -103,6 +103,10 @@ def test_graphs_use_standard_ops_at_opset_18_and_scatter_writes(lowered, graph):
     onnx.checker.check_model(str(directory / f"{graph}.onnx"))
     assert sum(n.op_type == "ScatterND" for n in model.graph.node) >= 2
     assert any(n.op_type == "ArgMax" for n in model.graph.node)  # greedy ids computed on the device
+    hoisting = load_manifest(directory).lowering["rope_hoisting"][graph]  # rope-fusion's opset-18 form
+    assert hoisting["fused"] == hoisting["rotations"] > 0 and hoisting["unmatched"] == 0
+    streams = 1 if graph == "target" else 2  # the draft's context keys and block rows
+    assert sum(n.op_type == "Cos" for n in model.graph.node) == hoisting["cos_nodes"] == streams
 
 
 def test_compile_commands_reach_the_compiler(lowered):

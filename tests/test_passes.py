@@ -14,8 +14,9 @@ from dflash_onnx.manifest import load_manifest
 from passes import registry
 from passes.pipeline import apply_pipeline, parse_pass_options
 
-PIPELINES = {"cleanup": ["cleanup"], "int8": ["int8"], "int4": ["int4"], "fp16": ["fp16"],
-             "cleanup_int4": ["cleanup", "int4"]}
+PIPELINES = {"cleanup": ["cleanup"], "rope-fusion": ["rope-fusion"], "int8": ["int8"], "int4": ["int4"],
+             "fp16": ["fp16"], "cleanup_rope_int4": ["cleanup", "rope-fusion", "int4"],
+             "rope_fp16": ["rope-fusion", "fp16"]}
 SMALL_BLOCKS = {"*": {"block_size": "16"}}  # the tiny models' matrices are 64 wide
 
 
@@ -206,3 +207,67 @@ def test_a_weight_kept_in_float_is_not_folded_into_a_second_copy():
     out, details = int4(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), "target",
                         {"block_size": "16", "vocab_size": 40})
     assert details["folded_weight_transposes"] == 0 and len(out.graph.initializer) == 1
+
+
+def _fc_then_norm_graph(fc_gain: float):
+    """target_hidden -> fc MatMul -> RMSNorm -> MatMul -> logits: the head of a draft, fc scaled by fc_gain."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = {"fc": rng.normal(size=(24, 8)) * fc_gain, "norm": np.ones(8), "head": rng.normal(size=(8, 5)),
+               "two": np.array(2.0), "eps": np.array(1e-6)}
+    nodes = [helper.make_node("MatMul", ["target_hidden", "fc"], ["fc_out"]),
+             helper.make_node("Pow", ["fc_out", "two"], ["squared"]),
+             helper.make_node("ReduceMean", ["squared"], ["mean"], axes=[-1], keepdims=1),
+             helper.make_node("Add", ["mean", "eps"], ["mean_eps"]), helper.make_node("Sqrt", ["mean_eps"], ["rms"]),
+             helper.make_node("Reciprocal", ["rms"], ["inv"]), helper.make_node("Mul", ["fc_out", "inv"], ["normed"]),
+             helper.make_node("Mul", ["normed", "norm"], ["hidden"]),
+             helper.make_node("MatMul", ["hidden", "head"], ["logits"])]
+    graph = helper.make_graph(
+        nodes, "draft_head", [helper.make_tensor_value_info("target_hidden", TensorProto.FLOAT, [1, "seq", 24])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "seq", 5])],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    feeds = [{"target_hidden": np.random.default_rng(s).normal(size=(1, 6, 24)).astype(np.float32) * 10}
+             for s in range(3)]
+    return model, feeds
+
+
+def _run_graph(model, feeds):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+
+
+def test_fp16_prescales_the_draft_fc_so_its_output_fits_float16():
+    from passes.fp16 import run as fp16
+
+    model, feeds = _fc_then_norm_graph(fc_gain=3000.0)  # fc outputs reach ~1e5: beyond float16
+    want = _run_graph(model, feeds[0])
+    plain, _ = fp16(onnx.ModelProto.FromString(model.SerializeToString()), "draft", {})
+    broken = _run_graph(plain, feeds[0])  # unscaled, fc's output overflows float16
+    assert not (np.isfinite(broken).all() and np.abs(broken - want).max() <= 0.5 * np.abs(want).max())
+    scaled, details = fp16(model, "draft", {"calibration_feeds": feeds})
+    assert details["fc_output_peak"] > 65504 and details["fc_scale"] >= details["fc_output_peak"] / 128
+    assert np.log2(details["fc_scale"]).is_integer() and not details["fp16_overflow"]
+    got = _run_graph(scaled, feeds[0])
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()  # RMSNorm made the scale invisible
+
+
+def test_fp16_reports_activations_beyond_float16(tmp_path):
+    from passes.fp16 import run as fp16
+
+    model, feeds = _fc_then_norm_graph(fc_gain=3000.0)
+    _, details = fp16(model, "target", {"calibration_feeds": feeds})  # only the draft's fc is pre-scaled
+    assert details["fp16_overflow"] and details["largest_activation_at"] in ("fc_out", "squared")
+    assert "exceeds float16's range" in details["warnings"][0]
+    _, quiet = fp16(_fc_then_norm_graph(fc_gain=1.0)[0], "target", {"calibration_feeds": feeds})
+    assert not quiet["fp16_overflow"] and "warnings" not in quiet
+
+
+def test_fp16_pass_calibrates_on_decoding_inputs(optimized):
+    report = {r["graph"]: r["details"] for r in json.loads((optimized("fp16") / "passes_report.json").read_text())}
+    assert report["draft"]["fc_scale"] >= 1 and report["draft"]["fc_output_peak"] > 0
+    for graph in ("target", "draft"):
+        assert 0 < report[graph]["largest_activation"] < 65504 and not report[graph]["fp16_overflow"]
+    assert report["target"]["mask_sentinels"] > 0  # attention masks are set aside, not reported as overflow
