@@ -1,7 +1,7 @@
 """fp16: weights and activations to float16 (ONNX Runtime's converter), graph I/O kept float32.
 
-Norm statistics (Pow/ReduceMean/Sqrt/Reciprocal), Softmax and the RoPE trigonometry stay float32
-islands. Before converting the draft, its fc (n_taps*hidden -> hidden, summing several layers' features)
+Norm statistics (Pow/ReduceMean, the epsilon Add, Sqrt/Reciprocal), Softmax and the RoPE trigonometry
+stay float32 islands. Before converting the draft, its fc (n_taps*hidden -> hidden, summing several layers' features)
 is divided by a power of two so its output stays well inside float16: hidden_norm follows it, and RMSNorm
 is scale invariant, so the draft's output is unchanged. Then every float tensor of the graph is measured on
 calibration feeds and an activation beyond float16's range is reported as a warning.
@@ -61,20 +61,42 @@ def _with_value_types(model: onnx.ModelProto) -> onnx.ModelProto:
     return ir.serde.serialize_model(ir_model)
 
 
+def _island_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Nodes kept float32: the island op types, and the epsilon Add between a norm's mean and its Sqrt
+    (it holds the mean square, which float16 cannot)."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    def norm_epsilon(node: onnx.NodeProto) -> bool:
+        return node.op_type == "Add" and any(
+            producers.get(i) is not None and producers[i].op_type == "ReduceMean" for i in node.input) and any(
+            c.op_type == "Sqrt" for c in consumers.get(node.output[0], []))
+
+    return [n for n in model.graph.node if n.op_type in FP32_ISLANDS or norm_epsilon(n)]
+
+
 def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
+    for index, node in enumerate(model.graph.node):  # the converter blocks nodes by name
+        node.name = node.name or f"{node.op_type}_{index}"
     feeds = options.get("calibration_feeds") or []
-    details: dict = {"fp32_islands": FP32_ISLANDS}
+    island_nodes = _island_nodes(model)
+    details: dict = {"fp32_islands": FP32_ISLANDS, "fp32_nodes": len(island_nodes)}
     if feeds:
         if graph == "draft":
             details.update(_scale_fc(model, feeds))
-        details.update(fp16_range_report(activation_peaks(model, feeds)))
+        islands = {o for n in island_nodes for o in n.output}
+        peaks = {name: peak for name, peak in activation_peaks(model, feeds).items() if name not in islands}
+        details.update(fp16_range_report(peaks))  # what will be computed in float16
         if details["fp16_overflow"]:
             where = details["largest_activation_at"]
             details["warnings"] = [f"{graph}: activation {details['largest_activation']:.3g} at {where} "
                                    "exceeds float16's range; it will saturate"]
     converted = convert_float_to_float16(_with_value_types(model), keep_io_types=True, op_block_list=FP32_ISLANDS,
-                                         disable_shape_infer=True)
+                                         node_block_list=[n.name for n in island_nodes], disable_shape_infer=True)
     details["casts"] = sum(n.op_type == "Cast" for n in converted.graph.node)
     return converted, details

@@ -7,6 +7,8 @@ small to fill one block (the RoPE frequencies), are never quantized.
 
 from __future__ import annotations
 
+import logging
+
 import onnx
 from onnx import numpy_helper
 
@@ -65,8 +67,9 @@ def fold_weight_transposes(model: onnx.ModelProto, wanted=lambda dims: True) -> 
 
 
 def _quantize(bits: int, model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer, logger
 
+    logger.setLevel(logging.WARNING)  # it logs every node it visits at INFO; our report says what matters
     graphs = options.get("graphs", "both")
     if graphs not in ("target", "draft", "both"):
         raise DFlashError(f"int{bits}: graphs={graphs} must be target, draft or both")

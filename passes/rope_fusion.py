@@ -64,29 +64,28 @@ def _const(op, values: list[int]) -> ir.Value:
     return op.Constant(value=ir.tensor(np.array(values, dtype=np.int64)))
 
 
-def _hoisted(op, x, angles, layout_axis, low, high, **_) -> ir.Value:
+def _hoisted(op, x, angles, trig, layout_axis, low, high, **_) -> ir.Value:
     # Unsqueeze before Concat: the same values, in a form these rules do not match again.
     heads_axis = op.Unsqueeze(angles, layout_axis)
     doubled = op.Concat(heads_axis, heads_axis, axis=-1)
-    cos, sin = op.Cos(doubled), op.Sin(doubled)
-    return op.Add(op.Mul(x, cos), op.Mul(op.Concat(op.Neg(high), low, axis=-1), sin))
+    return op.Add(op.Mul(x, trig("Cos", doubled)), op.Mul(op.Concat(op.Neg(high), low, axis=-1), trig("Sin", doubled)))
 
 
-def _standard(op, x, angles, layout, num_heads, **_) -> ir.Value:
-    cos, sin = op.Cos(angles), op.Sin(angles)
+def _standard(op, x, angles, trig, layout, num_heads, **_) -> ir.Value:
+    cos, sin = trig("Cos", angles), trig("Sin", angles)
     if layout == "bnsh":
         return op.RotaryEmbedding(x, cos, sin, interleaved=0)
     rows = op.Reshape(x, _const(op, [0, 0, -1]))  # [batch, seq, heads*head_dim]: a free view of BSNH
     return op.Reshape(op.RotaryEmbedding(rows, cos, sin, interleaved=0, num_heads=num_heads), op.Shape(x))
 
 
-def _contrib(op, x, angles, layout, num_heads, half, **_) -> ir.Value:
+def _contrib(op, x, angles, trig, layout, num_heads, half, **_) -> ir.Value:
     # The contrib op reads cos/sin rows at position ids: one row per (batch, token) of this stream.
     flat = op.Reshape(angles, _const(op, [-1, half]))
     count = op.Squeeze(op.Shape(flat, start=0, end=1), _const(op, [0]))
     positions = op.Reshape(op.Range(op.Constant(value_int=0), count, op.Constant(value_int=1)),
                            op.Shape(angles, start=0, end=2))
-    cos, sin = op.Cos(flat), op.Sin(flat)
+    cos, sin = trig("Cos", flat), trig("Sin", flat)
     if layout == "bnsh":
         return op.RotaryEmbedding(x, positions, cos, sin, interleaved=0, _domain="com.microsoft")
     rows = op.Reshape(x, _const(op, [0, 0, -1]))
@@ -99,16 +98,21 @@ EMITTERS: dict[str, Callable[..., ir.Value]] = {"hoist": _hoisted, "onnx": _stan
 
 
 class RopeRotation(RewriteRuleClassBase):
-    """x*cos + rotate_half(x)*sin with cos/sin of the whole position range (the target's form)."""
+    """x*cos + rotate_half(x)*sin, cos/sin = Cos/Sin(Concat(angles, angles)).
 
-    stream = False
+    `stream`: cos/sin sliced along the sequence axis to one position stream (the draft's context keys or
+    block rows); `cast`: cos/sin cast after the trigonometry (float16 exports keep the angles float32).
+    """
 
-    def __init__(self, form: str):
-        super().__init__(name=f"{type(self).__name__}[{form}]", remove_nodes=False)  # cos/sin are shared
-        self.form = form
+    def __init__(self, form: str, stream: bool, cast: bool):
+        name = f"RopeRotation[{form}{', stream' if stream else ''}{', cast' if cast else ''}]"
+        super().__init__(name=name, remove_nodes=False)  # cos/sin are shared by other rotations
+        self.form, self.stream, self.cast = form, stream, cast
 
     def _trig(self, op, trig: str, doubled):
         value = getattr(op, trig)(doubled)
+        if self.cast:
+            value = op.Cast(value, _outputs=[f"{trig.lower()}_cast"])
         if self.stream:
             value = op.Slice(value, _allow_other_inputs=True, _outputs=[f"{trig.lower()}_stream"])
         return value
@@ -122,8 +126,8 @@ class RopeRotation(RewriteRuleClassBase):
         sin = op.Unsqueeze(self._trig(op, "Sin", doubled), sin_axis)
         return op.Add(op.Mul(x, cos), op.Mul(rotated, sin))
 
-    def check(self, context, x, cos_axis, sin_axis, low, high, cos_stream=None, sin_stream=None,
-              **_) -> MatchResult:
+    def check(self, context, x, cos_axis, sin_axis, low, high, cos_stream=None, sin_stream=None, cos_cast=None,
+              sin_cast=None, **_) -> MatchResult:
         result = MatchResult()
         axis, other = _ints(cos_axis), _ints(sin_axis)
         if axis is None or axis != other or len(axis) != 1 or axis[0] not in LAYOUTS:
@@ -136,6 +140,8 @@ class RopeRotation(RewriteRuleClassBase):
             return result.fail(f"rotate_half does not split at the middle ({low_range}, {high_range})", x)
         if x.shape is None or x.shape.rank() != 4 or isinstance(x.shape[3], int) and x.shape[3] != 2 * half:
             return result.fail("rotated tensor is not 4-D with head_dim = 2 * the split point", x)
+        if self.cast and _cast_to(cos_cast) != _cast_to(sin_cast):
+            return result.fail("cos and sin are cast to different types", cos_cast)
         if self.stream:
             cos_slice, sin_slice = _slice_inputs(cos_stream)[1:], _slice_inputs(sin_stream)[1:]
             if not all(_same(a, b) for a, b in zip(cos_slice, sin_slice)):
@@ -148,24 +154,29 @@ class RopeRotation(RewriteRuleClassBase):
             return result.fail("number of heads of a [batch, seq, heads, head_dim] input is not static", x)
         return result
 
-    def rewrite(self, op, x, angles, cos_axis, low, high, cos_stream=None, **_):
+    def rewrite(self, op, x, angles, cos_axis, low, high, cos_stream=None, cos_cast=None, **_):
         if self.stream:
             _, starts, ends, axes, steps = _slice_inputs(cos_stream)
             angles = op.Slice(angles, starts, ends, axes, *([steps] if steps is not None else []))
+        to = _cast_to(cos_cast) if self.cast else None
+
+        def trig(kind: str, value: ir.Value) -> ir.Value:
+            value = getattr(op, kind)(value)
+            return value if to is None else op.Cast(value, to=to)
+
         layout = LAYOUTS[_ints(cos_axis)[0]]
-        return EMITTERS[self.form](op, x=x, angles=angles, layout_axis=cos_axis, layout=layout, low=low,
+        return EMITTERS[self.form](op, x=x, angles=angles, trig=trig, layout_axis=cos_axis, layout=layout, low=low,
                                    high=high, half=_last_axis_slice(low)[1],
                                    num_heads=x.shape[2] if layout == "bsnh" else x.shape[1])
 
 
-class StreamRopeRotation(RopeRotation):
-    """The same rotation with cos/sin sliced to one position stream (the draft's context or block)."""
-
-    stream = True
+def _cast_to(value: ir.Value) -> int:
+    return value.producer().attributes["to"].as_int()
 
 
 def rules(form: str) -> RewriteRuleSet:
-    return RewriteRuleSet([StreamRopeRotation.rule(form), RopeRotation.rule(form)], commute=True)
+    variants = [(stream, cast) for stream in (True, False) for cast in (True, False)]
+    return RewriteRuleSet([RopeRotation.rule(form, stream, cast) for stream, cast in variants], commute=True)
 
 
 def _leftover_rotations(model: ir.Model) -> list[str]:

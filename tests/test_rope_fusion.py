@@ -19,18 +19,24 @@ HEADS, HEAD_DIM, CONTEXT, BLOCK = 3, 8, 5, 4
 MAX_INT64 = 2**63 - 1
 
 
-def _rotation_graph(layout: str, streams: bool, split: int = HEAD_DIM // 2, sin_start: str = "ctx") -> onnx.ModelProto:
+def _rotation_graph(layout: str, streams: bool, split: int = HEAD_DIM // 2, sin_start: str = "ctx",
+                    half_precision: bool = False) -> onnx.ModelProto:
     """Two rotations (like q and k) of x by angles [1, positions, HEAD_DIM/2], as torch.onnx exports them.
 
     layout "bnsh" rotates [batch, heads, seq, head_dim] (HF targets), "bsnh" [batch, seq, heads, head_dim]
     (the draft). With `streams`, x1 is rotated at the context positions and x2 at the block positions,
     cos/sin being sliced along the sequence axis at the dynamic split `ctx` (the draft's two streams).
+    `half_precision`: x is float16 and cos/sin are cast after float32 trigonometry (float16 exports).
     """
     ints = {"zero": [0], "split": [split], "end": [MAX_INT64], "last": [3], "one": [1], "seq": [1],
             "heads_axis": [1 if layout == "bnsh" else 2]}
     initializers = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in ints.items()]
     nodes = [helper.make_node("Concat", ["angles", "angles"], ["doubled"], axis=-1),
-             helper.make_node("Cos", ["doubled"], ["cos"]), helper.make_node("Sin", ["doubled"], ["sin"])]
+             helper.make_node("Cos", ["doubled"], ["cos32" if half_precision else "cos"]),
+             helper.make_node("Sin", ["doubled"], ["sin32" if half_precision else "sin"])]
+    if half_precision:
+        nodes += [helper.make_node("Cast", ["cos32"], ["cos"], to=TensorProto.FLOAT16),
+                  helper.make_node("Cast", ["sin32"], ["sin"], to=TensorProto.FLOAT16)]
     stream_of = {"x1": ("zero", "ctx"), "x2": ("ctx", "end")} if streams else {"x1": None, "x2": None}
     for x, bounds in stream_of.items():
         cos, sin = "cos", "sin"
@@ -53,25 +59,26 @@ def _rotation_graph(layout: str, streams: bool, split: int = HEAD_DIM // 2, sin_
 
     def x_info(name, seq):
         shape = [1, HEADS, seq, HEAD_DIM] if layout == "bnsh" else [1, seq, HEADS, HEAD_DIM]
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT16 if half_precision else TensorProto.FLOAT, shape)
 
     inputs = [x_info("x1", CONTEXT if streams else "seq"), x_info("x2", BLOCK if streams else "seq"),
               helper.make_tensor_value_info("angles", TensorProto.FLOAT, [1, "positions", HEAD_DIM // 2])]
     if streams:
         inputs.append(helper.make_tensor_value_info("ctx", TensorProto.INT64, [1]))
-    outputs = [helper.make_tensor_value_info(f"{x}_out", TensorProto.FLOAT, None) for x in ("x1", "x2")]
+    dtype = TensorProto.FLOAT16 if half_precision else TensorProto.FLOAT
+    outputs = [helper.make_tensor_value_info(f"{x}_out", dtype, None) for x in ("x1", "x2")]
     graph = helper.make_graph(nodes, "rope", inputs, outputs, initializers)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
-def _feeds(layout: str, streams: bool) -> dict[str, np.ndarray]:
+def _feeds(layout: str, streams: bool, half_precision: bool = False) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     seq1, seq2 = (CONTEXT, BLOCK) if streams else (6, 6)
     positions = CONTEXT + BLOCK if streams else 6
 
     def x(seq):
         shape = (1, HEADS, seq, HEAD_DIM) if layout == "bnsh" else (1, seq, HEADS, HEAD_DIM)
-        return rng.standard_normal(shape).astype(np.float32)
+        return rng.standard_normal(shape).astype(np.float16 if half_precision else np.float32)
 
     inv_freq = 1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
     feeds = {"x1": x(seq1), "x2": x(seq2),
@@ -109,6 +116,17 @@ def test_each_rotation_becomes_one_op_with_cos_sin_once_per_stream(form, layout,
         np.testing.assert_allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_float16_rotations_with_cast_cos_sin_are_fused(form):
+    model = _rotation_graph("bsnh", True, half_precision=True)
+    fused, details = run(model, "draft", {"form": form})
+    assert details["fused"] == 2 and len(_ops(fused, "Cos")) == 2
+    feeds = _feeds("bsnh", True, half_precision=True)
+    for got, want in zip(_run(fused, feeds), _run(model, feeds)):
+        assert got.dtype == np.float16
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=2e-3)
+
+
 def test_a_split_off_the_middle_is_not_a_rotation_and_is_reported():
     model = _rotation_graph("bnsh", False, split=HEAD_DIM // 2 - 1)
     fused, details = run(model, "target", {"form": "com.microsoft"})
@@ -125,7 +143,7 @@ def test_unknown_form_is_refused():
         run(_rotation_graph("bnsh", False), "target", {"form": "mlx"})
 
 
-@pytest.mark.parametrize("pair", ["agree_b8", "llama_sliding_b16"])
+@pytest.mark.parametrize("pair", ["agree_b8", "llama_sliding_b16", "agree_b4_fp16"])
 @pytest.mark.parametrize("form", FORMS)
 def test_exported_graphs_fuse_every_rotation(pair, form, exported, tmp_path):
     """Target: q and k per layer on one cos/sin; draft: block q, context k and block k per layer on two."""
