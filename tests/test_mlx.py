@@ -1,0 +1,121 @@
+"""The MLX backend (mlx[cpu] here): the lowered graphs decode exactly like ONNX Runtime and the reference."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from reference import DFlashDraftModel, dflash_model  # skips the module when the oracle is missing
+from transformers import AutoModelForCausalLM
+
+from dflash_onnx.decode import Decoder
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import load_manifest
+
+mx = pytest.importorskip("mlx.core", reason="MLX is not installed: pip install 'mlx[cpu]' (Linux) or mlx (macOS)")
+
+from targets.mlx import MlxSession, lower_mlx  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mlx_lowered(exported, tmp_path_factory):
+    cache = {}
+
+    def get(name: str, bits: int | None = None, group_size: int = 32):
+        key = (name, bits, group_size)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("mlx") / f"{name}_{bits}"
+            lower_mlx(exported(name).out, out, bits=bits, group_size=group_size, progress=False)
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+def _prompts(n, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, vocab - 1, size=int(rng.integers(1, 12))).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", ["agree_b8", "causal_gqa4_b4", "llama_sliding_b16"])
+def test_mlx_decodes_exactly_like_ort(name, exported, decoders, mlx_lowered):
+    mlx, ort = Decoder.open(mlx_lowered(name), backend="mlx"), decoders(name)
+    for prompt in _prompts(5, exported(name).spec.vocab_size, seed=1):
+        for mode in ("dflash", "greedy"):
+            ours = mlx.generate(prompt, 24, mode, stop_token_ids=[])
+            want = ort.generate(prompt, 24, mode, stop_token_ids=[])
+            assert ours.tokens == want.tokens and ours.acceptance_lengths == want.acceptance_lengths
+
+
+def test_mlx_equals_the_reference(exported, mlx_lowered):
+    pair = exported("causal_gqa4_b4")  # causal draft: every step, the tail included, matches the reference
+    target = AutoModelForCausalLM.from_pretrained(str(pair.target_dir), attn_implementation="sdpa").eval()
+    draft = DFlashDraftModel.from_pretrained(str(pair.draft_dir)).eval()
+    decoder = Decoder.open(mlx_lowered("causal_gqa4_b4"), backend="mlx")
+    for prompt in _prompts(4, pair.spec.vocab_size, seed=2):
+        ref = dflash_model.dflash_generate(draft, target, torch.tensor(prompt)[None], 24, None, return_stats=True)
+        ours = decoder.generate(prompt, 24, "dflash", stop_token_ids=[])
+        assert ours.tokens == ref.output_ids[0, len(prompt):].tolist()
+        assert ours.acceptance_lengths == ref.acceptance_lengths
+
+
+def test_graph_outputs_match_ort(exported, decoders, mlx_lowered):
+    ort = decoders("agree_b8")
+    session = MlxSession(mlx_lowered("agree_b8"), load_manifest(mlx_lowered("agree_b8")), "target")
+    spec = ort.manifest.target
+    feeds = {"input_ids": np.array([[5, 9, 11, 3]]), "position_ids": np.arange(4)[None],
+             **{n: np.zeros((1, 0, spec.num_kv_heads, spec.head_dim), np.float32) for n in spec.kv_inputs}}
+    got, want = session.run(feeds), ort.target.run(feeds)
+    for name in ("logits", "target_hidden"):
+        np.testing.assert_allclose(got[name], want[name], atol=1e-4, rtol=1e-4)
+    assert isinstance(got["present.0.key"], mx.array)  # the cache stays in MLX
+    assert isinstance(got["greedy_ids"], np.ndarray) and got["greedy_ids"].dtype == np.int64
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_mlx_is_lossless_against_its_own_greedy(bits, exported, mlx_lowered):
+    directory = mlx_lowered("agree_b8", bits=bits)
+    weights = load_manifest(directory).lowering["weights"]
+    assert weights["target"]["quantized"] >= 4 * 7 and weights["draft"]["quantized"] >= 7
+    decoder = Decoder.open(directory, backend="mlx")
+    taus = []
+    for prompt in _prompts(6, exported("agree_b8").spec.vocab_size, seed=3):
+        dflash = decoder.generate(prompt, 32, "dflash", stop_token_ids=[])
+        assert dflash.tokens == decoder.generate(prompt, 32, "greedy", stop_token_ids=[]).tokens
+        taus.append(dflash.tau)
+    assert np.mean(taus) > 1.5  # the quantized draft still agrees with the quantized target
+
+
+def test_draft_shares_the_targets_embedding_and_head(mlx_lowered):
+    directory = mlx_lowered("agree_b8")
+    manifest = load_manifest(directory)
+    assert len(manifest.lowering["shared_with_target"]) == 2  # embedding and lm_head, stored once
+    target, draft = MlxSession(directory, manifest, "target"), MlxSession(directory, manifest, "draft")
+    for draft_name, target_name in manifest.lowering["shared_with_target"].items():
+        assert draft.values[draft_name] is target.values[target_name]  # one loaded copy
+
+
+def test_backend_and_lowering_must_agree(exported, mlx_lowered, tmp_path):
+    with pytest.raises(DFlashError, match="--backend mlx"):
+        Decoder.open(mlx_lowered("agree_b8"), backend="ort")
+    with pytest.raises(DFlashError, match="lower OUT --target mlx"):
+        Decoder.open(exported("agree_b8").out, backend="mlx")
+    with pytest.raises(DFlashError, match="already lowered"):
+        lower_mlx(mlx_lowered("agree_b8"), tmp_path / "again", progress=False)
+    with pytest.raises(DFlashError, match="MLX supports 32, 64 or 128"):
+        lower_mlx(exported("agree_b8").out, tmp_path / "bad", bits=4, group_size=48, progress=False)
+    assert not (tmp_path / "again").exists() and not (tmp_path / "bad").exists()
+
+
+def test_lower_and_generate_commands(exported, tmp_path, capsys):
+    from dflash_onnx.cli import main
+
+    out = tmp_path / "mlx"
+    assert main(["lower", str(exported("agree_b2").out), "--target", "mlx", "--out", str(out), "--bits", "8",
+                 "--group-size", "32", "--quiet"]) == 0
+    assert "8-bit" in capsys.readouterr().out
+    assert main(["generate", str(out), "--backend", "mlx", "--prompt-ids", "3,4", "--max-new-tokens", "6",
+                 "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 6
