@@ -111,7 +111,7 @@ def _lower(args) -> int:
     if args.target == "ai100":
         from targets.ai100 import Ai100Options, lower_ai100
 
-        options = Ai100Options(ctx_len=args.ctx_len, prefill_len=args.prefill_len, num_cores=args.num_cores,
+        options = Ai100Options(ctx_len=args.ctx_len, prefill_len=args.prefill_len or 128, num_cores=args.num_cores,
                                mxfp6_matmul=args.mxfp6_matmul, kv_dtype=args.kv_dtype, opset=args.opset)
         manifest = lower_ai100(args.out, args.dest, options, dry_run=args.dry_run, target_dir=args.target_dir,
                                draft_dir=args.draft_dir, progress=not args.quiet)
@@ -130,6 +130,16 @@ def _lower(args) -> int:
         print(f"lowered to {args.dest} for MLX ({f'{args.bits}-bit, group {args.group_size}' if args.bits else 'float'}"
               f"; {sum(w['quantized'] for w in weights.values())} quantized MatMul weights, "
               f"{len(manifest.lowering['shared_with_target'])} draft tensors shared with the target)")
+        return 0
+    if args.target == "coreml":
+        from targets.coreml import CoremlOptions, lower_coreml
+
+        options = CoremlOptions(ctx_len=args.ctx_len, prefill_len=args.prefill_len or 64,
+                                compute_units=args.compute_units)
+        manifest = lower_coreml(args.out, args.dest, options, target_dir=args.target_dir, draft_dir=args.draft_dir,
+                                progress=not args.quiet)
+        print(f"lowered to {args.dest} for CoreML (stateful mlprogram, float16, ctx_len {options.ctx_len}, "
+              f"seq_len {manifest.block_size} or {options.prefill_len}); run it on macOS 15+ with --backend coreml")
         return 0
     raise DFlashError(f"lowering for --target {args.target} is not available yet")
 
@@ -191,9 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     generate.add_argument("--seed", type=int, help="sampling seed")
-    generate.add_argument("--backend", choices=("ort", "ai100", "mlx"), default="ort",
+    generate.add_argument("--backend", choices=("ort", "ai100", "mlx", "coreml"), default="ort",
                           help="ort runs exports and AI 100 lowerings; ai100 needs a compiled AI 100 lowering; "
-                               "mlx needs 'lower --target mlx'")
+                               "mlx needs 'lower --target mlx'; coreml needs 'lower --target coreml' and macOS 15+")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate.set_defaults(func=_generate)
 
@@ -214,17 +224,20 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--json", action="store_true")
     steps.set_defaults(func=_steps)
 
-    lower = commands.add_parser("lower", help="lower an exported directory for a backend (ai100, mlx)")
+    lower = commands.add_parser("lower", help="lower an exported directory for a backend (ai100, mlx, coreml)")
     lower.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
-    lower.add_argument("--target", choices=("ai100", "mlx"), required=True, help="backend to lower for")
+    lower.add_argument("--target", choices=("ai100", "mlx", "coreml"), required=True, help="backend to lower for")
     lower.add_argument("--out", dest="dest", type=Path, required=True, help="lowered directory (created atomically)")
     lower.add_argument("--ctx-len", type=int, default=4096, help="KV buffer length (one slot is scratch)")
-    lower.add_argument("--prefill-len", type=int, default=128, help="prefill chunk: a multiple of the block size")
+    lower.add_argument("--prefill-len", type=int, help="prefill chunk, a multiple of the block size "
+                       "(ai100: 128, coreml: 64)")
     lower.add_argument("--num-cores", type=int, default=16)
     lower.add_argument("--mxfp6-matmul", action="store_true", help="compile matmul weights to MXFP6")
     lower.add_argument("--kv-dtype", choices=("float16", "mxint8"), default="float16")
     lower.add_argument("--opset", type=int, default=18, choices=(18,), help="ONNX opset (AI 100 accepts 17-18)")
     lower.add_argument("--dry-run", action="store_true", help="write compile.sh instead of compiling")
+    lower.add_argument("--compute-units", choices=("all", "cpu_and_ne", "cpu_and_gpu", "cpu_only"), default="all",
+                       help="coreml: where the model may run")
     lower.add_argument("--bits", type=int, choices=(4, 8), help="mlx: quantize MatMul weights (mx.quantize)")
     lower.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="mlx: quantization group")
     lower.add_argument("--target-dir", type=Path, help="target checkpoint, if it moved since export")

@@ -119,6 +119,6 @@ def load_manifest(directory: Path) -> Manifest:
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
         raise DFlashError(f"{path} is corrupt ({exc}): re-run 'dflash-onnx export'") from None
     for graph in (manifest.target, manifest.draft):
-        if not (directory / graph.file).is_file():
+        if not (directory / graph.file).exists():  # a file, or a package directory (CoreML)
             raise DFlashError(f"{directory} lacks {graph.file}, named in {MANIFEST_NAME}: re-run the export")
     return manifest

@@ -2,8 +2,10 @@
 
 - concat form (ORT): K/V grow with the context; `present` is past + new, and the committed prefix is
   a zero-copy view fed back as the next past (rollback = a length change).
-- retained form (AI 100): fixed [batch, kv_heads, ctx_len, head_dim] buffers, writes at positions,
-  inputs padded to the compiled specializations (padded rows sit at the scratch slot ctx_len - 1).
+- retained form (AI 100, CoreML): fixed [batch, kv_heads, ctx_len, head_dim] buffers, writes at positions,
+  inputs padded to the compiled specializations. Padded rows sit at the scratch slot ctx_len - 1 (AI 100:
+  scatter writes), or continue the call's positions (CoreML: slice writes; the last max-size slots are
+  then reserved so a padded call never runs past ctx_len).
   A Session with `retains_state = True` keeps the buffers on the device; otherwise (ORT emulation)
   each `*_RetainedState` output is fed back as the next input.
 """
@@ -118,7 +120,8 @@ class _Retained:
         self.ctx_len = int(manifest.ctx_len)
         self.sizes = sorted({manifest.block_size, int(manifest.prefill_len)})
         self.scratch = self.ctx_len - 1
-        self.capacity = self.ctx_len - 1
+        self.consecutive = manifest.lowering.get("padding") == "consecutive"
+        self.capacity = self.ctx_len - (self.sizes[-1] if self.consecutive else 1)
         self.on_device = bool(getattr(session, "retains_state", False))
         initial = np.zeros((1, graph.num_kv_heads, self.ctx_len, graph.head_dim), _dtype(manifest))
         self.kv = KVState(graph, initial)
@@ -133,8 +136,10 @@ class _Retained:
 
     def positions(self, start: int, count: int, size: int) -> np.ndarray:
         if start + count > self.capacity:
-            raise DFlashError(f"context of {start + count} tokens exceeds this lowering's ctx_len {self.ctx_len} "
-                              "(one slot is scratch): lower again with a larger --ctx-len")
+            raise DFlashError(f"context of {start + count} tokens exceeds the {self.capacity} positions this "
+                              f"lowering holds (ctx_len {self.ctx_len}): lower again with a larger --ctx-len")
+        if self.consecutive:
+            return np.arange(start, start + size, dtype=np.int64)[None]
         return _pad(np.arange(start, start + count, dtype=np.int64), size, self.scratch)[None]
 
     def run(self, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:

@@ -11,7 +11,7 @@ from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest
 from dflash_onnx.session import Session
 
-BACKENDS = ("ort", "ai100", "mlx")
+BACKENDS = ("ort", "ai100", "mlx", "coreml")
 
 
 def open_session(directory: Path, manifest: Manifest, graph: str, backend: str = "ort", **options) -> Session:
@@ -20,8 +20,16 @@ def open_session(directory: Path, manifest: Manifest, graph: str, backend: str =
         raise ValueError(f"graph must be 'target' or 'draft', not {graph!r}")
     spec = getattr(manifest, graph)
     lowered_for = manifest.lowering.get("target")
-    if lowered_for == "mlx" and backend != "mlx":
-        raise DFlashError(f"{directory} was lowered for MLX: run it with --backend mlx")
+    if lowered_for in ("mlx", "coreml") and backend != lowered_for:
+        raise DFlashError(f"{directory} was lowered for {lowered_for}: run it with --backend {lowered_for}")
+    if backend == "coreml":
+        if lowered_for != "coreml":
+            raise DFlashError(f"{directory} is not a CoreML lowering: run 'dflash-onnx lower OUT --target coreml "
+                              "--out COREML_DIR' first")
+        from .coreml import CoremlSession
+
+        units = options.get("compute_units") or manifest.lowering["options"]["compute_units"]
+        return CoremlSession(Path(directory) / spec.file, units)
     if backend == "mlx":
         if lowered_for != "mlx":
             raise DFlashError(f"{directory} is not an MLX lowering: run 'dflash-onnx lower OUT --target mlx "

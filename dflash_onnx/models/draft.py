@@ -102,13 +102,15 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, is_causal: bool, window: int | None) -> torch.Tensor:
     """DFlash's attention rule on absolute positions (broadcasting query_pos [..., Q, 1] against key_pos
     [..., 1, K]): causal layers see keys up to the query, sliding layers keys less than `window` away."""
-    mask = torch.ones_like(query_pos - key_pos, dtype=torch.bool)
-    if is_causal:
-        mask = mask & (key_pos <= query_pos)
+    distance = query_pos - key_pos
+    conditions = [distance >= 0] if is_causal else []
     if window is not None:
-        mask = mask & (query_pos - key_pos < window)
+        conditions.append(distance < window)
         if not is_causal:
-            mask = mask & (key_pos - query_pos < window)
+            conditions.append(-distance < window)
+    mask = conditions[0] if conditions else distance == distance  # all true, built from a comparison (CoreML)
+    for condition in conditions[1:]:
+        mask = mask & condition
     return mask
 
 

@@ -1,0 +1,155 @@
+"""Target and draft with K/V as module state: the form CoreML converts to `ct.StateType` (macOS 15 / iOS 18).
+
+The same math as the retained (AI 100) form, except that each layer's K/V buffer [1, kv_heads, ctx_len,
+head_dim] is a registered buffer written in place with a slice update at [start, start + T), which
+coremltools turns into a state update. The rows of one call therefore sit at consecutive positions;
+the runner pads a call by continuing the positions (slots past the committed length are never read
+before a later call overwrites them), so a call never writes past ctx_len.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .draft import DFlashDraft, visible
+from .target import TappedTarget
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    """x [1, heads, T, D] rotated by cos/sin [1, T, D] (HF's rotate_half convention); `half` = D // 2 as a
+    Python int (an int computed from a traced shape does not convert)."""
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def _cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype):
+    """HF's default RoPE tables [1, T, D] for these positions (float32 angles)."""
+    angles = position_ids[:, :, None].float() * inv_freq[None, None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
+
+
+def _buffers(module: nn.Module, layers: int, kv_heads: int, ctx_len: int, head_dim: int, dtype) -> list[str]:
+    names = []
+    for i in range(layers):
+        for kind in ("key", "value"):
+            name = f"{kind}_cache_{i}"
+            module.register_buffer(name, torch.zeros(1, kv_heads, ctx_len, head_dim, dtype=dtype))
+            names.append(name)
+    return names
+
+
+class StatefulTarget(nn.Module):
+    """forward(input_ids [1, T], position_ids [1, T]) -> greedy_ids, logits, context_hidden.
+
+    As RetainedTarget: `context_hidden` is the draft's hidden_norm(fc(taps)), fc divided by `fc_scale`.
+    """
+
+    def __init__(self, tapped: TappedTarget, draft: DFlashDraft, ctx_len: int, fc_scale: float = 1.0,
+                 dtype=torch.float16):
+        super().__init__()
+        self.tapped = tapped
+        self.ctx_len = ctx_len
+        self.fc_weight = nn.Parameter(draft.fc.weight.detach() / fc_scale, requires_grad=False)
+        self.hidden_norm = draft.hidden_norm
+        self.state_names = _buffers(self, tapped.num_layers, tapped.num_kv_heads, ctx_len, tapped.head_dim, dtype)
+        text = tapped.lm.config.get_text_config(decoder=True)
+        self.num_heads = text.num_attention_heads
+        self.layer_types = tapped.layer_types or ["full_attention" if tapped.sliding_window is None
+                                                  else "sliding_attention"] * tapped.num_layers
+        rotary = tapped.lm.get_decoder().rotary_emb
+        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+
+    def _attention(self, index: int, layer: nn.Module, x: torch.Tensor, cos, sin, position_ids, start, end):
+        """HF's attention math for one layer, K/V written into this module's state."""
+        attn, tapped = layer.self_attn, self.tapped
+        steps, heads, kv_heads, dim = x.shape[1], self.num_heads, tapped.num_kv_heads, tapped.head_dim
+        q = attn.q_proj(x).view(1, steps, heads, dim)
+        k = attn.k_proj(x).view(1, steps, kv_heads, dim)
+        if hasattr(attn, "q_norm"):  # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = _rotate(q.transpose(1, 2), cos, sin, dim // 2), _rotate(k.transpose(1, 2), cos, sin, dim // 2)
+        v = attn.v_proj(x).view(1, steps, kv_heads, dim).transpose(1, 2)
+        keys, values = getattr(self, self.state_names[2 * index]), getattr(self, self.state_names[2 * index + 1])
+        keys[:, :, start:end] = k.to(keys.dtype)
+        values[:, :, start:end] = v.to(values.dtype)
+        window = tapped.sliding_window if self.layer_types[index] == "sliding_attention" else None
+        key_pos = torch.arange(self.ctx_len)[None, None, :]
+        mask = visible(position_ids[:, :, None], key_pos, True, window)[:, None]
+        groups = heads // kv_heads  # repeat K/V per query group with static sizes
+        keys = keys.to(q.dtype)[:, :, None].expand(1, kv_heads, groups, self.ctx_len, dim).reshape(
+            1, heads, self.ctx_len, dim)
+        values = values.to(q.dtype)[:, :, None].expand(1, kv_heads, groups, self.ctx_len, dim).reshape(
+            1, heads, self.ctx_len, dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
+        return attn.o_proj(out.transpose(1, 2).reshape(1, steps, heads * dim))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        tapped, decoder = self.tapped, self.tapped.lm.get_decoder()
+        start, end = position_ids[0, 0], position_ids[0, -1] + 1  # rows sit at consecutive positions
+        x = decoder.embed_tokens(input_ids)
+        cos, sin = _cos_sin(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
+        taps = {}
+        for index, layer in enumerate(decoder.layers):
+            x = x + self._attention(index, layer, layer.input_layernorm(x), cos, sin, position_ids, start, end)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if index in tapped.target_layer_ids:
+                taps[index] = x
+        logits = tapped.lm.get_output_embeddings()(decoder.norm(x))
+        features = torch.cat([taps[i] for i in tapped.target_layer_ids], dim=-1)
+        context = self.hidden_norm(F.linear(features, self.fc_weight))
+        return torch.argmax(logits, dim=-1).to(torch.int32), logits, context
+
+
+class StatefulDraft(nn.Module):
+    """forward(input_ids [1, B], context_hidden [1, T, H], ctx_position_ids [1, T], position_ids [1, B])
+    -> draft_ids, logits. Context K/V are written into state; block K/V are attended, never cached."""
+
+    def __init__(self, draft: DFlashDraft, ctx_len: int, block_size: int, dtype=torch.float16):
+        super().__init__()
+        self.draft = draft
+        self.ctx_len, self.block_size = ctx_len, block_size
+        self.state_names = _buffers(self, len(draft.layers), draft.num_kv_heads, ctx_len, draft.head_dim, dtype)
+        self.register_buffer("inv_freq", draft.rotary_emb.inv_freq.detach().float().clone(), persistent=False)
+        self.rope_scaling = float(getattr(draft.rotary_emb, "attention_scaling", 1.0))
+
+    def forward(self, input_ids, context_hidden, ctx_position_ids, position_ids):
+        draft = self.draft
+        hidden = F.embedding(input_ids, draft.embed_tokens) * draft.spec.input_embedding_scale
+        cos_c, sin_c = _cos_sin(ctx_position_ids, self.inv_freq, self.rope_scaling, hidden.dtype)
+        cos_b, sin_b = _cos_sin(position_ids, self.inv_freq, self.rope_scaling, hidden.dtype)
+        start, end = ctx_position_ids[0, 0], ctx_position_ids[0, -1] + 1
+        key_pos = torch.arange(self.ctx_len)[None, None, :]
+        block_start = position_ids[:, :1, None]
+        query_pos = position_ids[:, :, None]
+        steps = self.block_size  # a Python int: ints read from traced shapes do not convert
+        for i, layer in enumerate(draft.layers):
+            attn = layer.self_attn
+            heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+            keys, values = getattr(self, self.state_names[2 * i]), getattr(self, self.state_names[2 * i + 1])
+            h = layer.input_layernorm(hidden)
+            q = _rotate(attn.q_norm(attn.q_proj(h).view(1, steps, heads, dim)).transpose(1, 2), cos_b, sin_b, dim // 2)
+            k_ctx = attn.k_norm(attn.k_proj(context_hidden).view(1, -1, kv_heads, dim)).transpose(1, 2)
+            v_ctx = attn.v_proj(context_hidden).view(1, -1, kv_heads, dim).transpose(1, 2)
+            keys[:, :, start:end] = _rotate(k_ctx, cos_c, sin_c, dim // 2).to(keys.dtype)
+            values[:, :, start:end] = v_ctx.to(values.dtype)
+            k_blk = _rotate(attn.k_norm(attn.k_proj(h).view(1, steps, kv_heads, dim)).transpose(1, 2), cos_b, sin_b,
+                            dim // 2)
+            v_blk = attn.v_proj(h).view(1, steps, kv_heads, dim).transpose(1, 2)
+            cached = visible(query_pos, key_pos, attn.is_causal, attn.sliding_window) & (key_pos < block_start)
+            in_block = visible(query_pos, position_ids[:, None, :], attn.is_causal, attn.sliding_window)
+            mask = torch.cat([cached, in_block], dim=-1)[:, None]
+            groups, width = heads // kv_heads, self.ctx_len + steps
+            all_keys = torch.cat([keys.to(q.dtype), k_blk], dim=2)[:, :, None].expand(
+                1, kv_heads, groups, width, dim).reshape(1, heads, width, dim)
+            all_values = torch.cat([values.to(q.dtype), v_blk], dim=2)[:, :, None].expand(
+                1, kv_heads, groups, width, dim).reshape(1, heads, width, dim)
+            out = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask, scale=dim**-0.5)
+            out = out.transpose(1, 2).reshape(1, steps, heads * dim)
+            hidden = hidden + attn.o_proj(out)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        logits = draft.logits(draft.norm(hidden)[:, 1:])
+        return torch.argmax(logits, dim=-1).to(torch.int32), logits

@@ -1,0 +1,147 @@
+"""CoreML: the stateful modules decode like ONNX Runtime; the packages convert here and have the expected spec.
+
+Prediction needs macOS 15+, so the converted math is proven on the PyTorch modules that are traced for
+conversion (driven through the same runners the CoreML session uses), and the packages are checked
+through their spec.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_onnx.decode import Decoder
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import load_manifest
+from dflash_onnx.models.stateful import StatefulDraft, StatefulTarget
+from dflash_onnx.models.target import TappedTarget
+from dflash_onnx.pair import load_draft, load_target
+
+ct = pytest.importorskip("coremltools", reason="coremltools is not installed: pip install 'coremltools>=9,<10'")
+
+from targets.coreml import CoremlOptions, lower_coreml  # noqa: E402
+
+CTX_LEN, PREFILL = 96, 16
+
+
+@pytest.fixture(scope="session")
+def coreml_lowered(exported, tmp_path_factory):
+    out = tmp_path_factory.mktemp("coreml") / "agree_b8"
+    lower_coreml(exported("agree_b8").out, out, CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL), progress=False)
+    return out
+
+
+class TorchStatefulSession:
+    """The module coremltools converts, run in PyTorch with its state buffers: a stand-in for CoreML."""
+
+    retains_state = True
+
+    def __init__(self, module: torch.nn.Module, output_names: list[str]):
+        self.module, self.output_names = module, output_names
+        self.input_names: list[str] = []
+
+    def run(self, feeds, output_names=None):
+        with torch.no_grad():
+            values = self.module(*(torch.from_numpy(np.ascontiguousarray(v)) for v in feeds.values()))
+        out = dict(zip(self.output_names, values))
+        return {n: out[n].numpy().astype(np.int64) if n.endswith("_ids") else out[n].numpy()
+                for n in (output_names or self.output_names)}
+
+
+def _stateful_decoder(pair, lowered_manifest) -> Decoder:
+    lm = load_target(pair.target_dir, "float32")
+    draft = load_draft(pair.draft_dir, lm, "float32")
+    tapped = TappedTarget(lm, lowered_manifest.target_layer_ids).eval()
+    target = StatefulTarget(tapped, draft, CTX_LEN, dtype=torch.float32).eval()
+    stateful_draft = StatefulDraft(draft, CTX_LEN, lowered_manifest.block_size, dtype=torch.float32).eval()
+    return Decoder(lowered_manifest, TorchStatefulSession(target, ["greedy_ids", "logits", "context_hidden"]),
+                   TorchStatefulSession(stateful_draft, ["draft_ids", "logits"]))
+
+
+@pytest.mark.parametrize("name", ["agree_b8", "causal_gqa4_b4", "llama_sliding_b16"])
+def test_stateful_modules_decode_exactly_like_ort(name, exported, decoders, coreml_lowered):
+    pair = exported(name)
+    template = load_manifest(coreml_lowered)
+    source = decoders(name).manifest  # this pair's facts in the lowered (retained, consecutive-padding) form
+    manifest = replace(template, block_size=source.block_size, target_layer_ids=source.target_layer_ids,
+                       mask_token_id=source.mask_token_id, vocab_size=source.vocab_size, dtype="float32",
+                       prefill_len=max(PREFILL, source.block_size))
+    ours, ort = _stateful_decoder(pair, manifest), decoders(name)
+    rng = np.random.default_rng(4)
+    for _ in range(4):
+        prompt = rng.integers(2, pair.spec.vocab_size - 1, size=int(rng.integers(1, 20))).tolist()
+        for mode in ("dflash", "greedy"):
+            got = ours.generate(prompt, 24, mode, stop_token_ids=[])
+            want = ort.generate(prompt, 24, mode, stop_token_ids=[])
+            assert got.tokens == want.tokens and got.acceptance_lengths == want.acceptance_lengths
+
+
+def test_stateful_target_matches_the_hf_model(exported):
+    pair = exported("causal_gqa4_b4")  # GQA 4 and a hybrid sliding-window target
+    lm = load_target(pair.target_dir, "float32")
+    draft = load_draft(pair.draft_dir, lm, "float32")
+    tapped = TappedTarget(lm, [0, 2]).eval()
+    stateful = StatefulTarget(tapped, draft, CTX_LEN, dtype=torch.float32).eval()
+    ids = torch.randint(2, 90, (1, 13))
+    with torch.no_grad():
+        want = lm(input_ids=ids).logits
+        first = stateful(ids[:, :8], torch.arange(8)[None])[1]
+        second = stateful(ids[:, 8:], torch.arange(8, 13)[None])[1]
+    assert torch.allclose(torch.cat([first, second], dim=1), want, atol=1e-4)
+
+
+def test_packages_convert_with_states_and_enumerated_shapes(coreml_lowered, exported):
+    manifest = load_manifest(coreml_lowered)
+    spec = exported("agree_b8").spec
+    assert manifest.lowering["target"] == "coreml" and manifest.form == "retained"
+    for graph, inputs, outputs, layers in (
+            ("target", ["input_ids", "position_ids"], ["greedy_ids", "logits", "context_hidden"], spec.target_layers),
+            ("draft", ["input_ids", "context_hidden", "ctx_position_ids", "position_ids"], ["draft_ids", "logits"],
+             spec.draft_layers)):
+        model = ct.models.MLModel(str(coreml_lowered / f"{graph}.mlpackage"), skip_model_load=True)
+        description = model.get_spec().description
+        assert [i.name for i in description.input] == inputs
+        assert [o.name for o in description.output] == outputs
+        states = {s.name: list(s.type.stateType.arrayType.shape) for s in description.state}
+        assert len(states) == 2 * layers
+        assert set(map(tuple, states.values())) == {(1, spec.num_kv_heads, CTX_LEN, spec.head_dim)}
+        assert all(s.type.stateType.arrayType.dataType == ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT16
+                   for s in description.state)
+        sizes = description.input[0 if graph == "target" else 2].type.multiArrayType.enumeratedShapes.shapes
+        assert sorted(list(s.shape) for s in sizes) == [[1, spec.block_size], [1, PREFILL]]
+        assert model.get_spec().specificationVersion >= 9  # macOS 15 / iOS 18: states
+
+
+@pytest.mark.skipif(platform.system() == "Darwin", reason="on macOS the CoreML session runs")
+def test_coreml_backend_says_it_needs_macos(coreml_lowered, capsys):
+    from dflash_onnx.cli import main
+
+    assert main(["generate", str(coreml_lowered), "--backend", "coreml", "--prompt-ids", "3,4"]) == 2
+    assert "needs macOS 15" in capsys.readouterr().err
+    with pytest.raises(DFlashError, match="--backend coreml"):
+        Decoder.open(coreml_lowered, backend="ort")
+
+
+def test_consecutive_padding_reserves_the_tail(coreml_lowered):
+    from dflash_onnx.runners import RetainedTarget
+
+    runner = RetainedTarget(None, load_manifest(coreml_lowered))
+    assert runner.capacity == CTX_LEN - PREFILL
+    assert runner.positions(10, 3, 8).tolist() == [list(range(10, 18))]  # padding continues the positions
+    with pytest.raises(DFlashError, match="larger --ctx-len"):
+        runner.positions(CTX_LEN - PREFILL, 1, 8)
+
+
+@pytest.mark.parametrize("options, message", [
+    (CoremlOptions(prefill_len=12), "multiple of the block size"),
+    (CoremlOptions(ctx_len=16, prefill_len=16), "at least two prefill chunks"),
+    (CoremlOptions(compute_units="npu"), "choose from"),
+])
+def test_bad_coreml_options(options, message, exported, tmp_path):
+    with pytest.raises(DFlashError, match=message):
+        lower_coreml(exported("agree_b8").out, tmp_path / "out", options, progress=False)
+    assert not list(tmp_path.iterdir())
