@@ -1,7 +1,7 @@
 """`dflash-onnx steps`: median latency of the three calls a DFlash round makes, for several exported
 directories side by side (round-robin, so machine noise hits all of them alike).
 
-decode = target on 1 token, verify = target on block_size tokens, draft = one draft step with block_size
+ONNX Runtime for exports, MLX for MLX lowerings. decode = target on 1 token, verify = target on block_size tokens, draft = one draft step with block_size
 new context rows; all at `context` tokens of K/V. Used to measure what a graph pass buys.
 """
 
@@ -36,7 +36,7 @@ def _feeds(manifest: Manifest, context: int) -> dict[str, dict[str, np.ndarray]]
 
 
 def _size_and_nodes(directory: Path, manifest: Manifest) -> tuple[float, int, int]:
-    size = sum(p.stat().st_size for p in directory.iterdir() if p.suffix in (".onnx", ".data"))
+    size = sum(p.stat().st_size for p in directory.iterdir() if p.suffix in (".onnx", ".data", ".safetensors"))
     nodes = [len(onnx.load(str(directory / g.file), load_external_data=False).graph.node)
              for g in (manifest.target, manifest.draft)]
     return size / 2**20, nodes[0], nodes[1]
@@ -50,9 +50,10 @@ def measure(directories: list[Path], context: int = 256, repeats: int = 20) -> l
     for directory in directories:
         manifest = load_manifest(directory)
         if manifest.form != "concat":
-            raise DFlashError(f"{directory}: steps measures exported (ORT-form) directories")
-        sessions = {"target": open_session(directory, manifest, "target"),
-                    "draft": open_session(directory, manifest, "draft")}
+            raise DFlashError(f"{directory}: steps measures exports and their MLX lowerings (concat-form graphs)")
+        backend = "mlx" if manifest.lowering.get("target") == "mlx" else "ort"
+        sessions = {"target": open_session(directory, manifest, "target", backend),
+                    "draft": open_session(directory, manifest, "draft", backend)}
         runs.append((Path(directory), manifest, sessions, _feeds(manifest, context), {"decode": [], "verify": [],
                                                                                       "draft": []}))
     for _ in range(repeats + 1):  # the first round warms up and is dropped
@@ -66,7 +67,9 @@ def measure(directories: list[Path], context: int = 256, repeats: int = 20) -> l
     for directory, manifest, _, _, times in runs:
         size, target_nodes, draft_nodes = _size_and_nodes(directory, manifest)
         medians = {kind: 1000 * float(np.median(values[1:])) for kind, values in times.items()}
-        rows.append({"directory": str(directory), "passes": [p["name"] for p in manifest.passes], "size_mib": size,
+        backend = "mlx" if manifest.lowering.get("target") == "mlx" else "ort"
+        rows.append({"directory": str(directory), "backend": backend,
+                     "passes": [p["name"] for p in manifest.passes], "size_mib": size,
                      "target_nodes": target_nodes, "draft_nodes": draft_nodes, "context": context,
                      "block_size": manifest.block_size, **{f"{k}_ms": v for k, v in medians.items()},
                      "verify_over_decode": medians["verify"] / medians["decode"]})

@@ -1,7 +1,7 @@
 """fp16: weights and activations to float16 (ONNX Runtime's converter), graph I/O kept float32.
 
-Norm statistics (Pow/ReduceMean, the epsilon Add, Sqrt/Reciprocal), Softmax and the RoPE trigonometry
-stay float32 islands. Before converting the draft, its fc (n_taps*hidden -> hidden, summing several layers' features)
+Norm statistics (Pow/ReduceMean, the epsilon Add, Sqrt/Reciprocal), Softmax and RoPE (the angles
+position * inv_freq, which reach ctx_len radians, and their Cos/Sin) stay float32 islands. Before converting the draft, its fc (n_taps*hidden -> hidden, summing several layers' features)
 is divided by a power of two so its output stays well inside float16: hidden_norm follows it, and RMSNorm
 is scale invariant, so the draft's output is unchanged. Then every float tensor of the graph is measured on
 calibration feeds and an activation beyond float16's range is reported as a warning.
@@ -62,8 +62,8 @@ def _with_value_types(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _island_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """Nodes kept float32: the island op types, and the epsilon Add between a norm's mean and its Sqrt
-    (it holds the mean square, which float16 cannot)."""
+    """Nodes kept float32: the island op types, the epsilon Add between a norm's mean and its Sqrt (it
+    holds the mean square, which float16 cannot), and the RoPE angle computation feeding Cos/Sin."""
     producers = {o: n for n in model.graph.node for o in n.output}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
@@ -75,7 +75,47 @@ def _island_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
             producers.get(i) is not None and producers[i].op_type == "ReduceMean" for i in node.input) and any(
             c.op_type == "Sqrt" for c in consumers.get(node.output[0], []))
 
-    return [n for n in model.graph.node if n.op_type in FP32_ISLANDS or norm_epsilon(n)]
+    # RoPE angles (position * inv_freq, up to ctx_len radians) need float32's resolution: keep every
+    # node upstream of a Cos/Sin in float32, not just the trigonometry.
+    angle_nodes, pending = set(), [n for n in model.graph.node if n.op_type in ("Cos", "Sin")]
+    while pending:
+        node = pending.pop()
+        for name in node.input:
+            source = producers.get(name)
+            if source is not None and id(source) not in angle_nodes:
+                angle_nodes.add(id(source))
+                pending.append(source)
+    return [n for n in model.graph.node if n.op_type in FP32_ISLANDS or norm_epsilon(n) or id(n) in angle_nodes]
+
+
+def _drop_round_trips(model: onnx.ModelProto) -> int:
+    """The converter casts every float32 island's output to float16 and back before the next island
+    (Pow -> fp16 -> fp32 -> ReduceMean): read the float32 value directly instead. Returns how many."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+
+    def cast_to(node: onnx.NodeProto | None) -> int | None:
+        return None if node is None or node.op_type != "Cast" else onnx.helper.get_attribute_value(node.attribute[0])
+
+    graph_outputs = {o.name for o in model.graph.output}
+    replaced = {}
+    for node in model.graph.node:
+        narrowing = producers.get(node.input[0]) if node.op_type == "Cast" else None
+        if cast_to(node) == onnx.TensorProto.FLOAT and cast_to(narrowing) == onnx.TensorProto.FLOAT16 \
+                and node.output[0] not in graph_outputs:
+            replaced[node.output[0]] = narrowing.input[0]
+    for node in model.graph.node:
+        for index, name in enumerate(node.input):
+            if name in replaced:
+                node.input[index] = replaced[name]
+    used = {i for n in model.graph.node for i in n.input} | graph_outputs
+    while True:  # drop the casts nothing reads any more
+        dead = [n for n in model.graph.node if n.op_type == "Cast" and n.output[0] not in used]
+        if not dead:
+            break
+        for node in dead:
+            model.graph.node.remove(node)
+        used = {i for n in model.graph.node for i in n.input} | graph_outputs
+    return len(replaced)
 
 
 def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:
@@ -98,5 +138,6 @@ def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelPr
                                    "exceeds float16's range; it will saturate"]
     converted = convert_float_to_float16(_with_value_types(model), keep_io_types=True, op_block_list=FP32_ISLANDS,
                                          node_block_list=[n.name for n in island_nodes], disable_shape_infer=True)
+    details["float16_round_trips_removed"] = _drop_round_trips(converted)
     details["casts"] = sum(n.op_type == "Cast" for n in converted.graph.node)
     return converted, details
