@@ -134,8 +134,9 @@ def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelPr
         details.update(fp16_range_report(peaks))  # what will be computed in float16
         if details["fp16_overflow"]:
             where = details["largest_activation_at"]
-            details["warnings"] = [f"{graph}: activation {details['largest_activation']:.3g} at {where} "
-                                   "exceeds float16's range; it will saturate"]
+            message = (f"{graph}: activation {details['largest_activation']:.3g} at {where} "
+                       "exceeds float16's range; it will saturate")
+            details["warnings"] = [message]
     converted = convert_float_to_float16(_with_value_types(model), keep_io_types=True, op_block_list=FP32_ISLANDS,
                                          node_block_list=[n.name for n in island_nodes], disable_shape_infer=True)
     details["float16_round_trips_removed"] = _drop_round_trips(converted)

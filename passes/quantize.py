@@ -68,7 +68,10 @@ def fold_weight_transposes(model: onnx.ModelProto, wanted=lambda dims: True) -> 
 
 
 def _quantize(bits: int, model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer, logger
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        MatMulNBitsQuantizer,
+        logger,
+    )
 
     logger.setLevel(logging.WARNING)  # it logs every node it visits at INFO; our report says what matters
     graphs = options.get("graphs", "both")

@@ -7,7 +7,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from reference import DFlashDraftModel, dflash_model  # skips the module when the oracle is missing
+from reference import (  # skips the module when the oracle is missing
+    DFlashDraftModel,
+    dflash_model,
+)
 from transformers import AutoModelForCausalLM
 
 from dflash_onnx.decode import Decoder

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..errors import DFlashError
 from .draft import DFlashDraft, visible
 from .target import TappedTarget
 
@@ -50,6 +51,11 @@ class StatefulTarget(nn.Module):
     def __init__(self, tapped: TappedTarget, draft: DFlashDraft, ctx_len: int, fc_scale: float = 1.0,
                  dtype=torch.float16):
         super().__init__()
+        needed = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
+        for layer in tapped.lm.get_decoder().layers:
+            if not all(hasattr(layer.self_attn, n) for n in needed) or not hasattr(layer, "mlp"):
+                raise DFlashError(f"{type(layer).__name__}: the stateful (CoreML) target supports Llama-style "
+                                  "decoder layers (Qwen3, Qwen2, Llama, Mistral)")
         self.tapped = tapped
         self.ctx_len = ctx_len
         self.fc_weight = nn.Parameter(draft.fc.weight.detach() / fc_scale, requires_grad=False)
