@@ -175,6 +175,21 @@ def _parity(args) -> int:
     return 0 if report.ok else 1
 
 
+def _distill(args) -> int:
+    from .training.distill import DistillOptions, distill
+
+    tapped = None if args.target_layers_tapped == "auto" else [int(i) for i in args.target_layers_tapped.split(",")]
+    options = DistillOptions(block_size=args.block_size, draft_layers=args.draft_layers, target_layer_ids=tapped,
+                             steps=args.steps, time_budget_min=args.time_budget, seed=args.seed, lr=args.lr,
+                             num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
+                             new_tokens=args.new_tokens)
+    report = distill(args.target, args.out, options, data_paths=args.data, prompts_file=args.prompts,
+                     resume=args.resume, progress=not args.quiet)
+    print(f"wrote {args.out}: {report['steps']} steps in {report['seconds']} s; held-out tau "
+          f"{report['tau_before']:.2f} -> {report['tau_after']:.2f} (block {args.block_size})")
+    return 0
+
+
 def _demo(args) -> int:
     from .demo import run_demo
 
@@ -254,6 +269,26 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--seed", type=int, default=0)
     parity.add_argument("--json", action="store_true")
     parity.set_defaults(func=_parity)
+
+    distill = commands.add_parser("distill", help="train a DFlash draft for a frozen target")
+    distill.add_argument("--target", type=Path, required=True, help="target checkpoint (HF layout, tokenizer.json)")
+    distill.add_argument("--out", type=Path, required=True, help="draft directory to write (published layout)")
+    distill.add_argument("--data", type=Path, nargs="+", help="text files or directories: prompts are random windows")
+    distill.add_argument("--prompts", type=Path, help="a file with one prompt per line")
+    distill.add_argument("--block-size", type=int, default=16)
+    distill.add_argument("--draft-layers", type=int, default=1)
+    distill.add_argument("--target-layers-tapped", default="auto", help="auto (the reference's rule) or 1,5,9")
+    length = distill.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="optimizer steps (default 1000)")
+    length.add_argument("--time-budget", type=float, help="minutes to train for (the schedule fits the budget)")
+    distill.add_argument("--seed", type=int, default=0)
+    distill.add_argument("--lr", type=float, default=6e-4)
+    distill.add_argument("--num-prompts", type=int, default=256, help="prompts drawn from --data")
+    distill.add_argument("--prompt-tokens", type=int, default=32)
+    distill.add_argument("--new-tokens", type=int, default=96, help="target continuation length per prompt")
+    distill.add_argument("--resume", action="store_true", help="continue from OUT.ckpt/")
+    distill.add_argument("--quiet", action="store_true")
+    distill.set_defaults(func=_distill)
 
     demo = commands.add_parser("demo", help="build, export and run a tiny pair: greedy vs DFlash")
     demo.add_argument("--max-new-tokens", type=int, default=48)

@@ -21,6 +21,10 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).ids
 
+    def token_id(self, token: str, default: int) -> int:
+        found = self._tokenizer.token_to_id(token)
+        return default if found is None else found
+
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 

@@ -148,7 +148,8 @@ class DraftAttention(nn.Module):
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], heads, self.head_dim)
 
-    def forward(self, block, context, cos, sin, past_key, past_value):
+    def forward(self, block, context, cos, sin, past_key, past_value, mask: torch.Tensor | None = None):
+        """`mask` [queries, keys] overrides the inference rule (training packs many blocks in one call)."""
         ctx_len = context.shape[1]
         cos_ctx, sin_ctx = cos[:, :ctx_len], sin[:, :ctx_len]
         cos_blk, sin_blk = cos[:, ctx_len:], sin[:, ctx_len:]
@@ -161,7 +162,8 @@ class DraftAttention(nn.Module):
         present_value = torch.cat([past_value, v_ctx], dim=1)
         keys = torch.cat([present_key, k_blk], dim=1).transpose(1, 2)
         values = torch.cat([present_value, v_blk], dim=1).transpose(1, 2)
-        mask = draft_attention_mask(q.shape[1], keys.shape[2], self.is_causal, self.sliding_window, q.device)
+        if mask is None:
+            mask = draft_attention_mask(q.shape[1], keys.shape[2], self.is_causal, self.sliding_window, q.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
             enable_gqa=self.num_heads != self.num_kv_heads,
@@ -178,9 +180,9 @@ class DraftLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden, context, cos, sin, past_key, past_value):
+    def forward(self, hidden, context, cos, sin, past_key, past_value, mask: torch.Tensor | None = None):
         attn, present_key, present_value = self.self_attn(
-            self.input_layernorm(hidden), context, cos, sin, past_key, past_value
+            self.input_layernorm(hidden), context, cos, sin, past_key, past_value, mask
         )
         hidden = hidden + attn
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))

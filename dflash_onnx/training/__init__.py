@@ -1,0 +1,1 @@
+"""Training DFlash drafts for a frozen target (`dflash-onnx distill`)."""

@@ -1,0 +1,92 @@
+"""Training text for a draft: the target's own greedy continuations of prompts, cached on disk.
+
+DFlash drafts learn to predict what the target will say, so the sequences are prompt + the target's greedy
+continuation. Prompts come from a file (one per line) or from random windows of text files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import DFlashError
+from ..tokenizer import TextCodec
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java")
+
+
+def text_files(paths: list[Path]) -> list[Path]:
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise DFlashError(f"--data {path} does not exist")
+    if not files:
+        raise DFlashError(f"--data {', '.join(map(str, paths))}: no text files ({', '.join(TEXT_SUFFIXES)})")
+    return files
+
+
+def prompts_from_files(files: list[Path], codec: TextCodec, count: int, prompt_tokens: int,
+                       generator: torch.Generator) -> list[list[int]]:
+    """`count` windows of `prompt_tokens` tokens at random places of random files."""
+    prompts, attempts = [], 0
+    while len(prompts) < count and attempts < 20 * count:
+        attempts += 1
+        path = files[int(torch.randint(len(files), (1,), generator=generator))]
+        text = path.read_text(errors="ignore")
+        if len(text) < 8:
+            continue
+        start = int(torch.randint(max(1, len(text) - 8 * prompt_tokens), (1,), generator=generator))
+        ids = codec.encode(text[start : start + 16 * prompt_tokens])[:prompt_tokens]
+        if len(ids) == prompt_tokens:
+            prompts.append(ids)
+    if not prompts:
+        raise DFlashError(f"no prompt of {prompt_tokens} tokens found in the --data files")
+    return prompts
+
+
+def prompts_from_lines(path: Path, codec: TextCodec) -> list[list[int]]:
+    lines = [line.rstrip("\n") for line in Path(path).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise DFlashError(f"--prompts {path} has no non-empty lines")
+    return [codec.encode(line.replace("\\n", "\n")) for line in lines]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_ONNX_CACHE", Path.home() / ".cache" / "dflash-onnx")) / "distill"
+
+
+def continuations(target, target_dir: Path, prompts: list[list[int]], new_tokens: int,
+                  progress: bool = True) -> list[torch.Tensor]:
+    """prompt + greedy continuation per prompt, cached by (target weights, prompts, new_tokens)."""
+    digest = hashlib.sha256()
+    for file in sorted(Path(target_dir).glob("*.safetensors")):
+        digest.update(file.name.encode() + str(file.stat().st_size).encode() + str(file.stat().st_mtime_ns).encode())
+    digest.update(repr((prompts, new_tokens)).encode())
+    path = cache_dir() / f"{digest.hexdigest()[:24]}.pt"
+    if path.is_file():
+        return torch.load(path)
+    sequences = []
+    with torch.no_grad():
+        for index, prompt in enumerate(prompts):
+            ids = torch.tensor(prompt)[None]
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            sequences.append(out[0])
+            if progress:
+                print(f"\rgenerating training text with the target: {index + 1}/{len(prompts)}", end="",
+                      file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    torch.save(sequences, partial)
+    partial.replace(path)
+    return sequences

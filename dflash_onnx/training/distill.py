@@ -1,0 +1,233 @@
+"""`dflash-onnx distill`: train a DFlash draft for a frozen target.
+
+The draft shares the target's embedding and lm_head (not trained, not saved). Its layers start from the
+target's last layers, fc from an average of the tapped features. Training text is the target's own greedy
+continuations (training/data.py); blocks are packed per sequence (training/blocks.py). AdamW with linear
+warmup, cosine decay and gradient clipping; checkpoints in OUT.ckpt/ let `--resume` continue; tau on
+held-out sequences is measured as decoding would (acceptance of the target's greedy continuation).
+The result is a draft directory in the published layout (config.json with dflash_config, model.safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..errors import DFlashError
+from ..models.draft import DFlashDraft, DraftSpec, build_target_layer_ids
+from ..tokenizer import TextCodec
+from . import blocks, data
+
+SAVED_AWAY = ("embed_tokens", "lm_head")
+
+
+@dataclass
+class DistillOptions:
+    block_size: int = 16
+    draft_layers: int = 1
+    target_layer_ids: list[int] | None = None  # None: the reference's build_target_layer_ids
+    steps: int | None = None
+    time_budget_min: float | None = None
+    seed: int = 0
+    lr: float = 6e-4
+    sequences_per_step: int = 4
+    anchors_per_sequence: int = 32
+    num_prompts: int = 256
+    prompt_tokens: int = 32
+    new_tokens: int = 96
+    held_out: int = 16
+    eval_every: int = 100
+    checkpoint_every: int = 200
+    mask_token_id: int | None = None
+    gamma: float | None = None
+
+    def validate(self) -> None:
+        if self.steps is None and self.time_budget_min is None:
+            self.steps = 1000
+        if self.block_size < 2:
+            raise DFlashError(f"--block-size {self.block_size}: at least 2")
+        if self.new_tokens < self.block_size + 1:
+            raise DFlashError(f"--new-tokens {self.new_tokens} must exceed the block size {self.block_size}")
+        if self.draft_layers < 1:
+            raise DFlashError("--draft-layers must be at least 1")
+
+
+def draft_config(target_config, options: DistillOptions, mask_token_id: int) -> dict:
+    """config.json of a draft for this target, in the published (z-lab) layout."""
+    text = target_config.get_text_config(decoder=True)
+    layers = text.num_hidden_layers
+    tapped = options.target_layer_ids or build_target_layer_ids(layers, options.draft_layers)
+    if any(not 0 <= i < layers for i in tapped):
+        raise DFlashError(f"--target-layers-tapped {tapped}: the target has layers 0..{layers - 1}")
+    rope = getattr(text, "rope_parameters", None) or {}
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size, "intermediate_size": text.intermediate_size,
+        "num_hidden_layers": options.draft_layers, "num_attention_heads": text.num_attention_heads,
+        "num_key_value_heads": text.num_key_value_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        "max_position_embeddings": text.max_position_embeddings, "rms_norm_eps": text.rms_norm_eps,
+        "attention_bias": bool(getattr(text, "attention_bias", False)), "num_target_layers": layers,
+        "rope_theta": float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
+        "tie_word_embeddings": False,
+        "dflash_config": {"target_layer_ids": list(tapped), "block_size": options.block_size,
+                          "mask_token_id": mask_token_id},
+    }
+
+
+def initial_draft(lm, config: dict) -> DFlashDraft:
+    """A draft whose layers start as the target's last layers and whose fc averages the tapped features."""
+    spec = DraftSpec.from_dict(config)
+    draft = DFlashDraft(spec, lm.get_input_embeddings().weight.detach(), lm.get_output_embeddings().weight.detach())
+    decoder = lm.get_decoder()
+    sources = decoder.layers[-len(draft.layers):]
+    with torch.no_grad():
+        for layer, source in zip(draft.layers, sources):
+            mine, theirs = layer.state_dict(), source.state_dict()
+            layer.load_state_dict({k: theirs[k] if k in theirs and theirs[k].shape == v.shape else v
+                                   for k, v in mine.items()})
+        draft.norm.weight.copy_(decoder.norm.weight)
+        taps, hidden = len(spec.target_layer_ids), spec.config.hidden_size
+        draft.fc.weight.copy_(torch.eye(hidden).repeat(1, taps) / taps)
+    return draft
+
+
+def _features(lm, tapped: list[int], sequence: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        states = lm(input_ids=sequence[None], output_hidden_states=True).hidden_states
+    return torch.cat([states[i + 1][0] for i in tapped], dim=-1)
+
+
+def held_out_tau(draft: DFlashDraft, examples: list[tuple[torch.Tensor, torch.Tensor, int]], block: int,
+                 mask_id: int, max_anchors: int = 48) -> float:
+    """Mean acceptance length of a DFlash step at every held-out anchor (up to max_anchors per sequence)."""
+    lengths = []
+    with torch.no_grad():
+        for tokens, features, prompt_len in examples:
+            anchors = torch.arange(prompt_len, len(tokens) - block + 1)[:max_anchors]
+            logits = blocks.packed_logits(draft, features, tokens, anchors, block, mask_id)
+            lengths.append(blocks.acceptance_lengths(logits, blocks.block_labels(tokens, anchors, block)).float())
+    return float(torch.cat(lengths).mean())
+
+
+def _save_draft(draft: DFlashDraft, config: dict, out: Path, report: dict) -> None:
+    from ..export import publish_dir
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        state = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if k not in SAVED_AWAY}
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        publish_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: list[Path] | None = None,
+            prompts_file: Path | None = None, resume: bool = False, progress: bool = True) -> dict:
+    """Train a draft for the target in `target_dir`; write it to `out`; return the training report."""
+    from tqdm import tqdm
+
+    from ..pair import load_target
+
+    options.validate()
+    target_dir, out = Path(target_dir), Path(out)
+    checkpoint = out.with_name(out.name + ".ckpt") / "state.pt"
+    if out.exists() and not resume:
+        raise DFlashError(f"{out} exists: choose a new --out (or --resume an interrupted run)")
+    if checkpoint.exists() and not resume:
+        raise DFlashError(f"{checkpoint} holds an interrupted run: pass --resume, or delete it")
+    if not data_paths and not prompts_file:
+        raise DFlashError("give training text: --data FILES_OR_DIRS or --prompts FILE")
+    torch.manual_seed(options.seed)
+    generator = torch.Generator().manual_seed(options.seed)
+    lm = load_target(target_dir, "float32")
+    for parameter in lm.parameters():
+        parameter.requires_grad_(False)
+    codec = TextCodec(target_dir)
+    vocab = lm.config.get_text_config(decoder=True).vocab_size
+    mask_id = options.mask_token_id if options.mask_token_id is not None else codec.token_id("<mask>", vocab - 1)
+    if prompts_file:
+        prompts = data.prompts_from_lines(prompts_file, codec)
+    else:
+        prompts = data.prompts_from_files(data.text_files(data_paths), codec, options.num_prompts,
+                                          options.prompt_tokens, generator)
+    if len(prompts) <= options.held_out:
+        raise DFlashError(f"{len(prompts)} prompts: need more than the {options.held_out} held out for tau")
+    sequences = data.continuations(lm, target_dir, prompts, options.new_tokens, progress)
+    config = draft_config(lm.config, options, mask_id)
+    draft = initial_draft(lm, config)
+    tapped, block = config["dflash_config"]["target_layer_ids"], options.block_size
+    examples = [(seq, _features(lm, tapped, seq), len(prompt)) for seq, prompt in zip(sequences, prompts)]
+    held_out, train = examples[: options.held_out], examples[options.held_out:]
+    trainable = [p for n, p in draft.named_parameters() if n not in SAVED_AWAY]
+    optimizer = torch.optim.AdamW(trainable, lr=options.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    weights = blocks.loss_weights(block, options.gamma or blocks.default_gamma(block))
+    report = {"options": asdict(options), "mask_token_id": mask_id, "target_layer_ids": tapped,
+              "tau_before": held_out_tau(draft, held_out, block, mask_id), "history": []}
+    step, total = 0, options.steps or 10**9
+    if resume and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        draft.load_state_dict(state["draft"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        step, total, report = state["step"], state["total"], state["report"]
+        generator.set_state(state["generator"])
+    started = time.perf_counter()
+    bar = tqdm(total=options.steps, initial=step, disable=not progress, desc="distill", unit="step", file=sys.stderr)
+    draft.train()
+    while step < total:
+        horizon = total if total < 10**9 else 1000  # a time budget's length is known after 5 steps
+        factor = blocks.cosine_with_warmup(step, horizon, max(1, horizon // 20))
+        for group in optimizer.param_groups:
+            group["lr"] = options.lr * factor
+        loss = torch.zeros(())
+        for index in torch.randint(len(train), (options.sequences_per_step,), generator=generator).tolist():
+            tokens, features, prompt_len = train[index]
+            anchors = blocks.sample_anchors(prompt_len, len(tokens) - block, options.anchors_per_sequence, generator)
+            logits = blocks.packed_logits(draft, features, tokens, anchors, block, mask_id)
+            loss = loss + blocks.weighted_loss(logits, blocks.block_labels(tokens, anchors, block), weights)
+        loss = loss / options.sequences_per_step
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        step += 1
+        bar.update(1)
+        postfix = {"loss": f"{loss.item():.3f}"}
+        if step % options.eval_every == 0 or step == total:
+            draft.eval()
+            tau = held_out_tau(draft, held_out, block, mask_id)
+            draft.train()
+            report["history"].append({"step": step, "loss": loss.item(), "tau": tau})
+            postfix["tau"] = f"{tau:.2f}"
+        bar.set_postfix(postfix)
+        if options.time_budget_min is not None and options.steps is None and step == 5:
+            per_step = (time.perf_counter() - started) / 5
+            total = max(10, int(options.time_budget_min * 60 / per_step))  # the schedule spans the budget
+            bar.total = total
+        if step % options.checkpoint_every == 0 and step < total:
+            checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"draft": {k: v for k, v in draft.state_dict().items() if k not in SAVED_AWAY},
+                        "optimizer": optimizer.state_dict(), "step": step, "total": total, "report": report,
+                        "generator": generator.get_state()}, checkpoint.with_suffix(".partial"))
+            checkpoint.with_suffix(".partial").replace(checkpoint)
+    bar.close()
+    draft.eval()
+    report.update(steps=step, seconds=round(time.perf_counter() - started, 1),
+                  tau_after=held_out_tau(draft, held_out, block, mask_id))
+    _save_draft(draft, config, out, report)
+    shutil.rmtree(checkpoint.parent, ignore_errors=True)
+    return report

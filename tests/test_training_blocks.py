@@ -1,0 +1,68 @@
+"""The packed training blocks follow DFlash's rules and compute exactly what decoding computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_onnx.pair import load_draft, load_target
+from dflash_onnx.training.blocks import (
+    acceptance_lengths,
+    block_input_ids,
+    block_labels,
+    block_positions,
+    cosine_with_warmup,
+    loss_weights,
+    packed_logits,
+    structural_mask,
+)
+
+
+def test_mask_rules_on_a_small_case():
+    anchors, block, context = torch.tensor([2, 5]), 3, 7
+    mask = structural_mask(anchors, block, context)
+    assert mask.shape == (6, 7 + 6)
+    # block 0 (anchor 2): context positions 0, 1 only; its own three block keys; never block 1
+    for row in range(3):
+        assert mask[row, :7].tolist() == [True, True, False, False, False, False, False]
+        assert mask[row, 7:].tolist() == [True, True, True, False, False, False]  # bidirectional inside
+    for row in range(3, 6):  # block 1 (anchor 5): context 0..4, its own block
+        assert mask[row, :7].tolist() == [True] * 5 + [False] * 2
+        assert mask[row, 7:].tolist() == [False, False, False, True, True, True]
+
+
+def test_blocks_inputs_positions_labels_and_weights():
+    tokens = torch.arange(10, 30)
+    anchors = torch.tensor([3, 8])
+    assert block_input_ids(tokens, anchors, 4, 99).tolist() == [13, 99, 99, 99, 18, 99, 99, 99]
+    assert block_positions(anchors, 4).tolist() == [3, 4, 5, 6, 8, 9, 10, 11]
+    assert block_labels(tokens, anchors, 4).tolist() == [[14, 15, 16], [19, 20, 21]]
+    weights = loss_weights(16, 7.0)
+    assert weights[0] == 1 and torch.isclose(weights[7], torch.exp(torch.tensor(-1.0)))  # offset 8: e^-1
+    assert cosine_with_warmup(0, 100, 10) == pytest.approx(0.1) and cosine_with_warmup(100, 100, 10) == 0.1
+
+
+def test_acceptance_length_counts_the_leading_right_guesses():
+    labels = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    guesses = torch.tensor([[1, 2, 3], [1, 0, 3], [0, 2, 3]])
+    logits = torch.nn.functional.one_hot(guesses, 5).float()
+    assert acceptance_lengths(logits, labels).tolist() == [4, 2, 1]
+
+
+@pytest.mark.parametrize("name", ["agree_b8", "causal_gqa4_b4", "llama_sliding_b16"])
+def test_packed_blocks_equal_one_decoding_step_per_anchor(name, exported):
+    """Each packed block's logits == the draft run as in decoding: context = features before the anchor."""
+    pair = exported(name)
+    lm = load_target(pair.target_dir, "float32")
+    draft = load_draft(pair.draft_dir, lm, "float32")
+    block, mask_id = pair.spec.block_size, pair.spec.vocab_size - 1
+    tokens = torch.randint(2, pair.spec.vocab_size - 1, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        states = lm(input_ids=tokens[None], output_hidden_states=True).hidden_states
+        features = torch.cat([states[i + 1][0] for i in draft.spec.target_layer_ids], dim=-1)
+        anchors = torch.tensor([1, 9, 20, 40 - block])
+        packed = packed_logits(draft, features, tokens, anchors, block, mask_id)
+        for k, anchor in enumerate(anchors.tolist()):
+            ids = block_input_ids(tokens, anchors[k : k + 1], block, mask_id)[None]
+            step = draft(ids, features[None, :anchor], torch.arange(anchor + block)[None], *draft.empty_cache())[0]
+            torch.testing.assert_close(packed[k], step[0], atol=2e-5, rtol=1e-4)
