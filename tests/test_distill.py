@@ -7,7 +7,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from reference import DFlashDraftModel, dflash_model  # skips the module when the oracle is missing
+from reference import (  # skips the module when the oracle is missing
+    DFlashDraftModel,
+    dflash_model,
+)
 from transformers import AutoModelForCausalLM
 
 from dflash_onnx.errors import DFlashError
@@ -16,7 +19,7 @@ from dflash_onnx.tiny import TinySpec, build_pair
 from dflash_onnx.training import distill as distill_module
 from dflash_onnx.training.distill import DistillOptions, distill
 
-OPTIONS = dict(block_size=8, steps=150, new_tokens=40, held_out=8, eval_every=50, lr=2e-3)
+OPTIONS = {"block_size": 8, "steps": 150, "new_tokens": 40, "held_out": 8, "eval_every": 50, "lr": 2e-3}
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +51,7 @@ def test_short_distillation_raises_tau_well_above_the_initial_draft(distilled):
 
 
 def test_distilled_draft_loads_here_and_in_the_reference(distilled, tiny_target):
-    draft_dir, report = distilled
+    draft_dir, _ = distilled
     _, target_dir = tiny_target
     config = json.loads((draft_dir / "config.json").read_text())
     assert config["dflash_config"]["block_size"] == 8 and config["dflash_config"]["target_layer_ids"] == [2]
@@ -67,7 +70,7 @@ def test_distilled_draft_loads_here_and_in_the_reference(distilled, tiny_target)
 def test_resume_continues_an_interrupted_run(tiny_target, tmp_path, monkeypatch):
     root, target_dir = tiny_target
     monkeypatch.setenv("DFLASH_ONNX_CACHE", str(root / "cache"))
-    options = dict(OPTIONS, steps=40, eval_every=20)
+    options = {**OPTIONS, "steps": 40, "eval_every": 20}
     original = distill_module.blocks.weighted_loss
     calls = {"n": 0}
 
