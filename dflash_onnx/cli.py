@@ -193,7 +193,7 @@ def _distill(args) -> int:
 def _demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(as_json=args.json, max_new_tokens=args.max_new_tokens)
+    return run_demo(as_json=args.json, max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     distill.set_defaults(func=_distill)
 
     demo = commands.add_parser("demo", help="build, export and run a tiny pair: greedy vs DFlash")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo.add_argument("--prompts", type=int, default=4, help="held-out code prompts to run")
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(func=_demo)
     return parser
