@@ -264,9 +264,7 @@ def export_pair(
             if block_axis != block:
                 raise DFlashError(f"draft.onnx block axis is {block_axis}, expected the static {block}")
         with stages.stage("writing manifest and tokenizer"):
-            copied = [f for f in TOKENIZER_FILES if (target_dir / f).is_file()]
-            for name in copied:
-                shutil.copy2(target_dir / name, tmp / name)
+            copied = copy_tokenizer_files(target_dir, tmp)
             manifest = Manifest(
                 block_size=block, trained_block_size=spec.block_size, target_layer_ids=spec.target_layer_ids,
                 mask_token_id=int(spec.mask_token_id), stop_token_ids=info.stop_token_ids,
@@ -284,6 +282,14 @@ def export_pair(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def copy_tokenizer_files(source: Path, dest: Path) -> list[str]:
+    """Copy the tokenizer and generation-config files `source` has into `dest`; return their names."""
+    copied = [f for f in TOKENIZER_FILES if (Path(source) / f).is_file()]
+    for name in copied:
+        shutil.copy2(Path(source) / name, Path(dest) / name)
+    return copied
 
 
 def check_out_dir(out: Path, sources: tuple[Path, ...], overwrite: bool) -> None:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 import onnxscript.optimizer
-from onnx_ir.passes.common import CommonSubexpressionEliminationPass, RemoveUnusedNodesPass, ShapeInferencePass
+from onnx_ir.passes.common import (
+    CommonSubexpressionEliminationPass,
+    RemoveUnusedNodesPass,
+    ShapeInferencePass,
+)
 
 
 def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:

@@ -38,7 +38,12 @@ def _size(model: onnx.ModelProto) -> int:
 def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict[str, dict] | None = None,
                    overwrite: bool = False, progress: bool = True) -> tuple[Manifest, list[dict]]:
     """Run `names` in order on both graphs of `source`; write `out` (atomically) with passes_report.json."""
-    from dflash_onnx.export import check_out_dir, publish_dir, share_initializers
+    from dflash_onnx.export import (
+        check_out_dir,
+        copy_tokenizer_files,
+        publish_dir,
+        share_initializers,
+    )
 
     passes = registry()
     unknown = [n for n in names if n not in passes]
@@ -80,9 +85,7 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
             onnx.save_model(model, str(tmp / spec.file), save_as_external_data=True, all_tensors_to_one_file=True,
                             location=f"{spec.file}.data", size_threshold=1024)
         share_initializers(tmp, manifest.draft.file, manifest.target.file, manifest.vocab_size)
-        for path in Path(source).iterdir():
-            if path.suffix not in (".onnx", ".data") and path.name != "dflash.json" and path.is_file():
-                shutil.copy2(path, tmp / path.name)
+        copy_tokenizer_files(source, tmp)
         applied = [{"name": n, "options": {**pass_options.get("*", {}), **pass_options.get(n, {})},
                     "bound": passes[n].bound, "lossy": passes[n].lossy} for n in names]
         result = replace(manifest, passes=[*manifest.passes, *applied])

@@ -235,6 +235,7 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options, dry_run: bool = 
 
     from dflash_onnx.export import (
         check_out_dir,
+        copy_tokenizer_files,
         graph_spec,
         publish_dir,
         share_initializers,
@@ -281,9 +282,7 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options, dry_run: bool = 
             script = tmp / "compile.sh"
             script.write_text(compile_script(compile_commands(compiler or ["qaic-compile"], options)))
             script.chmod(0o755)
-            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-                if (Path(source) / name).is_file():
-                    shutil.copy2(Path(source) / name, tmp / name)
+            copy_tokenizer_files(source, tmp)
             lowered = replace(
                 manifest, target=graphs["target"], draft=graphs["draft"], form="retained", ctx_len=options.ctx_len,
                 prefill_len=options.prefill_len, opset=options.opset, kv_layout="batch,kv_heads,ctx_len,head_dim",

@@ -80,7 +80,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions, target_dir: Pa
     """Write COREML_DIR: target.mlpackage, draft.mlpackage (stateful, fp16) and the manifest."""
     import torch
 
-    from dflash_onnx.export import check_out_dir, publish_dir
+    from dflash_onnx.export import check_out_dir, copy_tokenizer_files, publish_dir
     from dflash_onnx.models.stateful import StatefulDraft, StatefulTarget
     from dflash_onnx.models.target import TappedTarget
     from dflash_onnx.pair import load_draft, load_target
@@ -144,9 +144,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions, target_dir: Pa
                            {"draft_ids": ("int32", [1, block - 1]), "logits": ("float16", [1, block - 1, vocab])},
                            len(draft.layers), draft.num_kv_heads, draft.head_dim),
         }
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-            if (Path(source) / name).is_file():
-                shutil.copy2(Path(source) / name, tmp / name)
+        copy_tokenizer_files(source, tmp)
         lowered = replace(manifest, target=graphs["target"], draft=graphs["draft"], form="retained",
                           ctx_len=options.ctx_len, prefill_len=chunk, dtype="float16",
                           kv_layout="state: batch,kv_heads,ctx_len,head_dim",

@@ -125,7 +125,7 @@ def _strip_weights(model: onnx.ModelProto) -> onnx.ModelProto:
 def lower_mlx(source: Path, out: Path, bits: int | None = None, group_size: int = 64, overwrite: bool = False,
               progress: bool = True) -> Manifest:
     """Write MLX_DIR: graph structures, MLX safetensors weights (optionally quantized), manifest."""
-    from dflash_onnx.export import check_out_dir, publish_dir
+    from dflash_onnx.export import check_out_dir, copy_tokenizer_files, publish_dir
 
     mx = _import_mlx()
     manifest = load_manifest(source)
@@ -157,9 +157,7 @@ def lower_mlx(source: Path, out: Path, bits: int | None = None, group_size: int 
             mx.save_safetensors(str(tmp / f"{graph}.safetensors"), arrays)
             onnx.save_model(_strip_weights(model), str(tmp / getattr(manifest, graph).file))
             del arrays, model
-        for path in Path(source).iterdir():
-            if path.is_file() and path.suffix not in (".onnx", ".data") and path.name != "dflash.json":
-                shutil.copy2(path, tmp / path.name)
+        copy_tokenizer_files(source, tmp)
         lowered = replace(manifest, lowering={"target": "mlx", "bits": bits, "group_size": group_size,
                                               SHARED: shared, "weights": report})
         lowered.save(tmp)

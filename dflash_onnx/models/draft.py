@@ -16,7 +16,11 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+)
 
 from ..errors import DFlashError
 
