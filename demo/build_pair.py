@@ -106,7 +106,8 @@ def train_target(files: list[Path], out: Path, work: Path, minutes: float, seed:
         if step % 25 == 0:
             log.append({"step": step, "loss": round(loss.item(), 4),
                         "seconds": round(time.perf_counter() - started + spent, 1)})
-            print(f"target step {step} loss {loss.item():.3f} ({log[-1]['seconds']:.0f} s)", file=sys.stderr, flush=True)
+            print(f"target step {step} loss {loss.item():.3f} ({log[-1]['seconds']:.0f} s)", file=sys.stderr,
+                  flush=True)
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "log": log},
                        state_path)
     model.eval()

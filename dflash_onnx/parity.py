@@ -141,8 +141,8 @@ def _compare_graphs(prompt_index: int, prompt: np.ndarray, manifest: Manifest, d
     return checks
 
 
-def run_parity(out_dir: Path, target_dir: Path | None = None, draft_dir: Path | None = None, num_prompts: int = 4, max_new_tokens: int = 32,
-               seed: int = 0, decoder: Decoder | None = None) -> ParityReport:
+def run_parity(out_dir: Path, target_dir: Path | None = None, draft_dir: Path | None = None, num_prompts: int = 4,
+               max_new_tokens: int = 32, seed: int = 0, decoder: Decoder | None = None) -> ParityReport:
     """Compare the exported graphs in `out_dir` with the PyTorch pair they were exported from."""
     decoder = decoder or Decoder.open(Path(out_dir))
     manifest = decoder.manifest

@@ -1,8 +1,9 @@
 """`dflash-onnx steps`: median latency of the three calls a DFlash round makes, for several exported
 directories side by side (round-robin, so machine noise hits all of them alike).
 
-ONNX Runtime for exports, MLX for MLX lowerings. decode = target on 1 token, verify = target on block_size tokens, draft = one draft step with block_size
-new context rows; all at `context` tokens of K/V. Used to measure what a graph pass buys.
+ONNX Runtime for exports, MLX for MLX lowerings. decode = target on 1 token, verify = target on
+block_size tokens, draft = one draft step with block_size new context rows; all at `context` tokens of
+K/V. Used to measure what a graph pass or a backend buys.
 """
 
 from __future__ import annotations

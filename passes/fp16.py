@@ -1,9 +1,10 @@
 """fp16: weights and activations to float16 (ONNX Runtime's converter), graph I/O kept float32.
 
 Norm statistics (Pow/ReduceMean, the epsilon Add, Sqrt/Reciprocal), Softmax and RoPE (the angles
-position * inv_freq, which reach ctx_len radians, and their Cos/Sin) stay float32 islands. Before converting the draft, its fc (n_taps*hidden -> hidden, summing several layers' features)
-is divided by a power of two so its output stays well inside float16: hidden_norm follows it, and RMSNorm
-is scale invariant, so the draft's output is unchanged. Then every float tensor of the graph is measured on
+position * inv_freq, which reach ctx_len radians, and their Cos/Sin) stay float32 islands. Before
+converting the draft, its fc (n_taps*hidden -> hidden, summing several layers' features) is divided by
+a power of two so its output stays well inside float16: hidden_norm follows it, and RMSNorm is scale
+invariant, so the draft's output is unchanged. Then every float tensor of the graph is measured on
 calibration feeds and an activation beyond float16's range is reported as a warning.
 """
 

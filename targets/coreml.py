@@ -24,7 +24,8 @@ from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import GraphSpec, Manifest, TensorSpec, load_manifest
 
 COMPUTE_UNITS = ("all", "cpu_and_ne", "cpu_and_gpu", "cpu_only")
-TESTED_WITH = "coremltools 9.0 with torch 2.13.0 (TorchScript frontend; coremltools warns it was tested up to torch 2.7)"
+TESTED_WITH = ("coremltools 9.0 with torch 2.13.0 (TorchScript frontend; coremltools warns it was tested up to "
+               "torch 2.7)")
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,8 @@ def lower_mlx(source: Path, out: Path, bits: int | None = None, group_size: int 
         unsupported = _unsupported_ops(structures)
         if unsupported:
             raise DFlashError(f"{source} uses ops the MLX backend does not run: {', '.join(unsupported)} "
-                              "(lower an fp32/fp16 export, optionally after cleanup or rope-fusion; quantize with --bits)")
+                              "(lower an fp32/fp16 export, optionally after cleanup or rope-fusion; "
+                              "quantize with --bits)")
         shared = _shared_with_target(structures["draft"], structures["target"])
         report = {}
         for graph in ("target", "draft"):

@@ -259,7 +259,8 @@ def test_fp16_reports_activations_beyond_float16(tmp_path):
 
     model, feeds = _fc_then_norm_graph(fc_gain=3000.0)
     _, details = fp16(model, "target", {"calibration_feeds": feeds})  # only the draft's fc is pre-scaled
-    assert details["fp16_overflow"] and details["largest_activation_at"] == "fc_out"  # float32 islands (the square) are fine
+    # float32 islands (the square) may exceed float16's range; fc's own output may not
+    assert details["fp16_overflow"] and details["largest_activation_at"] == "fc_out"
     assert "exceeds float16's range" in details["warnings"][0]
     _, quiet = fp16(_fc_then_norm_graph(fc_gain=1.0)[0], "target", {"calibration_feeds": feeds})
     assert not quiet["fp16_overflow"] and "warnings" not in quiet
