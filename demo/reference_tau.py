@@ -1,0 +1,40 @@
+"""tau of the reference `dflash` package with the shipped demo pair, on the demo's held-out prompts.
+
+    python demo/reference_tau.py [PROMPTS]      (needs: pip install --no-deps dflash==0.1.0)
+
+`dflash-onnx demo --json` reports our tau on the same prompts; the two should be equal.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+from dflash import model as dflash_model
+from transformers import AutoModelForCausalLM
+
+from dflash_onnx.demo import PAIR_DIR, held_out_prompts
+from dflash_onnx.tokenizer import TextCodec
+
+dflash_model._cuda_time = time.perf_counter  # the reference times itself with CUDA events; plain clock on CPU
+
+
+def main() -> None:
+    count = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+    codec = TextCodec(PAIR_DIR / "target")
+    target = AutoModelForCausalLM.from_pretrained(str(PAIR_DIR / "target"), dtype=torch.float32,
+                                                  attn_implementation="sdpa").eval()
+    draft = dflash_model.DFlashDraftModel.from_pretrained(str(PAIR_DIR / "draft"), dtype=torch.float32).eval()
+    lengths: list[int] = []
+    for text in held_out_prompts(count):
+        ids = torch.tensor(codec.encode(text))[None]
+        out = dflash_model.dflash_generate(draft, target, ids, 128, None, return_stats=True)
+        lengths += list(out.acceptance_lengths)
+    print(json.dumps({"reference_tau": float(np.mean(lengths)), "steps": len(lengths)}))
+
+
+if __name__ == "__main__":
+    main()
