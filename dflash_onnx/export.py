@@ -14,6 +14,8 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -301,6 +303,21 @@ def check_out_dir(out: Path, sources: tuple[Path, ...], overwrite: bool) -> None
     for source in sources:
         if resolved == source.resolve() or resolved in source.resolve().parents:
             raise DFlashError(f"--out {out} would replace the model directory {source}: choose another --out")
+
+
+@contextmanager
+def staged_directory(out: Path) -> Iterator[Path]:
+    """A temporary sibling of `out` to write into: published as `out` on success, removed on any error,
+    so a failed or interrupted run never leaves a half-written directory."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        publish_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def publish_dir(tmp: Path, out: Path) -> None:

@@ -12,9 +12,7 @@ Prediction needs macOS 15+: elsewhere `CoremlSession` says so.
 from __future__ import annotations
 
 import platform
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -81,7 +79,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions, target_dir: Pa
     """Write COREML_DIR: target.mlpackage, draft.mlpackage (stateful, fp16) and the manifest."""
     import torch
 
-    from dflash_onnx.export import check_out_dir, copy_tokenizer_files, publish_dir
+    from dflash_onnx.export import check_out_dir, copy_tokenizer_files, staged_directory
     from dflash_onnx.models.stateful import StatefulDraft, StatefulTarget
     from dflash_onnx.models.target import TappedTarget
     from dflash_onnx.pair import load_draft, load_target
@@ -97,12 +95,10 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions, target_dir: Pa
     target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir, flag="--{kind}-dir")
     out = Path(out)
     check_out_dir(out, (target_dir, draft_dir, Path(source)), overwrite=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     stages = Stages(4, enabled=progress)
     block, chunk = manifest.block_size, options.prefill_len
     sizes = ct.EnumeratedShapes(shapes=[(1, block), (1, chunk)], default=(1, block))
-    try:
+    with staged_directory(out) as tmp:
         with stages.stage("loading target and draft"), torch.no_grad():
             lm = load_target(target_dir, "float32")
             draft = load_draft(draft_dir, lm, "float32")
@@ -154,10 +150,6 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions, target_dir: Pa
                                                                          "draft": stateful_draft.state_names},
                                     "converter": TESTED_WITH})
         lowered.save(tmp)
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return lowered
 
 

@@ -14,9 +14,7 @@ Argmax runs inside the graph, so greedy decoding copies only ids and features to
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -125,7 +123,7 @@ def _strip_weights(model: onnx.ModelProto) -> onnx.ModelProto:
 def lower_mlx(source: Path, out: Path, bits: int | None = None, group_size: int = 64, overwrite: bool = False,
               progress: bool = True) -> Manifest:
     """Write MLX_DIR: graph structures, MLX safetensors weights (optionally quantized), manifest."""
-    from dflash_onnx.export import check_out_dir, copy_tokenizer_files, publish_dir
+    from dflash_onnx.export import check_out_dir, copy_tokenizer_files, staged_directory
 
     mx = _import_mlx()
     manifest = load_manifest(source)
@@ -137,9 +135,7 @@ def lower_mlx(source: Path, out: Path, bits: int | None = None, group_size: int 
         raise DFlashError(f"--group-size {group_size}: MLX supports 32, 64 or 128")
     out = Path(out)
     check_out_dir(out, (Path(source),), overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_directory(out) as tmp:
         structures = {g: onnx.load(str(Path(source) / getattr(manifest, g).file), load_external_data=False)
                       for g in ("target", "draft")}
         unsupported = _unsupported_ops(structures)
@@ -162,10 +158,6 @@ def lower_mlx(source: Path, out: Path, bits: int | None = None, group_size: int 
         lowered = replace(manifest, lowering={"target": "mlx", "bits": bits, "group_size": group_size,
                                               SHARED: shared, "weights": report})
         lowered.save(tmp)
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return lowered
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -119,21 +118,13 @@ def held_out_tau(draft: DFlashDraft, examples: list[tuple[torch.Tensor, torch.Te
 
 
 def _save_draft(draft: DFlashDraft, config: dict, out: Path, report: dict) -> None:
-    from ..export import publish_dir
+    from ..export import staged_directory
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_directory(out) as tmp:
         state = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if k not in SAVED_AWAY}
         save_file(state, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: list[Path] | None = None,
