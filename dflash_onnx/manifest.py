@@ -106,6 +106,17 @@ class Manifest:
         return cls(**data)
 
 
+def load_export(directory: Path, action: str) -> Manifest:
+    """The manifest of a directory `dflash-onnx export` (or `optimize`) wrote; lowered directories are refused,
+    whatever their form (an MLX lowering keeps concat-form graphs but not their weights)."""
+    manifest = load_manifest(directory)
+    if manifest.form != "concat" or manifest.lowering:
+        lowered_for = manifest.lowering.get("target", manifest.form)
+        raise DFlashError(f"{directory} is already lowered (for {lowered_for}): {action} the directory "
+                          "'dflash-onnx export' wrote")
+    return manifest
+
+
 def load_manifest(directory: Path) -> Manifest:
     """Read and validate OUT/dflash.json, with messages that say what to do."""
     directory = Path(directory)

@@ -13,7 +13,7 @@ from pathlib import Path
 import onnx
 
 from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import Manifest, load_manifest
+from dflash_onnx.manifest import Manifest, load_export
 
 from . import registry
 from .calibration import record_feeds
@@ -49,9 +49,7 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
     unknown = [n for n in names if n not in passes]
     if unknown or not names:
         raise DFlashError(f"unknown passes {unknown or names}: choose from {', '.join(passes)}")
-    manifest = load_manifest(source)
-    if manifest.form != "concat":
-        raise DFlashError(f"{source} is a lowered ({manifest.form}) directory: run passes on an export")
+    manifest = load_export(source, "run passes on")
     out = Path(out)
     check_out_dir(out, (Path(source),), overwrite)
     pass_options = pass_options or {}

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import Manifest, load_manifest
+from dflash_onnx.manifest import Manifest, load_export
 from passes.calibration import FP16_MAX, power_of_two_scale
 
 SDK_DIR = Path("/opt/qti-aic")
@@ -244,9 +244,7 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options, dry_run: bool = 
     from dflash_onnx.pair import load_draft, load_target
     from dflash_onnx.progress import Stages
 
-    manifest = load_manifest(source)
-    if manifest.form != "concat":
-        raise DFlashError(f"{source} is already lowered ({manifest.form} form): pass the directory 'export' wrote")
+    manifest = load_export(source, "lower")
     options.validate(manifest.block_size)
     target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir, flag="--{kind}-dir")
     out = Path(out)

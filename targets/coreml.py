@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import GraphSpec, Manifest, TensorSpec, load_manifest
+from dflash_onnx.manifest import GraphSpec, Manifest, TensorSpec, load_export
 
 COMPUTE_UNITS = ("all", "cpu_and_ne", "cpu_and_gpu", "cpu_only")
 TESTED_WITH = ("coremltools 9.0 with torch 2.13.0 (TorchScript frontend; coremltools warns it was tested up to "
@@ -88,9 +88,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions, target_dir: Pa
     from .ai100 import calibrate_fc_scale
 
     ct = _import_coremltools()
-    manifest = load_manifest(source)
-    if manifest.form != "concat" or manifest.lowering:
-        raise DFlashError(f"{source} is already lowered: pass the directory 'dflash-onnx export' wrote")
+    manifest = load_export(source, "lower")
     options.validate(manifest.block_size)
     target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir, flag="--{kind}-dir")
     out = Path(out)

@@ -24,7 +24,7 @@ import onnx
 from onnx import numpy_helper
 
 from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import Manifest, load_manifest
+from dflash_onnx.manifest import Manifest, load_export
 
 BITS = (4, 8)
 SHARED = "shared_with_target"
@@ -126,9 +126,7 @@ def lower_mlx(source: Path, out: Path, bits: int | None = None, group_size: int 
     from dflash_onnx.export import check_out_dir, copy_tokenizer_files, staged_directory
 
     mx = _import_mlx()
-    manifest = load_manifest(source)
-    if manifest.form != "concat" or manifest.lowering:
-        raise DFlashError(f"{source} is already lowered: pass the directory 'dflash-onnx export' wrote")
+    manifest = load_export(source, "lower")
     if bits is not None and bits not in BITS:
         raise DFlashError(f"--bits {bits}: MLX quantizes to {' or '.join(map(str, BITS))} bits")
     if group_size not in (32, 64, 128):

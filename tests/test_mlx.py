@@ -107,6 +107,10 @@ def test_backend_and_lowering_must_agree(exported, mlx_lowered, tmp_path):
         Decoder.open(exported("agree_b8").out, backend="mlx")
     with pytest.raises(DFlashError, match="already lowered"):
         lower_mlx(mlx_lowered("agree_b8"), tmp_path / "again", progress=False)
+    from passes.pipeline import apply_pipeline
+
+    with pytest.raises(DFlashError, match=r"already lowered \(for mlx\)"):  # its graphs carry no weights
+        apply_pipeline(mlx_lowered("agree_b8"), ["cleanup"], tmp_path / "passes", progress=False)
     with pytest.raises(DFlashError, match="MLX supports 32, 64 or 128"):
         lower_mlx(exported("agree_b8").out, tmp_path / "bad", bits=4, group_size=48, progress=False)
     assert not (tmp_path / "again").exists() and not (tmp_path / "bad").exists()
