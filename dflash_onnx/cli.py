@@ -190,6 +190,42 @@ def _distill(args) -> int:
     return 0
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise DFlashError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise DFlashError(f"{flag} must list positive integers, got {text!r}")
+    return values
+
+
+def _bench(args) -> int:
+    from .bench import BenchOptions, format_report, run_bench
+
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
+                        ("--num-prompts", args.num_prompts), ("--curve-repeats", args.curve_repeats)):
+        if value < 1:
+            raise DFlashError(f"{flag} must be at least 1, got {value}")
+    options = BenchOptions(
+        max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_prompts=args.num_prompts,
+        verify_lengths=_int_list(args.block_sizes, "--block-sizes") if args.block_sizes else None,
+        contexts=_int_list(args.contexts, "--contexts"), curve_repeats=args.curve_repeats)
+    peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
+    report = run_bench(args.dir, args.backend, args.prompts, options, peers, (args.target, args.draft),
+                       progress=not args.quiet)
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    if args.plot:
+        from .bench_plot import plot_report
+
+        plot_report(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if report["aggregate"]["all_identical_to_greedy"] else 1
+
+
 def _demo(args) -> int:
     from .demo import run_demo
 
@@ -238,6 +274,31 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--repeats", type=int, default=20)
     steps.add_argument("--json", action="store_true")
     steps.set_defaults(func=_steps)
+
+    bench = commands.add_parser(
+        "bench", help="greedy vs DFlash tokens/s, tau, TTFT, loop overhead, verify-cost curve (and peers)",
+        description="Measures greedy and DFlash decoding per prompt (alternating runs, medians), the target's "
+                    "step time for T = 1..block new tokens at several contexts and the draft step, and what "
+                    "those imply. Exits 1 if any DFlash output differs from greedy.")
+    bench.add_argument("dir", type=Path, help="an exported or lowered directory")
+    bench.add_argument("--backend", choices=("ort", "ai100", "mlx", "coreml"),
+                       help="default: the lowering's backend, else ort")
+    bench.add_argument("--prompts", type=Path, help="one prompt per line (\\n for newlines), or .jsonl with "
+                       "\"prompt\" or \"ids\"; default: held-out standard-library code (random ids without a tokenizer)")
+    bench.add_argument("--num-prompts", type=int, default=4, help="default prompts to take (default 4)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=3, help="runs per prompt and mode (medians)")
+    bench.add_argument("--block-sizes", help="verify lengths T of the cost curve (default 1,2,4,..,block)")
+    bench.add_argument("--contexts", default="256,1024", help="context lengths of the cost curve")
+    bench.add_argument("--curve-repeats", type=int, default=10)
+    bench.add_argument("--peers", help="also run hf (transformers greedy) and/or reference (dflash_generate at "
+                       "block 1 and B) on the checkpoints, e.g. hf,reference")
+    bench.add_argument("--target", type=Path, help="target checkpoint for --peers (default: recorded at export)")
+    bench.add_argument("--draft", type=Path, help="draft checkpoint for --peers (default: recorded at export)")
+    bench.add_argument("--json", type=Path, help="write every figure to this JSON file")
+    bench.add_argument("--plot", type=Path, help="write the curve and histogram to this PNG (needs matplotlib)")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.set_defaults(func=_bench)
 
     lower = commands.add_parser("lower", help="lower an exported directory for a backend (ai100, mlx, coreml)")
     lower.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")

@@ -18,22 +18,33 @@ from .errors import DFlashError
 from .manifest import Manifest, load_manifest
 
 
-def _feeds(manifest: Manifest, context: int) -> dict[str, dict[str, np.ndarray]]:
+def _kv(manifest: Manifest, graph, context: int) -> dict[str, np.ndarray]:
     dtype = np.float16 if manifest.dtype == "float16" else np.float32
-    block = manifest.block_size
+    rng = np.random.default_rng(0)  # random, not zeros: calloc'd zero pages would time page faults
+    return {n: rng.standard_normal((1, context, graph.num_kv_heads, graph.head_dim)).astype(dtype)
+            for n in graph.kv_inputs}
 
-    def kv(graph):
-        return {n: np.zeros((1, context, graph.num_kv_heads, graph.head_dim), dtype) for n in graph.kv_inputs}
 
-    def target(count):
-        return {"input_ids": np.full((1, count), 3, np.int64),
-                "position_ids": np.arange(context, context + count, dtype=np.int64)[None], **kv(manifest.target)}
+def target_feeds(manifest: Manifest, context: int, count: int) -> dict[str, np.ndarray]:
+    """A target call on `count` new tokens after `context` tokens of K/V (concat form)."""
+    return {"input_ids": np.full((1, count), 3, np.int64),
+            "position_ids": np.arange(context, context + count, dtype=np.int64)[None],
+            **_kv(manifest, manifest.target, context)}
 
-    features = manifest.num_taps * manifest.target_hidden_size
-    draft = {"input_ids": np.full((1, block), manifest.mask_token_id, np.int64),
-             "target_hidden": np.zeros((1, block, features), dtype),
-             "position_ids": np.arange(context, context + 2 * block, dtype=np.int64)[None], **kv(manifest.draft)}
-    return {"decode": target(1), "verify": target(block), "draft": draft}
+
+def draft_feeds(manifest: Manifest, context: int) -> dict[str, np.ndarray]:
+    """A draft step with block_size new context rows after `context` cached ones (concat form)."""
+    dtype = np.float16 if manifest.dtype == "float16" else np.float32
+    block, features = manifest.block_size, manifest.num_taps * manifest.target_hidden_size
+    return {"input_ids": np.full((1, block), manifest.mask_token_id, np.int64),
+            "target_hidden": np.random.default_rng(1).standard_normal((1, block, features)).astype(dtype),
+            "position_ids": np.arange(context, context + 2 * block, dtype=np.int64)[None],
+            **_kv(manifest, manifest.draft, context)}
+
+
+def _feeds(manifest: Manifest, context: int) -> dict[str, dict[str, np.ndarray]]:
+    return {"decode": target_feeds(manifest, context, 1), "verify": target_feeds(manifest, context, manifest.block_size),
+            "draft": draft_feeds(manifest, context)}
 
 
 def _size_and_nodes(directory: Path, manifest: Manifest) -> tuple[float, int, int]:

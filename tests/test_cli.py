@@ -97,7 +97,7 @@ def test_generate_path_does_not_import_torch(exported):
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
-@pytest.mark.parametrize("command", ["export", "generate", "parity", "demo"])
+@pytest.mark.parametrize("command", ["export", "generate", "parity", "demo", "bench", "steps", "lower", "optimize", "distill"])
 def test_help_for_every_command(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])

@@ -1,0 +1,305 @@
+"""`dflash-onnx bench`: the figures a user compares when choosing a speculative decoding stack.
+
+Per prompt and in aggregate: greedy and DFlash tokens/s (decode only, the reference's definition, and end
+to end), speedup, tau and its histogram, TTFT, and the loop overhead (share of decode wall time spent
+outside backend calls). The verify-cost curve (median target step time for T new tokens at several
+context lengths, plus the draft step) gives the speedup those step times imply at the measured tau,
+printed next to the measured one. Greedy and DFlash runs alternate so machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .decode import Decoder
+from .errors import DFlashError
+from .manifest import Manifest
+from .steps import draft_feeds, target_feeds
+from .tokenizer import TextCodec, has_tokenizer
+
+
+@dataclass
+class BenchOptions:
+    max_new_tokens: int = 128
+    repeats: int = 3
+    num_prompts: int = 4
+    verify_lengths: list[int] | None = None  # None: 1, 2, 4, ... up to and including block_size
+    contexts: list[int] = field(default_factory=lambda: [256, 1024])
+    curve_repeats: int = 10
+
+
+class ClockedSession:
+    """A Session that adds up the seconds spent inside run(); everything else is the wrapped session's."""
+
+    def __init__(self, session):
+        self._session = session
+        self.seconds = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def run(self, feeds, output_names=None):
+        started = time.perf_counter()
+        try:
+            return self._session.run(feeds, output_names)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+def default_verify_lengths(block_size: int) -> list[int]:
+    lengths, t = [], 1
+    while t < block_size:
+        lengths.append(t)
+        t *= 2
+    return lengths + [block_size]
+
+
+def load_prompts(path: Path | None, codec: TextCodec | None, count: int, vocab_size: int) -> list[dict]:
+    """Prompts as {"text", "ids"}: from a file (one prompt per line, or JSONL with "prompt" or "ids"), else
+    held-out standard-library code when the directory has a tokenizer, else seeded random ids."""
+    from .demo import held_out_prompts
+
+    if path is not None:
+        if not Path(path).is_file():
+            raise DFlashError(f"--prompts {path}: no such file")
+        prompts = []
+        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            if Path(path).suffix == ".jsonl":
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    raise DFlashError(f"{path}:{number}: not a JSON object") from None
+                text, ids = entry.get("prompt"), entry.get("ids")
+            else:
+                text, ids = line.replace("\\n", "\n"), None
+            if ids is None:
+                if text is None:
+                    raise DFlashError(f"{path}:{number}: give \"prompt\" (text) or \"ids\"")
+                if codec is None:
+                    raise DFlashError(f"{path}:{number}: text prompts need tokenizer.json in the directory; "
+                                      "give token ids in a .jsonl file instead")
+                ids = codec.encode(text)
+            if not ids or min(ids) < 0 or max(ids) >= vocab_size:
+                raise DFlashError(f"{path}:{number}: prompt ids must be non-empty and lie in 0..{vocab_size - 1}")
+            prompts.append({"text": text, "ids": list(map(int, ids))})
+        if not prompts:
+            raise DFlashError(f"--prompts {path} holds no prompts")
+        return prompts
+    if codec is not None:
+        return [{"text": text, "ids": codec.encode(text)} for text in held_out_prompts(count)]
+    rng = np.random.default_rng(0)
+    return [{"text": None, "ids": rng.integers(2, vocab_size - 1, size=16).tolist()} for _ in range(count)]
+
+
+def _timed_run(decoder: Decoder, clocks: list[ClockedSession], ids: list[int], max_new_tokens: int, mode: str):
+    """One generation; returns (result, seconds spent in backend calls during decode, prefill excluded)."""
+    steps = decoder.stream(ids, max_new_tokens, mode, stop_token_ids=[])
+    next(steps)  # prefill and the first token
+    in_backend = -sum(c.seconds for c in clocks)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value, in_backend + sum(c.seconds for c in clocks)
+
+
+def measure_generation(decoder: Decoder, prompts: list[dict], options: BenchOptions, bar=None) -> list[dict]:
+    """Greedy and DFlash per prompt, alternating, `repeats` times; medians of the timings."""
+    clocks = [ClockedSession(decoder.target), ClockedSession(decoder.draft)]
+    decoder.target, decoder.draft = clocks
+    block = decoder.manifest.block_size
+    rows = []
+    try:
+        decoder.generate(prompts[0]["ids"], min(8, options.max_new_tokens), "dflash", stop_token_ids=[])  # warm-up
+        for prompt in prompts:
+            runs: dict[str, list] = {"greedy": [], "dflash": []}
+            for repeat in range(options.repeats):
+                for mode in (("greedy", "dflash") if repeat % 2 == 0 else ("dflash", "greedy")):
+                    runs[mode].append(_timed_run(decoder, clocks, prompt["ids"], options.max_new_tokens, mode))
+                    if bar is not None:
+                        bar.update(1)
+            rows.append(_prompt_row(prompt, runs, block))
+    finally:
+        decoder.target, decoder.draft = clocks[0]._session, clocks[1]._session
+    return rows
+
+
+def _prompt_row(prompt: dict, runs: dict[str, list], block: int) -> dict:
+    row: dict = {"prompt": prompt["text"] if prompt["text"] is not None else prompt["ids"],
+                 "prompt_ids": prompt["ids"]}
+    for mode, results in runs.items():
+        first = results[0][0]
+        decode_s = float(np.median([r.decode_s for r, _ in results]))
+        ttft_s = float(np.median([r.ttft_s for r, _ in results]))
+        in_backend = float(np.median([b for _, b in results]))
+        row[mode] = {
+            "tokens": len(first.tokens), "decode_s": decode_s, "ttft_s": ttft_s, "backend_s": in_backend,
+            "tokens_per_second": len(first.tokens) / decode_s,
+            "end_to_end_tokens_per_second": len(first.tokens) / (decode_s + ttft_s),
+            "loop_overhead": max(0.0, 1 - in_backend / decode_s),
+            "acceptance_lengths": first.acceptance_lengths, "tau": first.tau,
+            "acceptance_histogram": first.acceptance_histogram(block if mode == "dflash" else 1),
+        }
+        row[f"{mode}_token_ids"] = first.tokens
+    row["identical_to_greedy"] = row.pop("dflash_token_ids") == row["greedy_token_ids"]
+    row["tokens"] = row.pop("greedy_token_ids")
+    row["speedup"] = row["dflash"]["tokens_per_second"] / row["greedy"]["tokens_per_second"]
+    return row
+
+
+def aggregate(rows: list[dict], block: int) -> dict:
+    summary: dict = {}
+    for mode in ("greedy", "dflash"):
+        tokens = sum(r[mode]["tokens"] for r in rows)
+        decode_s = sum(r[mode]["decode_s"] for r in rows)
+        ttft_s = sum(r[mode]["ttft_s"] for r in rows)
+        summary[mode] = {
+            "tokens": tokens, "tokens_per_second": tokens / decode_s,
+            "end_to_end_tokens_per_second": tokens / (decode_s + ttft_s),
+            "ttft_ms_median": 1000 * float(np.median([r[mode]["ttft_s"] for r in rows])),
+            "loop_overhead": max(0.0, 1 - sum(r[mode]["backend_s"] for r in rows) / decode_s),
+        }
+    lengths = [n for r in rows for n in r["dflash"]["acceptance_lengths"]]
+    summary["tau"] = float(np.mean(lengths)) if lengths else 0.0
+    summary["acceptance_histogram"] = np.sum([r["dflash"]["acceptance_histogram"] for r in rows], axis=0).tolist()
+    summary["speedup"] = summary["dflash"]["tokens_per_second"] / summary["greedy"]["tokens_per_second"]
+    summary["end_to_end_speedup"] = (summary["dflash"]["end_to_end_tokens_per_second"]
+                                     / summary["greedy"]["end_to_end_tokens_per_second"])
+    summary["all_identical_to_greedy"] = all(r["identical_to_greedy"] for r in rows)
+    return summary
+
+
+def measure_curve(decoder: Decoder, options: BenchOptions, bar=None) -> dict:
+    """Median target step ms for each verify length T at each context, and the draft step (concat form)."""
+    manifest: Manifest = decoder.manifest
+    if manifest.form != "concat":
+        return {"skipped": f"{manifest.form}-form graphs run at their compiled sizes only; the curve needs an "
+                           "export or an MLX lowering"}
+    lengths = options.verify_lengths or default_verify_lengths(manifest.block_size)
+    calls = []
+    for context in options.contexts:
+        calls += [(context, t, decoder.target, target_feeds(manifest, context, t)) for t in lengths]
+        calls.append((context, "draft", decoder.draft, draft_feeds(manifest, context)))
+    times: dict = {(context, kind): [] for context, kind, _, _ in calls}
+    for repeat in range(options.curve_repeats + 1):  # round-robin; the first round warms up and is dropped
+        for context, kind, session, feeds in calls:
+            names = ["draft_ids"] if kind == "draft" else ["greedy_ids", "target_hidden"]
+            started = time.perf_counter()
+            session.run(feeds, names)
+            if repeat:
+                times[(context, kind)].append(time.perf_counter() - started)
+        if bar is not None:
+            bar.update(1)
+    median = {key: 1000 * float(np.median(values)) for key, values in times.items()}
+    return {"verify_lengths": lengths, "contexts": options.contexts,
+            "target_ms": {str(c): [median[(c, t)] for t in lengths] for c in options.contexts},
+            "draft_ms": {str(c): median[(c, "draft")] for c in options.contexts}}
+
+
+def implied_speedups(curve: dict, tau: float, block: int) -> dict:
+    """Per context: tau * t(1) / (t(block) + draft), the speedup the step times imply, and the tau at
+    which DFlash breaks even, (t(block) + draft) / t(1)."""
+    if "skipped" in curve or 1 not in curve["verify_lengths"] or block not in curve["verify_lengths"]:
+        return {}
+    one, full = curve["verify_lengths"].index(1), curve["verify_lengths"].index(block)
+    out = {}
+    for context, times in curve["target_ms"].items():
+        round_ms = times[full] + curve["draft_ms"][context]
+        out[context] = {"implied_speedup": tau * times[one] / round_ms, "break_even_tau": round_ms / times[one]}
+    return out
+
+
+def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, options: BenchOptions,
+              peers: list[str], checkpoints: tuple[Path | None, Path | None], progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from .manifest import load_manifest
+
+    manifest = load_manifest(directory)
+    bad = [t for t in options.verify_lengths or [] if not 1 <= t <= manifest.block_size]
+    if bad:
+        raise DFlashError(f"verify lengths must lie in 1..{manifest.block_size} (the block size), got {bad}")
+    if peers:
+        from .peers import check_peer_names
+
+        check_peer_names(peers)
+    backend = backend or {"mlx": "mlx", "coreml": "coreml"}.get(manifest.lowering.get("target"), "ort")
+    decoder = Decoder.open(directory, backend=backend)
+    codec = TextCodec(directory) if has_tokenizer(directory) else None
+    prompts = load_prompts(prompts_file, codec, options.num_prompts, manifest.vocab_size)
+    total = 2 * options.repeats * len(prompts) + (options.curve_repeats + 1 if manifest.form == "concat" else 0)
+    with tqdm(total=total, disable=not progress, desc="bench", unit="run", file=sys.stderr) as bar:
+        rows = measure_generation(decoder, prompts, options, bar)
+        curve = measure_curve(decoder, options, bar)
+    summary = aggregate(rows, manifest.block_size)
+    report = {
+        "directory": str(directory), "backend": backend, "block_size": manifest.block_size,
+        "passes": [p["name"] for p in manifest.passes], "lowering": manifest.lowering.get("target"),
+        "max_new_tokens": options.max_new_tokens, "repeats": options.repeats,
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "python": platform.python_version(), **_library_versions()},
+        "aggregate": summary, "prompts": rows, "curve": curve,
+        "implied": implied_speedups(curve, summary["tau"], manifest.block_size),
+    }
+    if peers:
+        from .peers import run_peers
+
+        report["peers"] = run_peers(manifest, prompts, options, peers, *checkpoints, ours=summary,
+                                    our_tokens=[row["tokens"] for row in rows], progress=progress)
+    return report
+
+
+def _library_versions() -> dict:
+    import onnxruntime
+
+    return {"onnxruntime": onnxruntime.__version__}
+
+
+def format_report(report: dict) -> str:
+    agg, block = report["aggregate"], report["block_size"]
+    lines = [f"{report['directory']} on {report['backend']} (block {block}, {report['max_new_tokens']} new tokens, "
+             f"median of {report['repeats']} runs)", "",
+             f"{'prompt':<7} {'tokens':>6} {'greedy tok/s':>13} {'dflash tok/s':>13} {'speedup':>8} {'tau':>6} "
+             f"{'ttft ms':>8} {'identical':>9}"]
+    for index, row in enumerate(report["prompts"], 1):
+        lines.append(f"{index:<7} {row['dflash']['tokens']:>6} {row['greedy']['tokens_per_second']:>13.1f} "
+                     f"{row['dflash']['tokens_per_second']:>13.1f} {row['speedup']:>7.2f}x {row['dflash']['tau']:>6.2f} "
+                     f"{1000 * row['dflash']['ttft_s']:>8.1f} {str(row['identical_to_greedy']):>9}")
+    g, d = agg["greedy"], agg["dflash"]
+    lines += [
+        f"{'all':<7} {d['tokens']:>6} {g['tokens_per_second']:>13.1f} {d['tokens_per_second']:>13.1f} "
+        f"{agg['speedup']:>7.2f}x {agg['tau']:>6.2f} {d['ttft_ms_median']:>8.1f} "
+        f"{str(agg['all_identical_to_greedy']):>9}", "",
+        f"end to end (prefill included): greedy {g['end_to_end_tokens_per_second']:.1f} tok/s, DFlash "
+        f"{d['end_to_end_tokens_per_second']:.1f} tok/s, speedup {agg['end_to_end_speedup']:.2f}x",
+        f"loop overhead (decode time outside backend calls): greedy {100 * g['loop_overhead']:.1f} %, "
+        f"DFlash {100 * d['loop_overhead']:.1f} %",
+        f"acceptance histogram 1..{block}: {agg['acceptance_histogram']}",
+    ]
+    curve = report["curve"]
+    if "skipped" in curve:
+        lines.append(f"verify-cost curve skipped: {curve['skipped']}")
+    else:
+        lines += ["", "target step ms by new tokens T (rows: context); draft step ms; implied speedup at tau "
+                  f"{agg['tau']:.2f}; break-even tau",
+                  f"{'context':>8} " + " ".join(f"{'T=' + str(t):>7}" for t in curve["verify_lengths"])
+                  + f" {'draft':>7} {'implied':>8} {'break-even':>10}"]
+        for context, times in curve["target_ms"].items():
+            implied = report["implied"].get(context, {})
+            lines.append(f"{context:>8} " + " ".join(f"{t:>7.2f}" for t in times)
+                         + f" {curve['draft_ms'][context]:>7.2f} {implied.get('implied_speedup', 0):>7.2f}x "
+                           f"{implied.get('break_even_tau', 0):>10.2f}")
+    if report.get("peers"):
+        from .peers import format_peers
+
+        lines += ["", format_peers(report["peers"])]
+    return "\n".join(lines)

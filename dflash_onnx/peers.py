@@ -1,0 +1,149 @@
+"""`bench --peers`: what a user would run instead, on the same checkpoints, prompts and machine.
+
+- `hf`: Hugging Face transformers greedy `generate` (PyTorch CPU).
+- `reference`: the reference `dflash` package's `dflash_generate` at block 1 (its baseline) and at the
+  export's block size (PyTorch CPU), with our draft checkpoint.
+Timing follows the reference's definitions: tokens/s = output tokens over decode time (prefill
+excluded, the first token counted), TTFT = prefill. HF's TTFT is taken when its streamer receives the
+first generated token.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DFlashError
+from .manifest import Manifest
+
+PEERS = ("hf", "reference")
+
+
+def _hf_greedy(lm, prompts: list[dict], max_new_tokens: int, repeats: int) -> dict:
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class FirstToken(BaseStreamer):
+        def __init__(self):
+            self.calls, self.first_at = 0, None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2:  # the first call carries the prompt
+                self.first_at = time.perf_counter()
+
+        def end(self):
+            pass
+
+    def once(ids: list[int]):
+        streamer, tensor = FirstToken(), torch.tensor(ids)[None]
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = lm.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=max_new_tokens,
+                              min_new_tokens=max_new_tokens, do_sample=False, streamer=streamer, pad_token_id=0)
+        ended = time.perf_counter()
+        return out[0, len(ids):].tolist(), streamer.first_at - started, ended - streamer.first_at
+
+    return _collect("hf greedy (transformers, torch CPU)", prompts, repeats, once, tau=False)
+
+
+def _reference(draft, lm, prompts: list[dict], max_new_tokens: int, repeats: int, block_size: int) -> dict:
+    import torch
+    from dflash import model as reference_model
+
+    reference_model._cuda_time = time.perf_counter  # it synchronizes CUDA; on CPU the plain clock is right
+
+    def once(ids: list[int]):
+        tensor = torch.tensor(ids)[None]
+        stats = reference_model.dflash_generate(draft, lm, tensor, max_new_tokens, None, block_size=block_size,
+                                                return_stats=True)
+        tokens = stats.output_ids[0, len(ids):].tolist()
+        return tokens, stats.time_to_first_token, stats.time_per_output_token * stats.num_output_tokens, \
+            stats.acceptance_lengths
+
+    label = f"reference dflash_generate block {block_size} (torch CPU)"
+    return _collect(label, prompts, repeats, once, tau=block_size > 1)
+
+
+def _collect(name: str, prompts: list[dict], repeats: int, once, tau: bool) -> dict:
+    tokens, decode_s, ttft_s, lengths, outputs = 0, 0.0, [], [], []
+    for prompt in prompts:
+        runs = [once(prompt["ids"]) for _ in range(repeats)]
+        outputs.append(runs[0][0])
+        tokens += len(runs[0][0])
+        decode_s += float(np.median([r[2] for r in runs]))
+        ttft_s.append(float(np.median([r[1] for r in runs])))
+        if tau:
+            lengths += runs[0][3]
+    return {"name": name, "tokens": tokens, "tokens_per_second": tokens / decode_s,
+            "end_to_end_tokens_per_second": tokens / (decode_s + sum(ttft_s)),
+            "ttft_ms_median": 1000 * float(np.median(ttft_s)),
+            "tau": float(np.mean(lengths)) if lengths else None, "outputs": outputs}
+
+
+def check_peer_names(names: list[str]) -> None:
+    unknown = sorted(set(names) - set(PEERS))
+    if unknown:
+        raise DFlashError(f"unknown peers {unknown}: choose from {', '.join(PEERS)}")
+
+
+def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str], target_dir: Path | None,
+              draft_dir: Path | None, ours: dict, our_tokens: list[list[int]], progress: bool = True) -> dict:
+    """Each named peer's aggregate figures, ours beside them, and the ratios the bench reports."""
+    from .pair import load_target
+
+    check_peer_names(names)
+    if manifest.passes or manifest.lowering:
+        print("note: peers run the original checkpoints; this directory is transformed "
+              f"({[p['name'] for p in manifest.passes] or manifest.lowering.get('target')})", file=sys.stderr)
+    target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir)
+    dtype = manifest.dtype if manifest.lowering.get("target") not in ("coreml",) else "float32"
+    lm = load_target(target_dir, dtype)
+    rows = []
+    if "hf" in names:
+        if progress:
+            print("peers: hf greedy ...", file=sys.stderr, flush=True)
+        rows.append(_hf_greedy(lm, prompts, options.max_new_tokens, options.repeats))
+    if "reference" in names:
+        try:
+            from dflash import DFlashDraftModel
+        except ImportError:
+            raise DFlashError("peer 'reference' needs the reference package: pip install --no-deps dflash==0.1.0") \
+                from None
+        import torch
+
+        draft = DFlashDraftModel.from_pretrained(str(draft_dir), dtype=getattr(torch, dtype)).eval()
+        for block in (1, manifest.block_size):
+            if progress:
+                print(f"peers: reference block {block} ...", file=sys.stderr, flush=True)
+            rows.append(_reference(draft, lm, prompts, options.max_new_tokens, options.repeats, block))
+    for row in rows:  # every peer decodes greedily (or losslessly): its tokens must be ours
+        row["identical_to_ours"] = row.pop("outputs") == our_tokens
+    return {"rows": rows, "ratios": _ratios(rows, ours)}
+
+
+def _ratios(rows: list[dict], ours: dict) -> dict:
+    ratios = {}
+    for row in rows:
+        if row["name"].startswith("hf greedy"):
+            ratios["ours greedy / hf greedy"] = ours["greedy"]["tokens_per_second"] / row["tokens_per_second"]
+            ratios["ours dflash / hf greedy"] = ours["dflash"]["tokens_per_second"] / row["tokens_per_second"]
+        elif row["tau"] is None:
+            ratios["ours greedy / reference block 1"] = ours["greedy"]["tokens_per_second"] / row["tokens_per_second"]
+        else:
+            ratios["ours dflash / reference dflash"] = ours["dflash"]["tokens_per_second"] / row["tokens_per_second"]
+            ratios["reference tau"] = row["tau"]
+    return ratios
+
+
+def format_peers(peers: dict) -> str:
+    lines = [f"{'peer':<52} {'tok/s':>9} {'e2e tok/s':>10} {'ttft ms':>8} {'tau':>6} {'same tokens':>11}"]
+    for row in peers["rows"]:
+        tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
+        lines.append(f"{row['name']:<52} {row['tokens_per_second']:>9.1f} {row['end_to_end_tokens_per_second']:>10.1f} "
+                     f"{row['ttft_ms_median']:>8.1f} {tau:>6} {str(row['identical_to_ours']):>11}")
+    lines += [f"{name}: {value:.2f}{'' if name.endswith('tau') else 'x'}" for name, value in peers["ratios"].items()]
+    return "\n".join(lines)

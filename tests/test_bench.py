@@ -1,0 +1,137 @@
+"""`dflash-onnx bench`: its figures agree with the decoder and the reference package, its math with its inputs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dflash_onnx.bench import (BenchOptions, ClockedSession, aggregate, default_verify_lengths, implied_speedups,
+                               load_prompts, run_bench)
+from dflash_onnx.cli import main
+from dflash_onnx.errors import DFlashError
+
+SMALL = dict(max_new_tokens=24, repeats=1, num_prompts=2, contexts=[16, 64], curve_repeats=2)
+
+
+@pytest.fixture(scope="module")
+def report(exported):
+    return run_bench(exported("agree_b8").out, None, None, BenchOptions(**SMALL), [], (None, None), progress=False)
+
+
+def test_bench_figures_match_a_plain_decoder_run(exported, report):
+    """tau, histogram and tokens are those of Decoder.generate on the same prompts (the oracle)."""
+    decoder = exported("agree_b8").decoder()
+    assert len(report["prompts"]) == 2
+    lengths = []
+    for row in report["prompts"]:
+        assert isinstance(row["prompt"], str)  # the pair has a tokenizer: held-out code prompts
+        dflash = decoder.generate(row["prompt_ids"], 24, "dflash", stop_token_ids=[])
+        greedy = decoder.generate(row["prompt_ids"], 24, "greedy", stop_token_ids=[])
+        assert row["tokens"] == greedy.tokens
+        assert row["identical_to_greedy"] is True
+        assert row["dflash"]["acceptance_lengths"] == dflash.acceptance_lengths
+        assert row["greedy"]["acceptance_lengths"] == [1] * (len(greedy.tokens) - 1)
+        lengths += dflash.acceptance_lengths
+    agg = report["aggregate"]
+    assert agg["tau"] == pytest.approx(np.mean(lengths))
+    assert sum(agg["acceptance_histogram"]) == len(lengths)
+    assert agg["acceptance_histogram"] == np.bincount(lengths, minlength=9)[1:].tolist()
+    assert agg["all_identical_to_greedy"] is True
+    for mode in ("greedy", "dflash"):
+        assert 0.0 <= agg[mode]["loop_overhead"] < 1.0
+        assert agg[mode]["end_to_end_tokens_per_second"] < agg[mode]["tokens_per_second"]
+    assert agg["speedup"] == pytest.approx(agg["dflash"]["tokens_per_second"] / agg["greedy"]["tokens_per_second"])
+
+
+def test_curve_covers_every_length_and_context(report):
+    curve = report["curve"]
+    assert curve["verify_lengths"] == [1, 2, 4, 8]
+    assert set(curve["target_ms"]) == {"16", "64"} and set(curve["draft_ms"]) == {"16", "64"}
+    assert all(len(times) == 4 and min(times) > 0 for times in curve["target_ms"].values())
+    tau = report["aggregate"]["tau"]
+    for context, implied in report["implied"].items():
+        times, draft = curve["target_ms"][context], curve["draft_ms"][context]
+        assert implied["implied_speedup"] == pytest.approx(tau * times[0] / (times[-1] + draft))
+        assert implied["break_even_tau"] == pytest.approx((times[-1] + draft) / times[0])
+
+
+def test_aggregate_weights_prompts_by_tokens():
+    def row(tokens, greedy_s, dflash_s, lengths):
+        mode = lambda s, ls: {"tokens": tokens, "decode_s": s, "ttft_s": 0.01, "backend_s": 0.9 * s,  # noqa: E731
+                              "acceptance_lengths": ls, "acceptance_histogram": np.bincount(ls, minlength=5)[1:].tolist()}
+        return {"greedy": mode(greedy_s, [1] * tokens), "dflash": mode(dflash_s, lengths), "identical_to_greedy": True}
+
+    agg = aggregate([row(10, 1.0, 0.5, [4, 4, 1]), row(30, 2.0, 1.5, [2, 2])], block=4)
+    assert agg["greedy"]["tokens_per_second"] == pytest.approx(40 / 3.0)
+    assert agg["dflash"]["tokens_per_second"] == pytest.approx(40 / 2.0)
+    assert agg["speedup"] == pytest.approx(1.5)
+    assert agg["tau"] == pytest.approx(13 / 5)
+    assert agg["acceptance_histogram"] == [1, 2, 0, 2]
+    assert agg["greedy"]["loop_overhead"] == pytest.approx(0.1)
+
+
+def test_implied_speedup_needs_both_ends_of_the_curve():
+    curve = {"verify_lengths": [1, 4], "target_ms": {"256": [1.0, 2.0]}, "draft_ms": {"256": 0.5}}
+    assert implied_speedups(curve, 3.0, 4) == {"256": {"implied_speedup": pytest.approx(1.2),
+                                                       "break_even_tau": pytest.approx(2.5)}}
+    assert implied_speedups(curve, 3.0, 8) == {}
+    assert default_verify_lengths(16) == [1, 2, 4, 8, 16] and default_verify_lengths(6) == [1, 2, 4, 6]
+
+
+def test_clocked_session_adds_up_run_time_and_delegates(exported):
+    decoder = exported("agree_b8").decoder()
+    clocked = ClockedSession(decoder.target)
+    assert clocked.input_names == decoder.target.input_names
+    decoder.target = clocked
+    decoder.generate([5, 6, 7], 8, "greedy")
+    assert clocked.seconds > 0
+
+
+def test_prompt_files(tmp_path):
+    ids = tmp_path / "p.jsonl"
+    ids.write_text('{"ids": [1, 2, 3]}\n\n{"ids": [4]}\n')
+    assert [p["ids"] for p in load_prompts(ids, None, 4, 10)] == [[1, 2, 3], [4]]
+    for text, message in (('{"ids": [1, 99]}', "0..9"), ('{"x": 1}', '"prompt"'), ("nope", "not a JSON")):
+        ids.write_text(text)
+        with pytest.raises(DFlashError, match=message):
+            load_prompts(ids, None, 4, 10)
+    plain = tmp_path / "p.txt"
+    plain.write_text("def f():\n")
+    with pytest.raises(DFlashError, match="tokenizer.json"):
+        load_prompts(plain, None, 4, 10)
+    with pytest.raises(DFlashError, match="no such file"):
+        load_prompts(tmp_path / "missing.txt", None, 4, 10)
+
+
+def test_cli_writes_json_plot_and_runs_the_peers(exported, tmp_path, capsys):
+    """The reference package and HF decode the same tokens as ours; the reference's tau is ours."""
+    pytest.importorskip("dflash.model", reason="the reference dflash package: pip install --no-deps dflash==0.1.0")
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the test extra installs it)")
+    out = exported("agree_b8").out
+    code = main(["bench", str(out), "--max-new-tokens", "16", "--repeats", "1", "--num-prompts", "2",
+                 "--contexts", "32", "--curve-repeats", "1", "--block-sizes", "1,8", "--peers", "hf,reference",
+                 "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"), "--quiet"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "implied" in printed and "ours dflash / reference dflash" in printed
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["curve"]["verify_lengths"] == [1, 8]
+    rows = data["peers"]["rows"]
+    assert [r["name"].split(" (")[0] for r in rows] == ["hf greedy", "reference dflash_generate block 1",
+                                                       "reference dflash_generate block 8"]
+    assert all(r["identical_to_ours"] for r in rows)
+    assert rows[2]["tau"] == pytest.approx(data["aggregate"]["tau"])
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--block-sizes", "1,9"], "1..8"), (["--contexts", "a"], "--contexts"), (["--repeats", "0"], "--repeats"),
+    (["--peers", "vllm"], "unknown peers"),
+])
+def test_cli_bad_flags_exit_2(exported, flags, message, capsys):
+    code = main(["bench", str(exported("agree_b8").out), "--max-new-tokens", "4", "--repeats", "1", "--num-prompts",
+                 "1", "--curve-repeats", "1", "--contexts", "8", "--quiet", *flags])
+    assert code == 2
+    assert message in capsys.readouterr().err
