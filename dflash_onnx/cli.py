@@ -141,6 +141,19 @@ def _lower(args) -> int:
         print(f"lowered to {args.dest} for CoreML (stateful mlprogram, float16, ctx_len {options.ctx_len}, "
               f"seq_len {manifest.block_size} or {options.prefill_len}); run it on macOS 15+ with --backend coreml")
         return 0
+    if args.target == "ort":
+        from targets.ort import DEFAULT_PASSES, OrtOptions, lower_ort
+
+        passes = DEFAULT_PASSES if args.passes is None else tuple(
+            p.strip() for p in args.passes.split(",") if p.strip() and p.strip() != "none")
+        options = OrtOptions(provider=args.provider, passes=passes, optimization_level=args.optimization_level,
+                             intra_op_threads=args.threads, allow_spinning=args.spinning == "on")
+        manifest = lower_ort(args.out, args.dest, options, overwrite=args.overwrite, progress=not args.quiet)
+        print(f"lowered to {args.dest} for ONNX Runtime ({args.provider}; passes {', '.join(passes) or 'none'}; "
+              f"ORT optimizations '{args.optimization_level}' saved; {len(manifest.lowering['shared_with_target'])} "
+              f"draft tensors shared with the target; largest difference to the export "
+              f"{manifest.lowering['max_relative_difference']:.1g} of scale)")
+        return 0
     raise DFlashError(f"lowering for --target {args.target} is not available yet")
 
 
@@ -300,9 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 
-    lower = commands.add_parser("lower", help="lower an exported directory for a backend (ai100, mlx, coreml)")
+    lower = commands.add_parser("lower", help="lower an exported directory for a backend (ort, ai100, mlx, coreml)")
     lower.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
-    lower.add_argument("--target", choices=("ai100", "mlx", "coreml"), required=True, help="backend to lower for")
+    lower.add_argument("--target", choices=("ort", "ai100", "mlx", "coreml"), required=True,
+                       help="backend to lower for")
     lower.add_argument("--out", dest="dest", type=Path, required=True, help="lowered directory (created atomically)")
     lower.add_argument("--ctx-len", type=int, default=4096, help="KV buffer length (one slot is scratch)")
     lower.add_argument("--prefill-len", type=int, help="prefill chunk, a multiple of the block size "
@@ -316,6 +330,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="coreml: where the model may run")
     lower.add_argument("--bits", type=int, choices=(4, 8), help="mlx: quantize MatMul weights (mx.quantize)")
     lower.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="mlx: quantization group")
+    lower.add_argument("--provider", default="cpu", help="ort: execution provider (cpu, cuda, tensorrt, dml, "
+                       "openvino, coreml, qnn); must exist in the installed onnxruntime")
+    lower.add_argument("--passes", help="ort: passes applied first (default rope-fusion,ort-fusions; 'none')")
+    lower.add_argument("--optimization-level", choices=("disabled", "basic", "extended", "all"), default="extended",
+                       help="ort: graph optimizations saved into the model files (default extended)")
+    lower.add_argument("--threads", type=int, default=0, help="ort: intra-op threads (0: ORT's default)")
+    lower.add_argument("--spinning", choices=("on", "off"), default="on",
+                       help="ort: let idle intra-op threads spin between calls")
+    lower.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     lower.add_argument("--target-dir", type=Path, help="target checkpoint, if it moved since export")
     lower.add_argument("--draft-dir", type=Path, help="draft checkpoint, if it moved since export")
     lower.add_argument("--quiet", action="store_true")

@@ -28,13 +28,16 @@ class GraphPass:
 
 
 def registry() -> dict[str, GraphPass]:
-    from . import cleanup, fp16, quantize, rope_fusion
+    from . import cleanup, fp16, ort_fusions, quantize, rope_fusion
 
     passes = [
         GraphPass("cleanup", cleanup.run, 1e-5, False, "constant folding, dead code and CSE, shape inference"),
         GraphPass("rope-fusion", rope_fusion.run, 1e-5, False,
                   "one RotaryEmbedding per q/k rotation, cos/sin once per position stream "
                   "(form=com.microsoft|onnx|hoist)"),
+        GraphPass("ort-fusions", ort_fusions.run, 1e-5, False,
+                  "ONNX Runtime contrib fusions (onnxscript): SimplifiedLayerNormalization, "
+                  "SkipSimplifiedLayerNormalization, RotaryEmbedding, MultiHeadAttention; ORT only"),
         GraphPass("int8", quantize.int8, 0.15, True, "block-wise int8 weight-only MatMulNBits"),
         GraphPass("int4", quantize.int4, 0.75, True, "block-wise int4 weight-only MatMulNBits"),
         GraphPass("fp16", fp16.run, 1e-2, True,

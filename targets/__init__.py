@@ -40,7 +40,7 @@ def open_session(directory: Path, manifest: Manifest, graph: str, backend: str =
     if backend == "ort":
         from .ort import OrtSession
 
-        return OrtSession(Path(directory) / spec.file, **options)
+        return OrtSession.for_directory(Path(directory) / spec.file, manifest, **options)
     if backend == "ai100":
         if manifest.form != "retained":
             raise DFlashError(f"{directory} holds {manifest.form}-form graphs: lower it with "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import onnx
@@ -16,7 +17,7 @@ from passes.pipeline import apply_pipeline, parse_pass_options
 
 PIPELINES = {"cleanup": ["cleanup"], "rope-fusion": ["rope-fusion"], "int8": ["int8"], "int4": ["int4"],
              "fp16": ["fp16"], "cleanup_rope_int4": ["cleanup", "rope-fusion", "int4"],
-             "rope_fp16": ["rope-fusion", "fp16"]}
+             "rope_fp16": ["rope-fusion", "fp16"], "ort-fusions": ["rope-fusion", "ort-fusions"]}
 SMALL_BLOCKS = {"*": {"block_size": "16"}}  # the tiny models' matrices are 64 wide
 
 
@@ -75,6 +76,26 @@ def test_cleanup_is_exact_enough_to_keep_the_original_tokens(decoders, optimized
     cleaned, original = Decoder.open(optimized("cleanup")), decoders("agree_b8")
     for prompt in _prompts(seed=2):
         assert cleaned.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == \
+            original.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
+
+
+@pytest.mark.parametrize("name", ["agree_b8", "causal_gqa4_b4", "llama_sliding_b16"])
+def test_ort_fusions_fuse_norms_rotations_and_attention_and_keep_the_tokens(name, exported, decoders, tmp_path):
+    out = tmp_path / "fused"
+    apply_pipeline(exported(name).out, ["rope-fusion", "ort-fusions"], out, progress=False)
+    manifest = load_manifest(out)
+    ops = {g: Counter(n.op_type for n in onnx.load(str(out / getattr(manifest, g).file), load_external_data=False)
+                      .graph.node) for g in ("target", "draft")}
+    layers = {"target": manifest.target.num_layers, "draft": manifest.draft.num_layers}
+    for graph, counts in ops.items():
+        assert counts["SimplifiedLayerNormalization"] + counts["SkipSimplifiedLayerNormalization"] >= \
+            2 * layers[graph], (graph, counts)
+        assert counts["ReduceMean"] == 0 and counts["Pow"] == 0, (graph, counts)
+    assert ops["target"]["MultiHeadAttention"] == layers["target"] and ops["target"]["Softmax"] == 0
+    assert ops["target"]["RotaryEmbedding"] == 2 * layers["target"] and ops["target"]["GroupQueryAttention"] == 0
+    fused, original = Decoder.open(out), decoders(name)
+    for prompt in _prompts(seed=4, count=3):
+        assert fused.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == \
             original.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
 
 
