@@ -181,7 +181,7 @@ def aggregate(rows: list[dict], block: int) -> dict:
 def measure_curve(decoder: Decoder, options: BenchOptions, bar=None) -> dict:
     """Median target step ms for each verify length T at each context, and the draft step (concat form)."""
     manifest: Manifest = decoder.manifest
-    if manifest.form != "concat":
+    if manifest.form not in ("concat", "buffer"):
         return {"skipped": f"{manifest.form}-form graphs run at their compiled sizes only; the curve needs an "
                            "export or an MLX lowering"}
     lengths = options.verify_lengths or default_verify_lengths(manifest.block_size)
@@ -236,7 +236,7 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
     decoder = Decoder.open(directory, backend=backend)
     codec = TextCodec(directory) if has_tokenizer(directory) else None
     prompts = load_prompts(prompts_file, codec, options.num_prompts, manifest.vocab_size)
-    total = 2 * options.repeats * len(prompts) + (options.curve_repeats + 1 if manifest.form == "concat" else 0)
+    total = 2 * options.repeats * len(prompts) + (options.curve_repeats + 1 if manifest.form in ("concat", "buffer") else 0)
     with tqdm(total=total, disable=not progress, desc="bench", unit="run", file=sys.stderr) as bar:
         rows = measure_generation(decoder, prompts, options, bar)
         curve = measure_curve(decoder, options, bar)

@@ -147,9 +147,11 @@ def _lower(args) -> int:
         passes = DEFAULT_PASSES if args.passes is None else tuple(
             p.strip() for p in args.passes.split(",") if p.strip() and p.strip() != "none")
         options = OrtOptions(provider=args.provider, passes=passes, optimization_level=args.optimization_level,
-                             intra_op_threads=args.threads, allow_spinning=args.spinning == "on")
+                             intra_op_threads=args.threads, allow_spinning=args.spinning == "on",
+                             kv_buffer=args.kv_buffer == "on", ctx_len=args.ctx_len)
         manifest = lower_ort(args.out, args.dest, options, overwrite=args.overwrite, progress=not args.quiet)
-        print(f"lowered to {args.dest} for ONNX Runtime ({args.provider}; passes {', '.join(passes) or 'none'}; "
+        kv = f"K/V buffers of {args.ctx_len} rows" if manifest.form == "buffer" else "concat K/V"
+        print(f"lowered to {args.dest} for ONNX Runtime ({args.provider}; {kv}; passes {', '.join(passes) or 'none'}; "
               f"ORT optimizations '{args.optimization_level}' saved; {len(manifest.lowering['shared_with_target'])} "
               f"draft tensors shared with the target; largest difference to the export "
               f"{manifest.lowering['max_relative_difference']:.1g} of scale)")
@@ -273,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     optimize = commands.add_parser("optimize", help="apply graph passes to an exported directory")
     optimize.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
-    optimize.add_argument("--passes", required=True, help="comma-separated: cleanup,int8,int4,fp16 (in order)")
+    optimize.add_argument("--passes", required=True, help="comma-separated, in order: cleanup, rope-fusion, ort-fusions, int8, int4, fp16")
     optimize.add_argument("--out", dest="dest", type=Path, required=True, help="new directory (created atomically)")
     optimize.add_argument("--pass-option", action="append", default=[], metavar="[PASS.]KEY=VALUE",
                           help="e.g. int4.block_size=64, int4.graphs=draft, int4.lm_head=true, symmetric=false")
@@ -338,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     lower.add_argument("--threads", type=int, default=0, help="ort: intra-op threads (0: ORT's default)")
     lower.add_argument("--spinning", choices=("on", "off"), default="on",
                        help="ort: let idle intra-op threads spin between calls")
+    lower.add_argument("--kv-buffer", choices=("on", "off"), default="on",
+                       help="ort: target attention as GroupQueryAttention over preallocated --ctx-len K/V buffers "
+                            "updated in place (default on); off keeps the concat form")
     lower.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     lower.add_argument("--target-dir", type=Path, help="target checkpoint, if it moved since export")
     lower.add_argument("--draft-dir", type=Path, help="draft checkpoint, if it moved since export")

@@ -60,7 +60,9 @@ class Manifest:
     tool_version: str
     kv_layout: str = KV_LAYOUT
     # "concat": past in, past+new out (ORT form). "retained": fixed ctx_len buffers returned whole
-    # (AI 100 form; the target graph also applies the draft's fc + hidden_norm).
+    # (AI 100 form; the target graph also applies the draft's fc + hidden_norm). "buffer": the ORT
+    # lowering's target reads and writes [batch, kv_heads, ctx_len, head_dim] buffers in place
+    # (GroupQueryAttention, lengths as inputs); its draft stays concat.
     form: str = "concat"
     ctx_len: int | None = None
     prefill_len: int | None = None

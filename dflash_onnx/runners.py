@@ -2,6 +2,8 @@
 
 - concat form (ORT): K/V grow with the context; `present` is past + new, and the committed prefix is
   a zero-copy view fed back as the next past (rollback = a length change).
+- buffer form (ORT lowering, target only): the session holds [batch, kv_heads, ctx_len, head_dim] buffers
+  that GroupQueryAttention updates in place; calls pass the committed length (rollback = a length change).
 - retained form (AI 100, CoreML): fixed [batch, kv_heads, ctx_len, head_dim] buffers, writes at positions,
   inputs padded to the compiled specializations. Padded rows sit at the scratch slot ctx_len - 1 (AI 100:
   scatter writes), or continue the call's positions (CoreML: slice writes; the last max-size slots are
@@ -189,10 +191,43 @@ class RetainedDraft(_Retained):
         return out["draft_ids"][0], out["logits"][0] if want_logits else None
 
 
+class BufferTarget:
+    """Buffer form (ORT lowering): the session keeps K/V in preallocated [batch, kv_heads, ctx_len, head_dim]
+    buffers that its attention reads and writes in place; each call passes the committed length
+    (`seqlens_k` = length after the call - 1, `total_sequence_length`), so rollback is a length change and
+    no step copies the cache."""
+
+    def __init__(self, session: Session, manifest: Manifest, prefill_chunk: int):
+        if not getattr(session, "retains_state", False):
+            raise DFlashError("buffer-form graphs need a session that keeps their K/V buffers (the ORT lowering's)")
+        self.session, self.chunk = session, prefill_chunk
+        self.capacity = int(manifest.ctx_len)
+        self.length = 0
+
+    def forward(self, ids: np.ndarray, want_logits: bool) -> TargetStep:
+        contexts, greedy = [], []
+        for begin in range(0, len(ids), self.chunk):
+            chunk = ids[begin : begin + self.chunk]
+            start, total = self.length + begin, self.length + begin + len(chunk)
+            final = begin + self.chunk >= len(ids)
+            feeds = {"input_ids": chunk[None], "position_ids": np.arange(start, total, dtype=np.int64)[None],
+                     "seqlens_k": np.array([total - 1], np.int32), "total_sequence_length": np.array(total, np.int32)}
+            out = self.session.run(feeds, ["greedy_ids", "target_hidden"] + (["logits"] if want_logits and final else []))
+            contexts.append(out["target_hidden"][0])
+            greedy.append(out["greedy_ids"][0])
+        context = contexts[0] if len(contexts) == 1 else np.concatenate(contexts)
+        return TargetStep(np.concatenate(greedy), out["logits"][0] if want_logits else None, context)
+
+    def commit(self, length: int) -> None:
+        self.length = length
+
+
 def open_runners(manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int):
     """The target and draft runners for the manifest's graph form."""
     if manifest.form == "concat":
         return ConcatTarget(target, manifest, prefill_chunk), draft and ConcatDraft(draft, manifest)
+    if manifest.form == "buffer":  # only the target's K/V: the draft keeps its concat-form context cache
+        return BufferTarget(target, manifest, prefill_chunk), draft and ConcatDraft(draft, manifest)
     if manifest.form == "retained":
         return RetainedTarget(target, manifest), draft and RetainedDraft(draft, manifest)
     raise DFlashError(f"unknown graph form {manifest.form!r} in the manifest")

@@ -26,10 +26,14 @@ def _kv(manifest: Manifest, graph, context: int) -> dict[str, np.ndarray]:
 
 
 def target_feeds(manifest: Manifest, context: int, count: int) -> dict[str, np.ndarray]:
-    """A target call on `count` new tokens after `context` tokens of K/V (concat form)."""
-    return {"input_ids": np.full((1, count), 3, np.int64),
-            "position_ids": np.arange(context, context + count, dtype=np.int64)[None],
-            **_kv(manifest, manifest.target, context)}
+    """A target call on `count` new tokens after `context` tokens of K/V (concat form: the K/V are inputs;
+    buffer form: the session holds them, the call passes the lengths)."""
+    feeds = {"input_ids": np.full((1, count), 3, np.int64),
+             "position_ids": np.arange(context, context + count, dtype=np.int64)[None]}
+    if manifest.form == "buffer":
+        total = context + count
+        return {**feeds, "seqlens_k": np.array([total - 1], np.int32), "total_sequence_length": np.array(total, np.int32)}
+    return {**feeds, **_kv(manifest, manifest.target, context)}
 
 
 def draft_feeds(manifest: Manifest, context: int) -> dict[str, np.ndarray]:
@@ -61,8 +65,8 @@ def measure(directories: list[Path], context: int = 256, repeats: int = 20) -> l
     runs = []
     for directory in directories:
         manifest = load_manifest(directory)
-        if manifest.form != "concat":
-            raise DFlashError(f"{directory}: steps measures exports and their MLX lowerings (concat-form graphs)")
+        if manifest.form not in ("concat", "buffer"):
+            raise DFlashError(f"{directory}: steps measures exports and their ORT and MLX lowerings")
         backend = "mlx" if manifest.lowering.get("target") == "mlx" else "ort"
         sessions = {"target": open_session(directory, manifest, "target", backend),
                     "draft": open_session(directory, manifest, "draft", backend)}

@@ -40,7 +40,7 @@ def open_session(directory: Path, manifest: Manifest, graph: str, backend: str =
     if backend == "ort":
         from .ort import OrtSession
 
-        return OrtSession.for_directory(Path(directory) / spec.file, manifest, **options)
+        return OrtSession.for_directory(Path(directory), manifest, graph, **options)
     if backend == "ai100":
         if manifest.form != "retained":
             raise DFlashError(f"{directory} holds {manifest.form}-form graphs: lower it with "

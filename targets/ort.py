@@ -36,6 +36,8 @@ class OrtOptions:
     optimization_level: str = "extended"  # saved into the model files; "all" adds hardware-specific layouts
     intra_op_threads: int = 0  # 0: ORT's default (one per physical core)
     allow_spinning: bool = True
+    kv_buffer: bool = True  # the target's attention as GroupQueryAttention over preallocated K/V (targets/ort_kv_buffer.py)
+    ctx_len: int = 4096  # rows of each K/V buffer: prompt + new tokens must fit
 
 
 def _ort_level(name: str):
@@ -74,7 +76,7 @@ class OrtSession:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # failures reach the user as one DFlashError line, not ORT's log
         options.graph_optimization_level = _ort_level(optimization_level)
         if intra_op_threads:
             options.intra_op_num_threads = intra_op_threads
@@ -90,15 +92,18 @@ class OrtSession:
         self.input_names = [i.name for i in self._session.get_inputs()]
         self.output_names = [o.name for o in self._session.get_outputs()]
 
-    @classmethod
-    def for_directory(cls, path: Path, manifest: Manifest, **overrides) -> "OrtSession":
+    @staticmethod
+    def for_directory(directory: Path, manifest: Manifest, graph: str, **overrides) -> "OrtSession":
         """A session on one graph of an export or ORT lowering, with the lowering's recorded options."""
         lowering = manifest.lowering if manifest.lowering.get("target") == "ort" else {}
         settings = dict(lowering.get("session_options", {}))
         if lowering:
             settings["providers"] = [provider_name(lowering["provider"])]
         settings.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(path, **settings)
+        path = Path(directory) / getattr(manifest, graph).file
+        if manifest.form == "buffer" and graph == "target":
+            return OrtBufferSession(path, manifest, **settings)
+        return OrtSession(path, **settings)
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
         names = output_names or self.output_names
@@ -110,6 +115,42 @@ class OrtSession:
         except Exception as exc:
             raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
         return dict(zip(names, values))
+
+
+class OrtBufferSession(OrtSession):
+    """The buffer-form target: K/V live in preallocated arrays bound (IOBinding) as both the input and
+    the output of every GroupQueryAttention, so ORT updates them in place and no call copies the cache."""
+
+    retains_state = True
+
+    def __init__(self, path: Path, manifest: Manifest, **settings):
+        import onnxruntime as ort
+
+        super().__init__(path, **settings)
+        graph = manifest.target
+        dtype = np.float16 if manifest.dtype == "float16" else np.float32
+        shape = (1, graph.num_kv_heads, int(manifest.ctx_len), graph.head_dim)
+        self.buffers = {name: np.zeros(shape, dtype) for name in graph.kv_inputs}
+        self._values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.buffers.items()}
+        self._pairs = list(zip(graph.kv_inputs, graph.kv_outputs))
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
+        kv_outputs = {o for _, o in self._pairs}
+        names = [n for n in (output_names or self.output_names) if n not in kv_outputs]
+        binding = self._session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name in names:  # get_outputs() lists outputs in binding order: these first
+            binding.bind_output(name)
+        for past, present in self._pairs:
+            binding.bind_ortvalue_input(past, self._values[past])
+            binding.bind_ortvalue_output(present, self._values[past])
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as exc:
+            raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+        values = binding.get_outputs()
+        return {name: values[index].numpy() for index, name in enumerate(names)}
 
 
 def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None:
@@ -128,32 +169,74 @@ def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None
         raise DFlashError(f"ONNX Runtime cannot optimize {source.name}: {str(exc).splitlines()[0]}") from None
 
 
-def _sample_calls(manifest: Manifest) -> list[tuple[str, dict]]:
+def _sample_calls(manifest: Manifest, target: bool) -> list[tuple[str, dict]]:
     from dflash_onnx.steps import draft_feeds, target_feeds
 
-    return [("target", target_feeds(manifest, 0, 5)), ("target", target_feeds(manifest, 7, manifest.block_size)),
-            ("target", target_feeds(manifest, 12, 1)), ("draft", draft_feeds(manifest, 0)),
-            ("draft", draft_feeds(manifest, 9))]
+    calls = [("draft", draft_feeds(manifest, 0)), ("draft", draft_feeds(manifest, 9))]
+    if target:
+        calls += [("target", target_feeds(manifest, 0, 5)), ("target", target_feeds(manifest, 7, manifest.block_size)),
+                  ("target", target_feeds(manifest, 12, 1))]
+    return calls
 
 
-def check_lowering(source: Path, lowered: Path, manifest: Manifest, sessions: dict) -> float:
+def _target_sequence(manifest: Manifest, source: Manifest, sessions: dict, reference: dict) -> list[tuple]:
+    """A prefill, a verify, a partial commit, another verify and a decode through both graphs' runners
+    (the buffer form's rollback included): (name, lowered output, exported output) per call."""
+    from dflash_onnx.runners import open_runners
+
+    lowered, _ = open_runners(manifest, sessions["target"], None, 256)
+    exported, _ = open_runners(source, reference["target"], None, 256)
+    rng = np.random.default_rng(0)
+    steps, length = [], 0
+    for count, keep in ((20, 20), (manifest.block_size, 2), (3, 3), (1, 1)):
+        ids = rng.integers(0, manifest.vocab_size, size=count)
+        got, want = lowered.forward(ids, True), exported.forward(ids, True)
+        steps += [("target logits", got.logits, want.logits), ("target_hidden", got.context, want.context)]
+        length += keep
+        lowered.commit(length)
+        exported.commit(length)
+    return steps
+
+
+def check_lowering(source: Path, manifest: Manifest, sessions: dict) -> float:
     """Largest output difference of the lowered graphs against the export, relative to the largest |output|;
     refuses the lowering when it exceeds LOWERING_TOLERANCE."""
-    reference = {g: OrtSession(Path(source) / getattr(manifest, g).file) for g in ("target", "draft")}
-    worst = 0.0
-    for graph, feeds in _sample_calls(manifest):
+    exported = load_export(source, "lower")
+    reference = {g: OrtSession(Path(source) / getattr(exported, g).file) for g in ("target", "draft")}
+    pairs = []
+    for graph, feeds in _sample_calls(exported, target=manifest.form == "concat"):
         want, got = reference[graph].run(feeds), sessions[graph].run(feeds)
-        for name, value in want.items():
-            if value.dtype.kind != "f":
-                continue
-            scale = max(float(np.abs(value).max()), 1e-6)
-            difference = float(np.abs(got[name].astype(np.float64) - value).max()) / scale
-            worst = max(worst, difference)
-            if difference > LOWERING_TOLERANCE[manifest.dtype]:
-                raise DFlashError(f"the ORT lowering changes {graph} output {name} by {difference:.2g} of its scale "
-                                  f"(allowed {LOWERING_TOLERANCE[manifest.dtype]:g}): lower with --passes none, "
-                                  "or report the graph")
+        pairs += [(f"{graph} output {name}", got[name], value) for name, value in want.items() if value.dtype.kind == "f"]
+    if manifest.form == "buffer":
+        pairs += _target_sequence(manifest, exported, sessions, reference)
+    worst = 0.0
+    for name, got, want in pairs:
+        scale = max(float(np.abs(want).max()), 1e-6)
+        difference = float(np.abs(got.astype(np.float64) - want).max()) / scale
+        worst = max(worst, difference)
+        if difference > LOWERING_TOLERANCE[manifest.dtype]:
+            buffered = manifest.form == "buffer" and name.startswith("target")
+            hint = "--kv-buffer off (a sliding-window target needs its mask)" if buffered else "--passes none"
+            raise DFlashError(f"the ORT lowering changes {name} by {difference:.2g} of its scale (allowed "
+                              f"{LOWERING_TOLERANCE[manifest.dtype]:g}): lower with {hint}, or report the graph")
     return worst
+
+
+def _with_buffer_target(origin: Path, work: Path, manifest: Manifest, ctx_len: int, rewrite) -> Path:
+    """A directory holding the buffer-form target and the draft (weights referenced in place)."""
+    import onnx
+
+    if ctx_len < 2 * manifest.block_size:
+        raise DFlashError(f"--ctx-len {ctx_len} is below two blocks ({2 * manifest.block_size})")
+    staged = work.parent / "buffer"
+    staged.mkdir()
+    model = onnx.load(str(origin / manifest.target.file))
+    onnx.save_model(rewrite(model, manifest.target, ctx_len), str(staged / manifest.target.file),
+                    save_as_external_data=True, location=f"{manifest.target.file}.data", size_threshold=1024)
+    draft = onnx.load(str(origin / manifest.draft.file))
+    onnx.save_model(draft, str(staged / manifest.draft.file), save_as_external_data=True,
+                    location=f"{manifest.draft.file}.data", size_threshold=1024)
+    return staged
 
 
 def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwrite: bool = False,
@@ -174,20 +257,31 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
             fused, _ = apply_pipeline(Path(source), list(options.passes), fused_dir, progress=progress)
             shutil.move(str(fused_dir / "passes_report.json"), tmp / "passes_report.json")
         origin = fused_dir if options.passes else Path(source)
+        if options.kv_buffer:
+            from .ort_kv_buffer import buffer_spec, to_kv_buffer
+
+            if progress:
+                print(f"target attention -> GroupQueryAttention over {options.ctx_len}-row K/V buffers",
+                      file=sys.stderr)
+            origin = _with_buffer_target(origin, fused_dir, manifest, options.ctx_len, to_kv_buffer)
+            fused = replace(fused, form="buffer", ctx_len=options.ctx_len, kv_layout="batch,kv_heads,seq,head_dim",
+                            target=buffer_spec(fused.target, options.ctx_len))
         for graph in ("target", "draft"):
             if progress:
                 print(f"ONNX Runtime optimizes {graph} ({options.optimization_level}, {provider})", file=sys.stderr)
             _save_optimized(origin / getattr(manifest, graph).file, tmp / getattr(manifest, graph).file, provider,
                             options.optimization_level)
         shutil.rmtree(fused_dir, ignore_errors=True)
+        shutil.rmtree(tmp / "buffer", ignore_errors=True)
         shared, unshared = share_initializers(tmp, manifest.draft.file, manifest.target.file, manifest.vocab_size)
         settings = {"intra_op_threads": options.intra_op_threads, "allow_spinning": options.allow_spinning,
                     "optimization_level": options.optimization_level}
         lowered = replace(fused, lowering={
             "target": "ort", "provider": options.provider, "session_options": settings,
             "options": {**asdict(options), "passes": list(options.passes)}, "shared_with_target": shared})
-        sessions = {g: OrtSession.for_directory(tmp / getattr(manifest, g).file, lowered) for g in ("target", "draft")}
-        lowered.lowering["max_relative_difference"] = check_lowering(Path(source), tmp, manifest, sessions)
+        sessions = {g: OrtSession.for_directory(tmp, lowered, g) for g in ("target", "draft")}
+        lowered.lowering["max_relative_difference"] = check_lowering(Path(source), lowered, sessions)
+        del sessions
         if unshared:
             print(f"warning: draft tensors {unshared} are stored twice (no identical target tensor after ORT's "
                   "optimizations)", file=sys.stderr)

@@ -14,6 +14,11 @@ from dflash_onnx.manifest import load_manifest
 from targets.ort import OrtOptions, lower_ort
 
 
+# causal_gqa4_b4's target has sliding-window layers: GroupQueryAttention over the buffers would drop their
+# mask, so that pair is lowered in the concat form (the buffer form is refused for it, tested below).
+KV_BUFFER = {"agree_b8": True, "llama_sliding_b16": True, "causal_gqa4_b4": False}
+
+
 @pytest.fixture(scope="module")
 def ort_lowered(exported, tmp_path_factory):
     cache = {}
@@ -21,21 +26,55 @@ def ort_lowered(exported, tmp_path_factory):
     def get(name: str):
         if name not in cache:
             cache[name] = tmp_path_factory.mktemp("ort") / name
-            lower_ort(exported(name).out, cache[name], progress=False)
+            lower_ort(exported(name).out, cache[name], OrtOptions(kv_buffer=KV_BUFFER[name], ctx_len=512),
+                      progress=False)
         return cache[name]
 
     return get
 
 
-@pytest.mark.parametrize("name", ["agree_b8", "causal_gqa4_b4", "llama_sliding_b16"])
+@pytest.mark.parametrize("name", sorted(KV_BUFFER))
 def test_lowered_pair_decodes_the_exports_greedy_tokens(name, exported, decoders, ort_lowered):
     lowered = Decoder.open(ort_lowered(name))
+    assert lowered.manifest.form == ("buffer" if KV_BUFFER[name] else "concat")
     rng = np.random.default_rng(3)
     for _ in range(3):
         prompt = rng.integers(2, 94, size=int(rng.integers(1, 12))).tolist()
         want = decoders(name).generate(prompt, 32, "greedy", stop_token_ids=[]).tokens
         assert lowered.generate(prompt, 32, "dflash", stop_token_ids=[]).tokens == want
         assert lowered.generate(prompt, 32, "greedy", stop_token_ids=[]).tokens == want
+
+
+def test_buffer_form_writes_kv_in_place_into_the_preallocated_buffers(exported, ort_lowered):
+    """After a prefill, the session's own numpy buffers hold the export's K/V rows (no copy handed back)."""
+    lowered = Decoder.open(ort_lowered("agree_b8"))
+    session, manifest = lowered.target, lowered.manifest
+    assert manifest.form == "buffer" and manifest.ctx_len == 512
+    assert all(b.shape == (1, manifest.target.num_kv_heads, 512, manifest.target.head_dim)
+               for b in session.buffers.values())
+    ids = np.array([[5, 9, 2, 7, 7, 3]])
+    positions = np.arange(6)[None]
+    session.run({"input_ids": ids, "position_ids": positions, "seqlens_k": np.array([5], np.int32),
+                 "total_sequence_length": np.array(6, np.int32)}, ["greedy_ids"])
+    export = exported("agree_b8").decoder()
+    empty = {n: np.zeros((1, 0, manifest.target.num_kv_heads, manifest.target.head_dim), np.float32)
+             for n in export.manifest.target.kv_inputs}
+    want = export.target.run({"input_ids": ids, "position_ids": positions, **empty})
+    for past, present in zip(manifest.target.kv_inputs, manifest.target.kv_outputs):
+        rows = session.buffers[past][0, :, :6].transpose(1, 0, 2)  # [kv, seq, hd] -> [seq, kv, hd]
+        np.testing.assert_allclose(rows, want[present][0], atol=1e-5)
+
+
+def test_buffer_form_is_refused_where_it_would_change_the_output(exported, tmp_path):
+    with pytest.raises(DFlashError, match="--kv-buffer off"):
+        lower_ort(exported("causal_gqa4_b4").out, tmp_path / "sliding", progress=False)
+    assert not (tmp_path / "sliding").exists()
+
+
+def test_buffer_form_capacity_is_checked_before_decoding(ort_lowered):
+    decoder = Decoder.open(ort_lowered("agree_b8"))
+    with pytest.raises(DFlashError, match="512 positions"):
+        decoder.generate([3] * 500, 20)
 
 
 def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
@@ -47,8 +86,10 @@ def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
     assert [p["name"] for p in manifest.passes] == ["rope-fusion", "ort-fusions"]
     assert 0 <= manifest.lowering["max_relative_difference"] <= ort_target.LOWERING_TOLERANCE["float32"]
     target = onnx.load(str(out / "target.onnx"), load_external_data=False)
-    ops = {n.op_type for n in target.graph.node}
-    assert {"MultiHeadAttention", "RotaryEmbedding", "SkipSimplifiedLayerNormalization"} <= ops
+    ops = [n.op_type for n in target.graph.node]
+    assert {"GroupQueryAttention", "RotaryEmbedding", "SkipSimplifiedLayerNormalization"} <= set(ops)
+    assert ops.count("GroupQueryAttention") == manifest.target.num_layers
+    assert "MultiHeadAttention" not in ops and "Expand" not in ops  # no per-head copy of the cache
     draft = onnx.load(str(out / "draft.onnx"), load_external_data=False)
     shared = manifest.lowering["shared_with_target"]
     assert shared  # the embedding (and untied lm_head) are read from the target's data file
@@ -60,7 +101,7 @@ def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
 def test_sessions_use_the_recorded_options(exported, tmp_path):
     out = tmp_path / "ort1"
     assert main(["lower", str(exported("agree_b8").out), "--target", "ort", "--out", str(out), "--passes", "none",
-                 "--threads", "1", "--spinning", "off", "--quiet"]) == 0
+                 "--kv-buffer", "off", "--threads", "1", "--spinning", "off", "--quiet"]) == 0
     manifest = load_manifest(out)
     assert manifest.passes == [] and manifest.lowering["options"]["passes"] == []
     decoder = Decoder.open(out)
@@ -79,7 +120,7 @@ def test_refusals_leave_nothing_behind(exported, ort_lowered, tmp_path, monkeypa
     with pytest.raises(DFlashError, match="already lowered"):
         lower_ort(ort_lowered("agree_b8"), tmp_path / "again", progress=False)
     monkeypatch.setitem(ort_target.LOWERING_TOLERANCE, "float32", -1.0)  # every output now "differs"
-    with pytest.raises(DFlashError, match="changes target output"):
+    with pytest.raises(DFlashError, match="changes draft output .* --passes none"):
         lower_ort(source, tmp_path / "checked", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 

@@ -1,0 +1,146 @@
+"""The ORT lowering's buffer form: the target's attention as GroupQueryAttention over preallocated K/V.
+
+In the exported (concat) form every step transposes the past K/V, concatenates the new rows, transposes
+`present` back and repeats K/V per query head: five copies of the whole cache per layer, a cost that grows
+with the context. Here each layer's attention becomes one com.microsoft GroupQueryAttention whose
+`past_key`/`past_value` are [batch, kv_heads, ctx_len, head_dim] buffers the session binds as both input
+and output (ORT then writes the new rows in place), and whose `seqlens_k` / `total_sequence_length`
+inputs carry the committed length: rollback is a smaller length on the next call.
+
+Input: a target graph after `rope-fusion` and `ort-fusions` (attention as MultiHeadAttention over
+`Concat(Transpose(past), new)`); the causal mask comes from the lengths, so targets with sliding-window
+layers are refused by the lowering's check.
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+from onnx import TensorProto, helper
+
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import GraphSpec, TensorSpec
+
+SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
+SHAPE_ONLY = {"Unsqueeze", "Expand", "Reshape", "Transpose", "Squeeze", "Identity"}
+
+
+class _Graph:
+    def __init__(self, graph: onnx.GraphProto):
+        self.producer = {out: node for node in graph.node for out in node.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for name in node.input:
+                self.consumers.setdefault(name, []).append(node)
+
+    def only_consumer(self, name: str, op_type: str) -> onnx.NodeProto:
+        """The one `op_type` node reading `name`, besides Shape nodes (the mask's; checked dead afterwards)."""
+        users = [u for u in self.consumers.get(name, []) if u.op_type != "Shape"]
+        if len(users) != 1 or users[0].op_type != op_type:
+            raise DFlashError(f"buffer form: expected {name} to feed one {op_type}, found "
+                              f"{[u.op_type for u in users]} (lower with --kv-buffer off)")
+        return users[0]
+
+    def attention_reading(self, name: str) -> tuple[onnx.NodeProto, int]:
+        """The MultiHeadAttention that `name` reaches through shape-only ops, and the input slot it enters."""
+        frontier = [name]
+        while frontier:
+            current = frontier.pop()
+            for user in self.consumers.get(current, []):
+                if user.op_type == "MultiHeadAttention":
+                    return user, list(user.input).index(current)
+                if user.op_type in SHAPE_ONLY and user.input[0] == current:
+                    frontier.append(user.output[0])
+        raise DFlashError(f"buffer form: no MultiHeadAttention reads {name}: run the ort-fusions pass first "
+                          "(lower with --kv-buffer off to keep the concat form)")
+
+
+def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int) -> onnx.ModelProto:
+    """Rewrite every layer's attention of the target graph `model` (described by `spec`) to the buffer form."""
+    graph = model.graph
+    for index, node in enumerate(graph.node):  # nodes are removed by name below
+        node.name = node.name or f"unnamed_{index}"
+    view = _Graph(graph)
+    new_nodes, dead = [], set()
+    for layer in range(spec.num_layers):
+        k_in, v_in = spec.kv_inputs[2 * layer], spec.kv_inputs[2 * layer + 1]
+        k_out, v_out = spec.kv_outputs[2 * layer], spec.kv_outputs[2 * layer + 1]
+        rows, attention = {}, None
+        for role, past, present in (("key", k_in, k_out), ("value", v_in, v_out)):
+            to_heads_first = view.only_consumer(past, "Transpose")
+            concat = view.only_consumer(to_heads_first.output[0], "Concat")
+            if list(concat.input)[:1] != [to_heads_first.output[0]] or len(concat.input) != 2:
+                raise DFlashError(f"buffer form: {past} is not concatenated with the new rows in layer {layer}")
+            back = view.producer.get(present)
+            if back is None or back.op_type != "Transpose" or back.input[0] != concat.output[0]:
+                raise DFlashError(f"buffer form: {present} is not the transposed concatenation of layer {layer}")
+            found, slot = view.attention_reading(concat.output[0])
+            if attention is not None and found is not attention:
+                raise DFlashError(f"buffer form: keys and values of layer {layer} reach different attentions")
+            if slot != (1 if role == "key" else 2):
+                raise DFlashError(f"buffer form: the {role}s of layer {layer} enter attention input {slot}")
+            attention, rows[role] = found, concat.input[1]
+            dead.add(back.name)  # GQA produces `present` now; the concatenation dies with the attention
+        attrs = {a.name: helper.get_attribute_value(a) for a in attention.attribute}
+        flat = {}
+        for role, name in rows.items():  # new rows [b, kv, t, hd] -> [b, t, kv*hd], as GQA takes them
+            seq_first = f"{name}_bsnh_l{layer}"
+            flat[role] = f"{name}_bsd_l{layer}"
+            new_nodes += [helper.make_node("Transpose", [name], [seq_first], perm=[0, 2, 1, 3]),
+                          helper.make_node("Reshape", [seq_first, "kv_buffer_bsd_shape"], [flat[role]])]
+        gqa_attrs = {"num_heads": attrs["num_heads"], "kv_num_heads": spec.num_kv_heads}
+        if "scale" in attrs:
+            gqa_attrs["scale"] = attrs["scale"]
+        new_nodes.append(helper.make_node(
+            "GroupQueryAttention", [attention.input[0], flat["key"], flat["value"], k_in, v_in, SEQLENS, TOTAL],
+            [attention.output[0], k_out, v_out], name=f"gqa_buffer_{layer}", domain="com.microsoft", **gqa_attrs))
+        dead.add(attention.name)
+    kept = [node for node in graph.node if node.name not in dead]
+    del graph.node[:]
+    graph.node.extend(kept + new_nodes)
+    graph.initializer.append(helper.make_tensor("kv_buffer_bsd_shape", TensorProto.INT64, [3], [0, 0, -1]))
+    elem = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+    buffer_shape = ["batch", spec.num_kv_heads, ctx_len, spec.head_dim]
+    for collection in (graph.input, graph.output):
+        for value in collection:
+            if value.name in spec.kv_inputs or value.name in spec.kv_outputs:
+                value.CopyFrom(helper.make_tensor_value_info(value.name, elem[spec.kv_inputs[0]], buffer_shape))
+    graph.input.extend([helper.make_tensor_value_info(SEQLENS, TensorProto.INT32, ["batch"]),
+                        helper.make_tensor_value_info(TOTAL, TensorProto.INT32, [])])
+    if not any(op.domain == "com.microsoft" for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    model = _without_dead_code(model)
+    readers = {(n.op_type, n.name) for n in model.graph.node for name in n.input
+               if name in spec.kv_inputs and not _reads_batch_only(n)}
+    others = sorted(r for r in readers if r[0] != "GroupQueryAttention")
+    if others:
+        raise DFlashError(f"buffer form: K/V inputs still read by {others} (lower with --kv-buffer off)")
+    return model
+
+
+def _reads_batch_only(node: onnx.NodeProto) -> bool:
+    """Shape(x)[0:1]: the batch size, the same in both layouts (the exporter reads it from a K/V input)."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return node.op_type == "Shape" and attrs.get("start", 0) == 0 and attrs.get("end") == 1
+
+
+def _without_dead_code(model: onnx.ModelProto) -> onnx.ModelProto:
+    from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
+    ir_model = ir.serde.deserialize_model(model)
+    RemoveUnusedNodesPass()(ir_model)
+    TopologicalSortPass()(ir_model)
+    return ir.serde.serialize_model(ir_model)
+
+
+def buffer_spec(spec: GraphSpec, ctx_len: int) -> GraphSpec:
+    """The target's GraphSpec in the buffer form: K/V buffers of ctx_len rows and the two length inputs."""
+    kv = set(spec.kv_inputs) | set(spec.kv_outputs)
+
+    def resized(t: TensorSpec) -> TensorSpec:
+        return TensorSpec(t.name, t.dtype, ["batch", spec.num_kv_heads, ctx_len, spec.head_dim]) if t.name in kv else t
+
+    inputs = [resized(t) for t in spec.inputs] + [TensorSpec(SEQLENS, "int32", ["batch"]),
+                                                  TensorSpec(TOTAL, "int32", [])]
+    return GraphSpec(spec.file, inputs, [resized(t) for t in spec.outputs], spec.num_layers, spec.num_kv_heads,
+                     spec.head_dim, list(spec.kv_inputs), list(spec.kv_outputs))
