@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--contexts", default="256,1024", help="context lengths of the cost curve")
     bench.add_argument("--curve-repeats", type=int, default=10)
     bench.add_argument("--peers", help="also run hf (transformers greedy) and/or reference (dflash_generate at "
-                       "block 1 and B) on the checkpoints, e.g. hf,reference")
+                       "block 1 and B) and/or ort-genai (greedy and n-gram speculative) on the checkpoints, e.g. hf,reference,ort-genai")
     bench.add_argument("--target", type=Path, help="target checkpoint for --peers (default: recorded at export)")
     bench.add_argument("--draft", type=Path, help="draft checkpoint for --peers (default: recorded at export)")
     bench.add_argument("--json", type=Path, help="write every figure to this JSON file")

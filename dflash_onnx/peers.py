@@ -3,6 +3,9 @@
 - `hf`: Hugging Face transformers greedy `generate` (PyTorch CPU).
 - `reference`: the reference `dflash` package's `dflash_generate` at block 1 (its baseline) and at the
   export's block size (PyTorch CPU), with our draft checkpoint.
+- `ort-genai`: onnxruntime-genai on the target rebuilt by its model builder (cached): greedy, and its
+  speculative decoding on CPU, n-gram lookup (draft-free). It cannot run our draft: its block drafters are
+  DFlash 2 and DSpark checkpoints (paged attention), not DFlash.
 Timing follows the reference's definitions: tokens/s = output tokens over decode time (prefill
 excluded, the first token counted), TTFT = prefill. HF's TTFT is taken when its streamer receives the
 first generated token.
@@ -19,7 +22,7 @@ import numpy as np
 from .errors import DFlashError
 from .manifest import Manifest
 
-PEERS = ("hf", "reference")
+PEERS = ("hf", "reference", "ort-genai")
 
 
 def _hf_greedy(lm, prompts: list[dict], max_new_tokens: int, repeats: int) -> dict:
@@ -68,7 +71,74 @@ def _reference(draft, lm, prompts: list[dict], max_new_tokens: int, repeats: int
     return _collect(label, prompts, repeats, once, tau=block_size > 1)
 
 
+def _genai_model_dir(target_dir: Path, dtype: str) -> Path:
+    """The target rebuilt by onnxruntime-genai's model builder, cached by checkpoint content and dtype."""
+    import hashlib
+    import subprocess
+
+    from .demo import cache_root
+
+    digest = hashlib.sha256()
+    for file in sorted(Path(target_dir).glob("*.safetensors")) + [Path(target_dir) / "config.json"]:
+        digest.update(file.read_bytes())
+    out = cache_root() / "ort-genai" / f"{digest.hexdigest()[:12]}-{dtype}"
+    if (out / "genai_config.json").is_file():
+        return out
+    precision = {"float32": "fp32", "float16": "fp16"}[dtype]
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(target_dir), "-o", str(out),
+               "-p", precision, "-e", "cpu", "-c", str(out.parent / "build-cache")]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 or not (out / "genai_config.json").is_file():
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise DFlashError(f"onnxruntime-genai's model builder cannot build {target_dir}: {last[0]}")
+    _drop_out_of_vocab_eos(out / "genai_config.json")
+    return out
+
+
+def _drop_out_of_vocab_eos(path: Path) -> None:
+    """The builder can add eos ids past the vocabulary (tokenizers without the specials it looks for), which
+    the runtime then refuses; runs here generate a fixed number of tokens, so only valid ids are kept."""
+    import json
+
+    config = json.loads(path.read_text())
+    model = config["model"]
+    eos = model["eos_token_id"] if isinstance(model["eos_token_id"], list) else [model["eos_token_id"]]
+    valid = [i for i in eos if 0 <= i < model["vocab_size"]] or [0]
+    if valid != eos:
+        model["eos_token_id"] = valid if len(valid) > 1 else valid[0]
+        path.write_text(json.dumps(config, indent=4))
+
+
+def _genai(model, prompts: list[dict], max_new_tokens: int, repeats: int, speculative: dict | None) -> dict:
+    import onnxruntime_genai as og
+
+    def once(ids: list[int]):
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(ids) + max_new_tokens,
+                                  min_length=len(ids) + max_new_tokens)
+        if speculative:
+            params.set_speculative_options(**speculative)
+        generator = og.Generator(model, params)
+        started = time.perf_counter()
+        generator.append_tokens(ids)
+        tokens, first_at = [], None
+        while not generator.is_done():
+            generator.generate_next_token()
+            tokens.extend(int(t) for t in generator.get_next_tokens())
+            first_at = first_at or time.perf_counter()
+        ended = time.perf_counter()
+        stats = generator.get_speculative_stats() if speculative else {}
+        return tokens, first_at - started, ended - first_at, [stats.get("mean_emitted_tokens_per_round", 0.0)]
+
+    if speculative:
+        label = f"ort-genai n-gram speculative (n={speculative['ngram_size']}, k={speculative['max_draft_tokens']})"
+    else:
+        label = "ort-genai greedy (C++ loop, its own graph)"
+    return _collect(label, prompts, repeats, once, tau=bool(speculative))
+
+
 def _collect(name: str, prompts: list[dict], repeats: int, once, tau: bool) -> dict:
+    """Runs `once(ids) -> (tokens, ttft_s, decode_s[, acceptance lengths])` per prompt, medians of timings."""
     tokens, decode_s, ttft_s, lengths, outputs = 0, 0.0, [], [], []
     for prompt in prompts:
         runs = [once(prompt["ids"]) for _ in range(repeats)]
@@ -120,6 +190,18 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
             if progress:
                 print(f"peers: reference block {block} ...", file=sys.stderr, flush=True)
             rows.append(_reference(draft, lm, prompts, options.max_new_tokens, options.repeats, block))
+    if "ort-genai" in names:
+        try:
+            import onnxruntime_genai as og
+        except ImportError:
+            raise DFlashError("peer 'ort-genai' needs onnxruntime-genai: pip install onnxruntime-genai") from None
+        if progress:
+            print("peers: ort-genai (model builder, then greedy and n-gram speculative) ...", file=sys.stderr,
+                  flush=True)
+        model = og.Model(str(_genai_model_dir(Path(target_dir), dtype)))
+        rows.append(_genai(model, prompts, options.max_new_tokens, options.repeats, None))
+        speculative = {"ngram_size": 3, "max_draft_tokens": min(16, manifest.block_size)}
+        rows.append(_genai(model, prompts, options.max_new_tokens, options.repeats, speculative))
     for row in rows:  # every peer decodes greedily (or losslessly): its tokens must be ours
         row["identical_to_ours"] = row.pop("outputs") == our_tokens
     return {"rows": rows, "ratios": _ratios(rows, ours)}
@@ -128,7 +210,12 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
 def _ratios(rows: list[dict], ours: dict) -> dict:
     ratios = {}
     for row in rows:
-        if row["name"].startswith("hf greedy"):
+        if row["name"].startswith("ort-genai"):
+            kind = "greedy" if "greedy" in row["name"] else "speculative"
+            ratios[f"ours dflash / ort-genai {kind}"] = ours["dflash"]["tokens_per_second"] / row["tokens_per_second"]
+            if kind == "greedy":
+                ratios["ours greedy / ort-genai greedy"] = ours["greedy"]["tokens_per_second"] / row["tokens_per_second"]
+        elif row["name"].startswith("hf greedy"):
             ratios["ours greedy / hf greedy"] = ours["greedy"]["tokens_per_second"] / row["tokens_per_second"]
             ratios["ours dflash / hf greedy"] = ours["dflash"]["tokens_per_second"] / row["tokens_per_second"]
         elif row["tau"] is None:

@@ -41,6 +41,9 @@ class TinySpec:
     final_logit_softcapping: float | None = None
     tie_embeddings: bool = True
     agree: bool = False
+    # Scale of every target layer's output projections (o_proj, down_proj) under `agree`: deep random stacks
+    # swamp the embedding's bias otherwise (the compute is unchanged, only the values are damped).
+    damp_layers: float = 1.0
     favourite_token: int = 7
     eos_token_id: int = 1
     max_positions: int = 1024
@@ -55,7 +58,8 @@ PRESETS = {
 }
 # The same shapes with target and draft biased towards one token (untied head): the draft agrees almost
 # always, so DFlash runs at the top of its acceptance range; bench's implied speedup covers lower tau.
-PRESETS["qwen3-0.6b-shaped-agree"] = replace(PRESETS["qwen3-0.6b-shaped"], agree=True, tie_embeddings=False)
+PRESETS["qwen3-0.6b-shaped-agree"] = replace(PRESETS["qwen3-0.6b-shaped"], agree=True, tie_embeddings=False,
+                                             damp_layers=0.02)
 
 
 def _target_config(spec: TinySpec) -> dict:
@@ -141,6 +145,10 @@ def _bias_towards(model, spec: TinySpec) -> None:
         head = model.get_output_embeddings().weight
         if head.data_ptr() != embed.data_ptr():
             head[spec.favourite_token, 0] = 4.0
+        if spec.damp_layers != 1.0:
+            for name, param in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    param.mul_(spec.damp_layers)
 
 
 def build_draft(spec: TinySpec, directory: Path, target) -> None:

@@ -135,3 +135,16 @@ def test_cli_bad_flags_exit_2(exported, flags, message, capsys):
                  "1", "--curve-repeats", "1", "--contexts", "8", "--quiet", *flags])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_ort_genai_peer_decodes_our_tokens(exported, tmp_path, monkeypatch):
+    """onnxruntime-genai's greedy and n-gram speculative decoding of the same target give our greedy tokens."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai (the test extra installs it)")
+    monkeypatch.setenv("DFLASH_ONNX_CACHE", str(tmp_path))
+    options = BenchOptions(max_new_tokens=16, repeats=1, num_prompts=2, contexts=[16], curve_repeats=1)
+    report = run_bench(exported("agree_b8").out, None, None, options, ["ort-genai"], (None, None), progress=False)
+    rows = report["peers"]["rows"]
+    assert [r["name"].split(" (")[0] for r in rows] == ["ort-genai greedy", "ort-genai n-gram speculative"]
+    assert all(r["identical_to_ours"] and r["tokens_per_second"] > 0 for r in rows)
+    assert {"ours greedy / ort-genai greedy", "ours dflash / ort-genai speculative"} <= set(report["peers"]["ratios"])
+    assert any((tmp_path / "ort-genai").glob("*/genai_config.json"))  # built once, cached
