@@ -166,9 +166,10 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
     from .pair import load_target
 
     check_peer_names(names)
-    if manifest.passes or manifest.lowering:
-        print("note: peers run the original checkpoints; this directory is transformed "
-              f"({[p['name'] for p in manifest.passes] or manifest.lowering.get('target')})", file=sys.stderr)
+    lossy = [p["name"] for p in manifest.passes if p.get("lossy")]
+    if lossy:  # exact passes and lowerings compute the same model; a quantized one does not
+        print(f"note: peers run the original checkpoints; this directory's target is transformed by {lossy}, "
+              "so its tokens may differ from theirs", file=sys.stderr)
     target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir)
     dtype = manifest.dtype if manifest.lowering.get("target") not in ("coreml",) else "float32"
     lm = load_target(target_dir, dtype)

@@ -41,8 +41,8 @@ class TinySpec:
     final_logit_softcapping: float | None = None
     tie_embeddings: bool = True
     agree: bool = False
-    # Scale of every target layer's output projections (o_proj, down_proj) under `agree`: deep random stacks
-    # swamp the embedding's bias otherwise (the compute is unchanged, only the values are damped).
+    # Scale of every target and draft layer's output projections (o_proj, down_proj) under `agree`: deep random
+    # stacks swamp the embedding's bias otherwise (the compute is unchanged, only the values are damped).
     damp_layers: float = 1.0
     favourite_token: int = 7
     eos_token_id: int = 1
@@ -59,7 +59,7 @@ PRESETS = {
 # The same shapes with target and draft biased towards one token (untied head): the draft agrees almost
 # always, so DFlash runs at the top of its acceptance range; bench's implied speedup covers lower tau.
 PRESETS["qwen3-0.6b-shaped-agree"] = replace(PRESETS["qwen3-0.6b-shaped"], agree=True, tie_embeddings=False,
-                                             damp_layers=0.02)
+                                             damp_layers=0.002)
 
 
 def _target_config(spec: TinySpec) -> dict:
@@ -169,6 +169,9 @@ def build_draft(spec: TinySpec, directory: Path, target) -> None:
                 param.normal_(0.0, 0.05)
         if spec.agree:
             draft.norm.weight[0] = 8.0
+            for name, param in draft.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    param.mul_(spec.damp_layers)
     state = {k: v.contiguous() for k, v in draft.state_dict().items() if k not in ("embed_tokens", "lm_head")}
     save_file(state, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(raw, indent=2))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import weakref
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -73,13 +72,10 @@ class OrtSession:
     """Runs one ONNX graph on ONNX Runtime (CPU unless other providers are named)."""
 
     def __init__(self, path: Path, providers: list[str] | None = None, intra_op_threads: int | None = None,
-                 allow_spinning: bool = True, optimization_level: str = "all", shared: dict | None = None):
+                 allow_spinning: bool = True, optimization_level: str = "all"):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        self._shared = shared or {}  # name -> _Weight; ORT reads them in place, so they must outlive the session
-        for name, weight in self._shared.items():
-            options.add_initializer(name, weight.value)
         options.log_severity_level = 4  # failures reach the user as one DFlashError line, not ORT's log
         options.graph_optimization_level = _ort_level(optimization_level)
         if intra_op_threads:
@@ -104,7 +100,6 @@ class OrtSession:
         if lowering:
             settings["providers"] = [provider_name(lowering["provider"])]
         settings.update({k: v for k, v in overrides.items() if v is not None})
-        settings.setdefault("shared", shared_weights(Path(directory), manifest, graph))
         path = Path(directory) / getattr(manifest, graph).file
         if manifest.form == "buffer" and graph == "target":
             return OrtBufferSession(path, manifest, **settings)
@@ -120,51 +115,6 @@ class OrtSession:
         except Exception as exc:
             raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
         return dict(zip(names, values))
-
-
-class _Weight:
-    """One tensor read from a data file, and the OrtValue over it that sessions add as an initializer."""
-
-    def __init__(self, array: np.ndarray):
-        import onnxruntime as ort
-
-        self.array = array
-        self.value = ort.OrtValue.ortvalue_from_numpy(array)
-
-
-_SHARED: "weakref.WeakValueDictionary[tuple, _Weight]" = weakref.WeakValueDictionary()
-
-
-def shared_weights(directory: Path, manifest: Manifest, graph: str) -> dict:
-    """The initializers of `graph` that the other graph of the pair reads from the same bytes (the draft's
-    embedding and lm_head live in the target's data file): name -> OrtValue, loaded once per process and
-    handed to both sessions (SessionOptions.add_initializer), so the weights sit in memory once."""
-    import onnx
-
-    locations = {}
-    for kind in ("target", "draft"):
-        model = onnx.load(str(directory / getattr(manifest, kind).file), load_external_data=False)
-        locations[kind] = {}
-        for tensor in model.graph.initializer:
-            if tensor.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            info = {entry.key: entry.value for entry in tensor.external_data}
-            key = (str((directory / info["location"]).resolve()), int(info.get("offset", 0)), int(info["length"]),
-                   tensor.data_type, tuple(tensor.dims))
-            locations[kind][tensor.name] = key
-    common = set(locations["target"].values()) & set(locations["draft"].values())
-    found = {}
-    for name, key in locations[graph].items():
-        if key not in common:
-            continue
-        weight = _SHARED.get(key)
-        if weight is None:
-            path, offset, length, data_type, dims = key
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(data_type)
-            array = np.fromfile(path, dtype=dtype, count=length // np.dtype(dtype).itemsize, offset=offset)
-            weight = _SHARED[key] = _Weight(array.reshape(dims))
-        found[name] = weight
-    return found
 
 
 class OrtBufferSession(OrtSession):

@@ -130,18 +130,3 @@ def test_cli_lower_ort_errors_are_one_line(exported, tmp_path, capsys):
                  "--provider", "cuda", "--quiet"]) == 2
     assert "onnxruntime-gpu" in capsys.readouterr().err
 
-
-def test_target_and_draft_sessions_share_the_vocab_weights(exported, ort_lowered):
-    """The draft's embedding and lm_head are the target's bytes: one array in memory, added to both sessions."""
-    decoder = Decoder.open(ort_lowered("agree_b8"))
-    target, draft = decoder.target._shared, decoder.draft._shared
-    assert len(target) == len(draft) == 2  # embedding and (untied) lm_head
-    assert {id(w) for w in target.values()} == {id(w) for w in draft.values()}
-    alone = Decoder.open(ort_lowered("agree_b8"), shared={})  # sharing off: each session loads its own copy
-    assert alone.target._shared == {} and alone.draft._shared == {}
-    for prompt in ([4, 5, 6], [9, 1, 2, 8]):
-        assert decoder.generate(prompt, 24, stop_token_ids=[]).tokens == \
-            alone.generate(prompt, 24, stop_token_ids=[]).tokens
-    exported_decoder = exported("agree_b8").decoder()  # plain exports share the same way
-    assert {id(w) for w in exported_decoder.target._shared.values()} == \
-        {id(w) for w in exported_decoder.draft._shared.values()} != set()
