@@ -226,21 +226,18 @@ def check_lowering(source: Path, manifest: Manifest, sessions: dict) -> float:
     return worst
 
 
-def _with_buffer_target(origin: Path, work: Path, manifest: Manifest, ctx_len: int, rewrite) -> Path:
-    """A directory holding the buffer-form target and the draft (weights referenced in place)."""
+def _rewrite_to_buffer_form(fused_dir: Path, manifest: Manifest, ctx_len: int) -> None:
+    """Rewrite fused_dir's target graph in place to the buffer form; only the graph structure is loaded
+    (its weights stay in the data file beside it), so this costs no model-sized memory."""
     import onnx
+
+    from .ort_kv_buffer import to_kv_buffer
 
     if ctx_len < 2 * manifest.block_size:
         raise DFlashError(f"--ctx-len {ctx_len} is below two blocks ({2 * manifest.block_size})")
-    staged = work.parent / "buffer"
-    staged.mkdir()
-    model = onnx.load(str(origin / manifest.target.file))
-    onnx.save_model(rewrite(model, manifest.target, ctx_len), str(staged / manifest.target.file),
-                    save_as_external_data=True, location=f"{manifest.target.file}.data", size_threshold=1024)
-    draft = onnx.load(str(origin / manifest.draft.file))
-    onnx.save_model(draft, str(staged / manifest.draft.file), save_as_external_data=True,
-                    location=f"{manifest.draft.file}.data", size_threshold=1024)
-    return staged
+    path = fused_dir / manifest.target.file
+    model = onnx.load(str(path), load_external_data=False)
+    onnx.save_model(to_kv_buffer(model, manifest.target, ctx_len), str(path))
 
 
 def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwrite: bool = False,
@@ -250,6 +247,9 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
     from passes.pipeline import apply_pipeline
 
     options = options or OrtOptions()
+    if options.kv_buffer and "ort-fusions" not in options.passes:
+        raise DFlashError("the buffer form rewrites the attention the ort-fusions pass fuses: keep ort-fusions in "
+                          "--passes, or lower with --kv-buffer off")
     manifest = load_export(source, "lower")
     provider = provider_name(options.provider)
     _ort_level(options.optimization_level)
@@ -262,12 +262,12 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
             shutil.move(str(fused_dir / "passes_report.json"), tmp / "passes_report.json")
         origin = fused_dir if options.passes else Path(source)
         if options.kv_buffer:
-            from .ort_kv_buffer import buffer_spec, to_kv_buffer
+            from .ort_kv_buffer import buffer_spec
 
             if progress:
                 print(f"target attention -> GroupQueryAttention over {options.ctx_len}-row K/V buffers",
                       file=sys.stderr)
-            origin = _with_buffer_target(origin, fused_dir, manifest, options.ctx_len, to_kv_buffer)
+            _rewrite_to_buffer_form(fused_dir, manifest, options.ctx_len)
             fused = replace(fused, form="buffer", ctx_len=options.ctx_len, kv_layout="batch,kv_heads,seq,head_dim",
                             target=buffer_spec(fused.target, options.ctx_len))
         for graph in ("target", "draft"):
@@ -276,7 +276,6 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
             _save_optimized(origin / getattr(manifest, graph).file, tmp / getattr(manifest, graph).file, provider,
                             options.optimization_level)
         shutil.rmtree(fused_dir, ignore_errors=True)
-        shutil.rmtree(tmp / "buffer", ignore_errors=True)
         shared, unshared = share_initializers(tmp, manifest.draft.file, manifest.target.file, manifest.vocab_size)
         settings = {"intra_op_threads": options.intra_op_threads, "allow_spinning": options.allow_spinning,
                     "optimization_level": options.optimization_level}
