@@ -115,6 +115,10 @@ def test_refusals_leave_nothing_behind(exported, ort_lowered, tmp_path, monkeypa
     source = exported("agree_b8").out
     with pytest.raises(DFlashError, match="no CUDAExecutionProvider.*onnxruntime-gpu"):
         lower_ort(source, tmp_path / "cuda", OrtOptions(provider="cuda"), progress=False)
+    with pytest.raises(DFlashError, match="keep ort-fusions"):
+        lower_ort(source, tmp_path / "nofusion", OrtOptions(passes=()), progress=False)
+    with pytest.raises(DFlashError, match="below two blocks"):
+        lower_ort(source, tmp_path / "short", OrtOptions(ctx_len=8), progress=False)
     with pytest.raises(DFlashError, match="unknown provider"):
         lower_ort(source, tmp_path / "x", OrtOptions(provider="tpu"), progress=False)
     with pytest.raises(DFlashError, match="already lowered"):
