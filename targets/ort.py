@@ -213,16 +213,19 @@ def check_lowering(source: Path, manifest: Manifest, sessions: dict) -> float:
         pairs += [(f"{graph} output {name}", got[name], value) for name, value in want.items() if value.dtype.kind == "f"]
     if manifest.form == "buffer":
         pairs += _target_sequence(manifest, exported, sessions, reference)
+    # a quantized export (MatMulNBits with int8 activations) re-rounds its activations, so float reordering
+    # in the fused graph moves its outputs more than it moves a float graph's
+    allowed = LOWERING_TOLERANCE[manifest.dtype] * (100 if any(p.get("lossy") for p in exported.passes) else 1)
     worst = 0.0
     for name, got, want in pairs:
         scale = max(float(np.abs(want).max()), 1e-6)
         difference = float(np.abs(got.astype(np.float64) - want).max()) / scale
         worst = max(worst, difference)
-        if difference > LOWERING_TOLERANCE[manifest.dtype]:
+        if difference > allowed:
             buffered = manifest.form == "buffer" and name.startswith("target")
             hint = "--kv-buffer off (a sliding-window target needs its mask)" if buffered else "--passes none"
             raise DFlashError(f"the ORT lowering changes {name} by {difference:.2g} of its scale (allowed "
-                              f"{LOWERING_TOLERANCE[manifest.dtype]:g}): lower with {hint}, or report the graph")
+                              f"{allowed:g}): lower with {hint}, or report the graph")
     return worst
 
 
@@ -237,7 +240,7 @@ def _rewrite_to_buffer_form(fused_dir: Path, manifest: Manifest, ctx_len: int) -
         raise DFlashError(f"--ctx-len {ctx_len} is below two blocks ({2 * manifest.block_size})")
     path = fused_dir / manifest.target.file
     model = onnx.load(str(path), load_external_data=False)
-    onnx.save_model(to_kv_buffer(model, manifest.target, ctx_len), str(path))
+    onnx.save_model(to_kv_buffer(model, manifest.target, ctx_len, str(fused_dir)), str(path))
 
 
 def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwrite: bool = False,

@@ -14,9 +14,10 @@ layers are refused by the lowering's check.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import GraphSpec, TensorSpec
@@ -55,13 +56,65 @@ class _Graph:
                           "(lower with --kv-buffer off to keep the concat form)")
 
 
-def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int) -> onnx.ModelProto:
-    """Rewrite every layer's attention of the target graph `model` (described by `spec`) to the buffer form."""
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _through(view: _Graph, name: str, op_type: str, **attrs) -> str | None:
+    """The input of the `op_type` node (with these attributes) that produces `name`, else None."""
+    node = view.producer.get(name)
+    if node is None or node.op_type != op_type or any(_attrs(node).get(k) != v for k, v in attrs.items()):
+        return None
+    return node.input[0]
+
+
+def _rotary(view: _Graph, initializers: dict, attention: onnx.NodeProto, key_rows: str,
+            base_dir: str | None) -> tuple[str, str, np.ndarray] | None:
+    """When the layer's q and k rotations are whole-head, non-interleaved RotaryEmbeddings over
+    cos/sin(position * inv_freq): the unrotated q and k ([b, s, heads, hd]) and inv_freq, so that
+    GroupQueryAttention can rotate them itself (do_rotary). None when the graph looks any other way."""
+    heads_first = [0, 2, 1, 3]
+    rotations = [view.producer.get(key_rows)]
+    query_rotated = _through(view, attention.input[0], "Reshape")
+    query_rotated = query_rotated and _through(view, query_rotated, "Transpose", perm=heads_first)
+    rotations.append(view.producer.get(query_rotated) if query_rotated else None)
+    if any(r is None or r.op_type != "RotaryEmbedding" or _attrs(r).get("interleaved", 0) != 0
+           or _attrs(r).get("rotary_embedding_dim", 0) != 0 for r in rotations):
+        return None
+    k_rot, q_rot = rotations
+    if list(k_rot.input[2:4]) != list(q_rot.input[2:4]):
+        return None
+    unrotated = [_through(view, r.input[0], "Transpose", perm=heads_first) for r in (q_rot, k_rot)]
+    cos, sin = view.producer.get(k_rot.input[2]), view.producer.get(k_rot.input[3])
+    if None in unrotated or cos is None or sin is None or (cos.op_type, sin.op_type) != ("Cos", "Sin") \
+            or cos.input[0] != sin.input[0]:
+        return None
+    angles = view.producer.get(cos.input[0])
+    if angles is not None and angles.op_type == "Reshape":
+        angles = view.producer.get(angles.input[0])
+    if angles is None or angles.op_type != "Mul":
+        return None
+    frequencies = [initializers[i] for i in angles.input if i in initializers]
+    if len(frequencies) != 1:
+        return None
+    inv_freq = numpy_helper.to_array(frequencies[0], base_dir or "").reshape(-1)
+    return unrotated[0], unrotated[1], inv_freq
+
+
+def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
+                 base_dir: str | None = None) -> onnx.ModelProto:
+    """Rewrite every layer's attention of the target graph `model` (described by `spec`) to the buffer form.
+    Float32 graphs with head sizes that are multiples of 16 also hand RoPE to GroupQueryAttention
+    (do_rotary with a ctx_len cos/sin cache computed
+    as the graph computes it: float32 position * inv_freq), which removes the rotations and their
+    transposes."""
     graph = model.graph
     for index, node in enumerate(graph.node):  # nodes are removed by name below
         node.name = node.name or f"unnamed_{index}"
     view = _Graph(graph)
-    new_nodes, dead = [], set()
+    initializers = {t.name: t for t in graph.initializer}
+    float32 = {i.name: i.type.tensor_type.elem_type for i in graph.input}[spec.kv_inputs[0]] == TensorProto.FLOAT
+    new_nodes, dead, cache = [], set(), None
     for layer in range(spec.num_layers):
         k_in, v_in = spec.kv_inputs[2 * layer], spec.kv_inputs[2 * layer + 1]
         k_out, v_out = spec.kv_outputs[2 * layer], spec.kv_outputs[2 * layer + 1]
@@ -81,24 +134,41 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int) -> onnx.
                 raise DFlashError(f"buffer form: the {role}s of layer {layer} enter attention input {slot}")
             attention, rows[role] = found, concat.input[1]
             dead.add(back.name)  # GQA produces `present` now; the concatenation dies with the attention
-        attrs = {a.name: helper.get_attribute_value(a) for a in attention.attribute}
-        flat = {}
+        attrs = _attrs(attention)
+        # ORT's GroupQueryAttention rotates only heads whose size is a multiple of 16
+        rotary = _rotary(view, initializers, attention, rows["key"], base_dir) \
+            if float32 and spec.head_dim % 16 == 0 else None
+        flat, query, extra = {}, attention.input[0], []
         for role, name in rows.items():  # new rows [b, kv, t, hd] -> [b, t, kv*hd], as GQA takes them
             seq_first = f"{name}_bsnh_l{layer}"
             flat[role] = f"{name}_bsd_l{layer}"
-            new_nodes += [helper.make_node("Transpose", [name], [seq_first], perm=[0, 2, 1, 3]),
-                          helper.make_node("Reshape", [seq_first, "kv_buffer_bsd_shape"], [flat[role]])]
+            if role == "key" and rotary is not None:
+                seq_first = rotary[1]  # the unrotated keys, already [b, t, kv, hd]
+            else:
+                new_nodes.append(helper.make_node("Transpose", [name], [seq_first], perm=[0, 2, 1, 3]))
+            new_nodes.append(helper.make_node("Reshape", [seq_first, "kv_buffer_bsd_shape"], [flat[role]]))
         gqa_attrs = {"num_heads": attrs["num_heads"], "kv_num_heads": spec.num_kv_heads}
         if "scale" in attrs:
             gqa_attrs["scale"] = attrs["scale"]
+        if rotary is not None:
+            query = f"gqa_query_l{layer}"
+            new_nodes.append(helper.make_node("Reshape", [rotary[0], "kv_buffer_bsd_shape"], [query]))
+            if cache is None:
+                positions = np.arange(ctx_len, dtype=np.float32)[:, None] * rotary[2].astype(np.float32)[None]
+                cache = (numpy_helper.from_array(np.cos(positions).astype(np.float32), "kv_buffer_cos_cache"),
+                         numpy_helper.from_array(np.sin(positions).astype(np.float32), "kv_buffer_sin_cache"))
+            extra = [cache[0].name, cache[1].name]
+            gqa_attrs.update(do_rotary=1, rotary_interleaved=0)
         new_nodes.append(helper.make_node(
-            "GroupQueryAttention", [attention.input[0], flat["key"], flat["value"], k_in, v_in, SEQLENS, TOTAL],
+            "GroupQueryAttention", [query, flat["key"], flat["value"], k_in, v_in, SEQLENS, TOTAL, *extra],
             [attention.output[0], k_out, v_out], name=f"gqa_buffer_{layer}", domain="com.microsoft", **gqa_attrs))
         dead.add(attention.name)
     kept = [node for node in graph.node if node.name not in dead]
     del graph.node[:]
     graph.node.extend(kept + new_nodes)
     graph.initializer.append(helper.make_tensor("kv_buffer_bsd_shape", TensorProto.INT64, [3], [0, 0, -1]))
+    if cache is not None:
+        graph.initializer.extend(cache)
     elem = {i.name: i.type.tensor_type.elem_type for i in graph.input}
     buffer_shape = ["batch", spec.num_kv_heads, ctx_len, spec.head_dim]
     for collection in (graph.input, graph.output):

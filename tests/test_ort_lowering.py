@@ -87,9 +87,14 @@ def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
     assert 0 <= manifest.lowering["max_relative_difference"] <= ort_target.LOWERING_TOLERANCE["float32"]
     target = onnx.load(str(out / "target.onnx"), load_external_data=False)
     ops = [n.op_type for n in target.graph.node]
-    assert {"GroupQueryAttention", "RotaryEmbedding", "SkipSimplifiedLayerNormalization"} <= set(ops)
+    assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= set(ops)
     assert ops.count("GroupQueryAttention") == manifest.target.num_layers
     assert "MultiHeadAttention" not in ops and "Expand" not in ops  # no per-head copy of the cache
+    # head size 16: GroupQueryAttention applies RoPE itself from a cos/sin cache of ctx_len rows
+    assert "RotaryEmbedding" not in ops and "Cos" not in ops
+    gqa = [n for n in target.graph.node if n.op_type == "GroupQueryAttention"]
+    assert all(onnx.helper.get_attribute_value(a) == 1 for n in gqa for a in n.attribute if a.name == "do_rotary")
+    assert len(gqa[0].input) == 9
     draft = onnx.load(str(out / "draft.onnx"), load_external_data=False)
     shared = manifest.lowering["shared_with_target"]
     assert shared  # the embedding (and untied lm_head) are read from the target's data file
@@ -134,3 +139,33 @@ def test_cli_lower_ort_errors_are_one_line(exported, tmp_path, capsys):
                  "--provider", "cuda", "--quiet"]) == 2
     assert "onnxruntime-gpu" in capsys.readouterr().err
 
+
+
+def test_buffer_form_rotation_holds_at_long_positions(exported, ort_lowered):
+    """GroupQueryAttention's own RoPE (cos/sin cache) matches the export's rotation 500 positions in."""
+    from dflash_onnx.runners import open_runners
+
+    lowered, export = Decoder.open(ort_lowered("agree_b8")), exported("agree_b8").decoder()
+    ids = np.random.default_rng(5).integers(0, 96, size=500)
+    runners = [open_runners(d.manifest, d.target, None, 256)[0] for d in (lowered, export)]
+    for runner in runners:
+        runner.forward(ids, False)
+        runner.commit(500)
+    block = np.random.default_rng(6).integers(0, 96, size=8)
+    got, want = (runner.forward(block, True) for runner in runners)
+    assert np.abs(got.logits - want.logits).max() <= 1e-4 * np.abs(want.logits).max()
+    assert np.abs(got.context - want.context).max() <= 1e-4 * np.abs(want.context).max()
+
+
+def test_a_quantized_export_lowers_and_decodes_its_own_greedy_tokens(exported, tmp_path):
+    """int4 (MatMulNBits, int8 activations) then the ORT lowering: DFlash == the quantized export's greedy."""
+    from passes.pipeline import apply_pipeline
+
+    quantized = tmp_path / "int4"
+    apply_pipeline(exported("agree_b8").out, ["int4"], quantized, {"*": {"block_size": "16"}}, progress=False)
+    lowered = lower_ort(quantized, tmp_path / "ort", OrtOptions(ctx_len=256), progress=False)
+    assert lowered.form == "buffer" and [p["name"] for p in lowered.passes] == ["int4", "rope-fusion", "ort-fusions"]
+    decoder, reference = Decoder.open(tmp_path / "ort"), Decoder.open(quantized)
+    for prompt in ([4, 5, 6], [9, 1, 2, 8, 3]):
+        want = reference.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
+        assert decoder.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == want
