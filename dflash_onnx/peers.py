@@ -172,7 +172,7 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
               "so its tokens may differ from theirs", file=sys.stderr)
     target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir)
     dtype = manifest.dtype if manifest.lowering.get("target") not in ("coreml",) else "float32"
-    lm = load_target(target_dir, dtype)
+    lm = load_target(target_dir, dtype) if {"hf", "reference"} & set(names) else None
     rows = []
     if "hf" in names:
         if progress:
