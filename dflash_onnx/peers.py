@@ -72,15 +72,17 @@ def _reference(draft, lm, prompts: list[dict], max_new_tokens: int, repeats: int
 
 
 def _genai_model_dir(target_dir: Path, dtype: str) -> Path:
-    """The target rebuilt by onnxruntime-genai's model builder, cached by checkpoint content and dtype."""
+    """The target rebuilt by onnxruntime-genai's model builder, cached per checkpoint (path, file sizes and
+    modification times: cheap for multi-GB weights) and dtype."""
     import hashlib
     import subprocess
 
     from .demo import cache_root
 
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(str(Path(target_dir).resolve()).encode())
     for file in sorted(Path(target_dir).glob("*.safetensors")) + [Path(target_dir) / "config.json"]:
-        digest.update(file.read_bytes())
+        stat = file.stat()
+        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     out = cache_root() / "ort-genai" / f"{digest.hexdigest()[:12]}-{dtype}"
     if (out / "genai_config.json").is_file():
         return out
