@@ -119,7 +119,9 @@ class OrtSession:
 
 class OrtBufferSession(OrtSession):
     """The buffer-form target: K/V live in preallocated arrays bound (IOBinding) as both the input and
-    the output of every GroupQueryAttention, so ORT updates them in place and no call copies the cache."""
+    the output of every GroupQueryAttention, so ORT updates them in place and no call copies the cache.
+    The other outputs are bound to arrays kept per row count, so a run of same-sized calls (decode steps,
+    verify steps) binds nothing but its small inputs."""
 
     retains_state = True
 
@@ -127,34 +129,47 @@ class OrtBufferSession(OrtSession):
         import onnxruntime as ort
 
         super().__init__(path, **settings)
+        self._ort = ort
         graph = manifest.target
         dtype = np.float16 if manifest.dtype == "float16" else np.float32
         shape = (1, graph.num_kv_heads, int(manifest.ctx_len), graph.head_dim)
         self.buffers = {name: np.zeros(shape, dtype) for name in graph.kv_inputs}
         self._values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.buffers.items()}
         self._pairs = list(zip(graph.kv_inputs, graph.kv_outputs))
-        self._presents = set(graph.kv_outputs)
-        self._binding = None
+        self._specs = {t.name: t for t in graph.outputs if t.name not in set(graph.kv_outputs)}
+        self._binding = self._session.io_binding()
+        for past, _ in self._pairs:
+            self._binding.bind_ortvalue_input(past, self._values[past])
+        self._outputs: dict[tuple[str, int], tuple[np.ndarray, object]] = {}
+        self._bound: tuple | None = None
+
+    def _output(self, name: str, rows: int) -> tuple[np.ndarray, object]:
+        """The array (and its OrtValue) that output `name` of a `rows`-token call is written into."""
+        if (name, rows) not in self._outputs:
+            spec = self._specs[name]
+            shape = [1 if dim == "batch" else rows if isinstance(dim, str) else dim for dim in spec.shape]
+            array = np.empty(shape, np.dtype(spec.dtype))
+            self._outputs[(name, rows)] = (array, self._ort.OrtValue.ortvalue_from_numpy(array))
+        return self._outputs[(name, rows)]
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
-        if self._binding is None:  # the K/V inputs are bound once; per call only the small inputs change
-            self._binding = self._session.io_binding()
-            for past, _ in self._pairs:
-                self._binding.bind_ortvalue_input(past, self._values[past])
-        binding, names = self._binding, [n for n in (output_names or self.output_names) if n not in self._presents]
+        names = tuple(n for n in (output_names or self.output_names) if n in self._specs)
+        rows = int(feeds["input_ids"].shape[1])
+        binding = self._binding
         for name, value in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        binding.clear_binding_outputs()
-        for name in names:  # get_outputs() lists outputs in binding order: these first
-            binding.bind_output(name)
-        for past, present in self._pairs:
-            binding.bind_ortvalue_output(present, self._values[past])
+        if self._bound != (names, rows):  # only outputs asked for are bound: ORT keeps the rest internal
+            binding.clear_binding_outputs()
+            for name in names:
+                binding.bind_ortvalue_output(name, self._output(name, rows)[1])
+            for past, present in self._pairs:
+                binding.bind_ortvalue_output(present, self._values[past])
+            self._bound = (names, rows)
         try:
             self._session.run_with_iobinding(binding)
         except Exception as exc:
             raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
-        values = binding.get_outputs()
-        return {name: values[index].numpy() for index, name in enumerate(names)}
+        return {name: self._output(name, rows)[0].copy() for name in names}
 
 
 def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None:
