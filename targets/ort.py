@@ -217,10 +217,10 @@ def _target_sequence(manifest: Manifest, source: Manifest, sessions: dict, refer
     return steps
 
 
-def check_lowering(source: Path, manifest: Manifest, sessions: dict) -> float:
-    """Largest output difference of the lowered graphs against the export, relative to the largest |output|;
-    refuses the lowering when it exceeds LOWERING_TOLERANCE."""
-    exported = load_export(source, "lower")
+def check_lowering(source: Path, exported: Manifest, manifest: Manifest, sessions: dict) -> float:
+    """Largest output difference of the lowered graphs (`manifest`) against the export at `source`
+    (`exported`), relative to the largest |output|; refuses the lowering beyond LOWERING_TOLERANCE
+    (x100 for a quantized export)."""
     reference = {g: OrtSession(Path(source) / getattr(exported, g).file) for g in ("target", "draft")}
     pairs = []
     for graph, feeds in _sample_calls(exported, target=manifest.form == "concat"):
@@ -301,7 +301,7 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
             "target": "ort", "provider": options.provider, "session_options": settings,
             "options": {**asdict(options), "passes": list(options.passes)}, "shared_with_target": shared})
         sessions = {g: OrtSession.for_directory(tmp, lowered, g) for g in ("target", "draft")}
-        lowered.lowering["max_relative_difference"] = check_lowering(Path(source), lowered, sessions)
+        lowered.lowering["max_relative_difference"] = check_lowering(Path(source), manifest, lowered, sessions)
         del sessions
         if unshared:
             print(f"warning: draft tensors {unshared} are stored twice (no identical target tensor after ORT's "
