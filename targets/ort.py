@@ -72,7 +72,7 @@ class OrtSession:
     """Runs one ONNX graph on ONNX Runtime (CPU unless other providers are named)."""
 
     def __init__(self, path: Path, providers: list[str] | None = None, intra_op_threads: int | None = None,
-                 allow_spinning: bool = True, optimization_level: str = "all"):
+                 allow_spinning: bool = True, optimization_level: str = "all", stop_spinning_after_run: bool = False):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -82,6 +82,8 @@ class OrtSession:
             options.intra_op_num_threads = intra_op_threads
         if not allow_spinning:  # idle pool threads stop spinning: the other session of the pair gets the cores
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if stop_spinning_after_run:  # spin within a call, not after it: the next call is the other session's
+            options.add_session_config_entry("session.force_spinning_stop", "1")
         try:
             self._session = ort.InferenceSession(
                 str(path), sess_options=options, providers=providers or ["CPUExecutionProvider"]
@@ -103,7 +105,9 @@ class OrtSession:
         path = Path(directory) / getattr(manifest, graph).file
         if manifest.form == "buffer" and graph == "target":
             return OrtBufferSession(path, manifest, **settings)
-        return OrtSession(path, **settings)
+        # the draft's calls alternate with the target's: its threads spinning on after each call take the
+        # cores the target's verify needs (measured on the demo pair: DFlash 948 -> 1262 tok/s, greedy unchanged)
+        return OrtSession(path, stop_spinning_after_run=graph == "draft", **settings)
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
         names = output_names or self.output_names

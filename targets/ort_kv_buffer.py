@@ -115,6 +115,7 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
     initializers = {t.name: t for t in graph.initializer}
     float32 = {i.name: i.type.tensor_type.elem_type for i in graph.input}[spec.kv_inputs[0]] == TensorProto.FLOAT
     new_nodes, dead, cache = [], set(), None
+    widths: dict[str, int] = {}  # last dimension of each [batch, seq, width] value added
     for layer in range(spec.num_layers):
         k_in, v_in = spec.kv_inputs[2 * layer], spec.kv_inputs[2 * layer + 1]
         k_out, v_out = spec.kv_outputs[2 * layer], spec.kv_outputs[2 * layer + 1]
@@ -144,15 +145,19 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
             flat[role] = f"{name}_bsd_l{layer}"
             if role == "key" and rotary is not None:
                 seq_first = rotary[1]  # the unrotated keys, already [b, t, kv, hd]
+            elif _through(view, name, "Transpose", perm=[0, 2, 1, 3]):
+                seq_first = _through(view, name, "Transpose", perm=[0, 2, 1, 3])  # the rows before heads-first
             else:
                 new_nodes.append(helper.make_node("Transpose", [name], [seq_first], perm=[0, 2, 1, 3]))
             new_nodes.append(helper.make_node("Reshape", [seq_first, "kv_buffer_bsd_shape"], [flat[role]]))
+            widths[flat[role]] = spec.num_kv_heads * spec.head_dim
         gqa_attrs = {"num_heads": attrs["num_heads"], "kv_num_heads": spec.num_kv_heads}
         if "scale" in attrs:
             gqa_attrs["scale"] = attrs["scale"]
         if rotary is not None:
             query = f"gqa_query_l{layer}"
             new_nodes.append(helper.make_node("Reshape", [rotary[0], "kv_buffer_bsd_shape"], [query]))
+            widths[query] = attrs["num_heads"] * spec.head_dim
             if cache is None:
                 positions = np.arange(ctx_len, dtype=np.float32)[:, None] * rotary[2].astype(np.float32)[None]
                 cache = (numpy_helper.from_array(np.cos(positions).astype(np.float32), "kv_buffer_cos_cache"),
@@ -162,10 +167,12 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
         new_nodes.append(helper.make_node(
             "GroupQueryAttention", [query, flat["key"], flat["value"], k_in, v_in, SEQLENS, TOTAL, *extra],
             [attention.output[0], k_out, v_out], name=f"gqa_buffer_{layer}", domain="com.microsoft", **gqa_attrs))
+        widths[attention.output[0]] = attrs["num_heads"] * spec.head_dim
         dead.add(attention.name)
     kept = [node for node in graph.node if node.name not in dead]
     del graph.node[:]
     graph.node.extend(kept + new_nodes)
+    _declare_rows(graph, widths, {i.name: i.type.tensor_type.elem_type for i in graph.input}[spec.kv_inputs[0]])
     graph.initializer.append(helper.make_tensor("kv_buffer_bsd_shape", TensorProto.INT64, [3], [0, 0, -1]))
     if cache is not None:
         graph.initializer.extend(cache)
@@ -179,7 +186,7 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
                         helper.make_tensor_value_info(TOTAL, TensorProto.INT32, [])])
     if not any(op.domain == "com.microsoft" for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    model = _without_dead_code(model)
+    model = _tidied(model)
     readers = {(n.op_type, n.name) for n in model.graph.node for name in n.input
                if name in spec.kv_inputs and not _reads_batch_only(n)}
     others = sorted(r for r in readers if r[0] != "GroupQueryAttention")
@@ -194,11 +201,46 @@ def _reads_batch_only(node: onnx.NodeProto) -> bool:
     return node.op_type == "Shape" and attrs.get("start", 0) == 0 and attrs.get("end") == 1
 
 
-def _without_dead_code(model: onnx.ModelProto) -> onnx.ModelProto:
+def _declare_rows(graph: onnx.GraphProto, widths: dict[str, int], elem: int) -> None:
+    """Shapes [batch, seq, width] of the values the rewrite adds (batch, seq: input_ids' dims), so that
+    `_tidied` sees which reshape chains end in the shape they began with."""
+    batch, seq = {i.name: i for i in graph.input}["input_ids"].type.tensor_type.shape.dim
+    dims = [d.dim_param or d.dim_value for d in (batch, seq)]
+    kept = [v for v in graph.value_info if v.name not in widths]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+    graph.value_info.extend(helper.make_tensor_value_info(name, elem, [*dims, width]) for name, width in widths.items())
+
+
+def _same_shape(a: ir.Value, b: ir.Value) -> bool:
+    return a.shape is not None and b.shape is not None and a.shape.rank() == b.shape.rank() and \
+        all(x == y and (isinstance(x, int) or x.value is not None) for x, y in zip(a.shape, b.shape))
+
+
+def _drop_round_trip_reshapes(graph: ir.Graph) -> int:
+    """Remove Reshape chains whose output has the shape of the chain's input (the exporter's
+    [b, s, heads * hd] -> [b, s, heads, hd] views that the rewrite flattens back): their readers read the
+    input. Each removed Reshape is one kernel launch less per step."""
+    removed = 0
+    for node in list(graph):
+        if node.op_type != "Reshape" or node.outputs[0].is_graph_output():
+            continue
+        source = node.inputs[0]
+        while source.producer() is not None and source.producer().op_type == "Reshape" and len(source.uses()) == 1:
+            source = source.producer().inputs[0]
+        if _same_shape(source, node.outputs[0]):
+            ir.convenience.replace_all_uses_with(node.outputs[0], source)
+            removed += 1
+    return removed
+
+
+def _tidied(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
     ir_model = ir.serde.deserialize_model(model)
-    RemoveUnusedNodesPass()(ir_model)
+    RemoveUnusedNodesPass()(ir_model)  # first, so that the replaced attention's readers no longer count as uses
+    if _drop_round_trip_reshapes(ir_model.graph):
+        RemoveUnusedNodesPass()(ir_model)
     TopologicalSortPass()(ir_model)
     return ir.serde.serialize_model(ir_model)
 

@@ -113,6 +113,11 @@ def test_sessions_use_the_recorded_options(exported, tmp_path):
     options = decoder.target._session.get_session_options()
     assert options.intra_op_num_threads == 1
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    # the draft's threads stop spinning when its call ends: the target's verify comes next
+    draft_options = decoder.draft._session.get_session_options()
+    assert draft_options.get_session_config_entry("session.force_spinning_stop") == "1"
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # the target's keep spinning
+        options.get_session_config_entry("session.force_spinning_stop")
     assert decoder.generate([4, 5, 6], 8).tokens == Decoder.open(exported("agree_b8").out).generate([4, 5, 6], 8).tokens
 
 
@@ -169,3 +174,35 @@ def test_a_quantized_export_lowers_and_decodes_its_own_greedy_tokens(exported, t
     for prompt in ([4, 5, 6], [9, 1, 2, 8, 3]):
         want = reference.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
         assert decoder.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == want
+
+
+def _reshape_chain(final_shape: list[int]) -> onnx.ModelProto:
+    """x [batch, seq, 8] -> Reshape [batch, seq, 2, 4] -> Reshape `final_shape` -> Relu."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Reshape", ["x", "heads"], ["split"]), helper.make_node("Reshape", ["split", "flat"], ["y"]),
+             helper.make_node("Relu", ["y"], ["out"])]
+    final = ["batch", "seq", *final_shape]
+    graph = helper.make_graph(
+        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 8])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, final)],
+        [helper.make_tensor("heads", TensorProto.INT64, [4], [0, 0, 2, 4]),
+         helper.make_tensor("flat", TensorProto.INT64, [len(final)], [0, 0, *final_shape])],
+        value_info=[helper.make_tensor_value_info("split", TensorProto.FLOAT, ["batch", "seq", 2, 4]),
+                    helper.make_tensor_value_info("y", TensorProto.FLOAT, final)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_reshape_round_trips_are_removed_and_other_chains_kept():
+    from targets.ort_kv_buffer import _tidied
+
+    import onnxruntime as ort
+
+    x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float32)
+    round_trip = _tidied(_reshape_chain([8]))
+    assert [n.op_type for n in round_trip.graph.node] == ["Relu"] and round_trip.graph.node[0].input[0] == "x"
+    reshaped = _tidied(_reshape_chain([4, 2]))  # ends in another shape: both reshapes stay
+    assert [n.op_type for n in reshaped.graph.node] == ["Reshape", "Reshape", "Relu"]
+    for model, shape in ((round_trip, (1, 3, 8)), (reshaped, (1, 3, 4, 2))):
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        np.testing.assert_array_equal(session.run(None, {"x": x})[0], np.maximum(x, 0).reshape(shape))
