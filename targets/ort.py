@@ -262,6 +262,20 @@ def _rewrite_to_buffer_form(fused_dir: Path, manifest: Manifest, ctx_len: int) -
     onnx.save_model(to_kv_buffer(model, manifest.target, ctx_len, str(fused_dir)), str(path))
 
 
+def _rewrite_draft_attention(fused_dir: Path, manifest: Manifest) -> int:
+    """The draft's attention as one ONNX Attention per layer (targets/ort_draft_attention.py), in place;
+    returns how many were rewritten."""
+    import onnx
+
+    from .ort_draft_attention import to_onnx_attention
+
+    path = fused_dir / manifest.draft.file
+    model, count = to_onnx_attention(onnx.load(str(path), load_external_data=False))
+    if count:
+        onnx.save_model(model, str(path))
+    return count
+
+
 def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwrite: bool = False,
               progress: bool = True) -> Manifest:
     """Write ORT_DIR: ORT-optimized target and draft graphs, the draft's vocab tensors shared, the manifest."""
@@ -283,6 +297,7 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
             fused, _ = apply_pipeline(Path(source), list(options.passes), fused_dir, progress=progress)
             shutil.move(str(fused_dir / "passes_report.json"), tmp / "passes_report.json")
         origin = fused_dir if options.passes else Path(source)
+        draft_attentions = _rewrite_draft_attention(fused_dir, manifest) if "ort-fusions" in options.passes else 0
         if options.kv_buffer:
             from .ort_kv_buffer import buffer_spec
 
@@ -303,7 +318,8 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
                     "optimization_level": options.optimization_level}
         lowered = replace(fused, lowering={
             "target": "ort", "provider": options.provider, "session_options": settings,
-            "options": {**asdict(options), "passes": list(options.passes)}, "shared_with_target": shared})
+            "options": {**asdict(options), "passes": list(options.passes)}, "shared_with_target": shared,
+            "draft_onnx_attention": draft_attentions})
         sessions = {g: OrtSession.for_directory(tmp, lowered, g) for g in ("target", "draft")}
         lowered.lowering["max_relative_difference"] = check_lowering(Path(source), manifest, lowered, sessions)
         del sessions

@@ -37,6 +37,11 @@ def ort_lowered(exported, tmp_path_factory):
 def test_lowered_pair_decodes_the_exports_greedy_tokens(name, exported, decoders, ort_lowered):
     lowered = Decoder.open(ort_lowered(name))
     assert lowered.manifest.form == ("buffer" if KV_BUFFER[name] else "concat")
+    # every grouped-query draft layer attends through ONNX Attention (causal_gqa4_b4's with its mask); the
+    # llama draft has as many kv heads as query heads, so nothing is repeated and nothing rewritten
+    spec = exported(name).spec
+    grouped = spec.num_heads > spec.num_kv_heads
+    assert lowered.manifest.lowering["draft_onnx_attention"] == (lowered.manifest.draft.num_layers if grouped else 0)
     rng = np.random.default_rng(3)
     for _ in range(3):
         prompt = rng.integers(2, 94, size=int(rng.integers(1, 12))).tolist()
@@ -96,6 +101,10 @@ def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
     assert all(onnx.helper.get_attribute_value(a) == 1 for n in gqa for a in n.attribute if a.name == "do_rotary")
     assert len(gqa[0].input) == 9
     draft = onnx.load(str(out / "draft.onnx"), load_external_data=False)
+    # the draft attends through one ONNX Attention per layer, its K/V never repeated per query head
+    draft_ops = [n.op_type for n in draft.graph.node]
+    assert draft_ops.count("Attention") == manifest.lowering["draft_onnx_attention"] == manifest.draft.num_layers
+    assert "MultiHeadAttention" not in draft_ops and "Expand" not in draft_ops
     shared = manifest.lowering["shared_with_target"]
     assert shared  # the embedding (and untied lm_head) are read from the target's data file
     locations = {t.name: {e.key: e.value for e in t.external_data}.get("location") for t in draft.graph.initializer}
