@@ -197,6 +197,8 @@ class BufferTarget:
     (`seqlens_k` = length after the call - 1, `total_sequence_length`), so rollback is a length change and
     no step copies the cache."""
 
+    NAMES = ["greedy_ids", "target_hidden"]
+
     def __init__(self, session: Session, manifest: Manifest, prefill_chunk: int):
         if not getattr(session, "retains_state", False):
             raise DFlashError("buffer-form graphs need a session that keeps their K/V buffers (the ORT lowering's)")
@@ -204,19 +206,23 @@ class BufferTarget:
         self.capacity = int(manifest.ctx_len)
         self.length = 0
 
+    def _call(self, ids: np.ndarray, start: int, logits: bool) -> dict[str, np.ndarray]:
+        total = start + len(ids)
+        feeds = {"input_ids": ids[None], "position_ids": np.arange(start, total, dtype=np.int64)[None],
+                 "seqlens_k": np.array([total - 1], np.int32), "total_sequence_length": np.array(total, np.int32)}
+        return self.session.run(feeds, self.NAMES + ["logits"] if logits else self.NAMES)
+
     def forward(self, ids: np.ndarray, want_logits: bool) -> TargetStep:
+        if len(ids) <= self.chunk:  # every decode and verify step
+            out = self._call(ids, self.length, want_logits)
+            return TargetStep(out["greedy_ids"][0], out["logits"][0] if want_logits else None, out["target_hidden"][0])
         contexts, greedy = [], []
         for begin in range(0, len(ids), self.chunk):
-            chunk = ids[begin : begin + self.chunk]
-            start, total = self.length + begin, self.length + begin + len(chunk)
-            final = begin + self.chunk >= len(ids)
-            feeds = {"input_ids": chunk[None], "position_ids": np.arange(start, total, dtype=np.int64)[None],
-                     "seqlens_k": np.array([total - 1], np.int32), "total_sequence_length": np.array(total, np.int32)}
-            out = self.session.run(feeds, ["greedy_ids", "target_hidden"] + (["logits"] if want_logits and final else []))
+            out = self._call(ids[begin : begin + self.chunk], self.length + begin,
+                             want_logits and begin + self.chunk >= len(ids))
             contexts.append(out["target_hidden"][0])
             greedy.append(out["greedy_ids"][0])
-        context = contexts[0] if len(contexts) == 1 else np.concatenate(contexts)
-        return TargetStep(np.concatenate(greedy), out["logits"][0] if want_logits else None, context)
+        return TargetStep(np.concatenate(greedy), out["logits"][0] if want_logits else None, np.concatenate(contexts))
 
     def commit(self, length: int) -> None:
         self.length = length

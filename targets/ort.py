@@ -146,6 +146,7 @@ class OrtBufferSession(OrtSession):
             self._binding.bind_ortvalue_input(past, self._values[past])
         self._outputs: dict[tuple[str, int], tuple[np.ndarray, object]] = {}
         self._bound: tuple | None = None
+        self._inputs: dict[str, tuple[np.ndarray, object]] = {}  # per input: the array bound last, refilled
 
     def _output(self, name: str, rows: int) -> tuple[np.ndarray, object]:
         """The array (and its OrtValue) that output `name` of a `rows`-token call is written into."""
@@ -160,8 +161,13 @@ class OrtBufferSession(OrtSession):
         names = tuple(n for n in (output_names or self.output_names) if n in self._specs)
         rows = int(feeds["input_ids"].shape[1])
         binding = self._binding
-        for name, value in feeds.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name, value in feeds.items():  # same shape as last call (every decode or verify step): copy, no bind
+            kept = self._inputs.get(name)
+            if kept is None or kept[0].shape != value.shape or kept[0].dtype != value.dtype:
+                array = np.empty(value.shape, value.dtype)
+                kept = self._inputs[name] = (array, self._ort.OrtValue.ortvalue_from_numpy(array))
+                binding.bind_ortvalue_input(name, kept[1])
+            np.copyto(kept[0], value)
         if self._bound != (names, rows):  # only outputs asked for are bound: ORT keeps the rest internal
             binding.clear_binding_outputs()
             for name in names:
@@ -202,43 +208,52 @@ def _sample_calls(manifest: Manifest, target: bool) -> list[tuple[str, dict]]:
     return calls
 
 
-def _target_sequence(manifest: Manifest, source: Manifest, sessions: dict, reference: dict) -> list[tuple]:
-    """A prefill, a verify, a partial commit, another verify and a decode through both graphs' runners
-    (the buffer form's rollback included): (name, lowered output, exported output) per call."""
+def _target_sequence(manifest: Manifest, session) -> dict[str, np.ndarray]:
+    """A prefill, a verify, a partial commit, another verify and a decode through the manifest's runner (the
+    buffer form's rollback included): (name, output) per call, the same ids for every graph form."""
     from dflash_onnx.runners import open_runners
 
-    lowered, _ = open_runners(manifest, sessions["target"], None, 256)
-    exported, _ = open_runners(source, reference["target"], None, 256)
+    runner, _ = open_runners(manifest, session, None, 256)
     rng = np.random.default_rng(0)
-    steps, length = [], 0
-    for count, keep in ((20, 20), (manifest.block_size, 2), (3, 3), (1, 1)):
-        ids = rng.integers(0, manifest.vocab_size, size=count)
-        got, want = lowered.forward(ids, True), exported.forward(ids, True)
-        steps += [("target logits", got.logits, want.logits), ("target_hidden", got.context, want.context)]
+    outputs, length = {}, 0
+    for step, (count, keep) in enumerate(((20, 20), (manifest.block_size, 2), (3, 3), (1, 1))):
+        out = runner.forward(rng.integers(0, manifest.vocab_size, size=count), True)
+        outputs.update({f"target logits (step {step})": out.logits, f"target_hidden (step {step})": out.context})
         length += keep
-        lowered.commit(length)
-        exported.commit(length)
-    return steps
+        runner.commit(length)
+    return outputs
 
 
-def check_lowering(source: Path, exported: Manifest, manifest: Manifest, sessions: dict) -> float:
-    """Largest output difference of the lowered graphs (`manifest`) against the export at `source`
-    (`exported`), relative to the largest |output|; refuses the lowering beyond LOWERING_TOLERANCE
-    (x100 for a quantized export)."""
+def _check_outputs(manifest: Manifest, sessions: dict, calls: list[tuple[str, dict]],
+                   sequence: bool) -> dict[str, np.ndarray]:
+    """The float outputs of the sample calls, then of the target call sequence when `sequence`, by name."""
+    outputs = {}
+    for index, (graph, feeds) in enumerate(calls):
+        outputs.update({f"{graph} output {name} (call {index})": value
+                        for name, value in sessions[graph].run(feeds).items() if value.dtype.kind == "f"})
+    return {**outputs, **(_target_sequence(manifest, sessions["target"]) if sequence else {})}
+
+
+def check_lowering(source: Path, exported: Manifest, directory: Path, manifest: Manifest) -> float:
+    """Largest output difference of the lowered graphs in `directory` (`manifest`) against the export at
+    `source` (`exported`), relative to the largest |output|; refuses the lowering beyond LOWERING_TOLERANCE
+    (x100 for a quantized export). The export's outputs are computed and its sessions closed before the
+    lowered sessions open, so the check holds one model's sessions at a time."""
+    calls, sequence = _sample_calls(exported, target=manifest.form == "concat"), manifest.form == "buffer"
     reference = {g: OrtSession(Path(source) / getattr(exported, g).file) for g in ("target", "draft")}
-    pairs = []
-    for graph, feeds in _sample_calls(exported, target=manifest.form == "concat"):
-        want, got = reference[graph].run(feeds), sessions[graph].run(feeds)
-        pairs += [(f"{graph} output {name}", got[name], value) for name, value in want.items() if value.dtype.kind == "f"]
-    if manifest.form == "buffer":
-        pairs += _target_sequence(manifest, exported, sessions, reference)
+    wanted = _check_outputs(exported, reference, calls, sequence)
+    del reference
+    lowered = {g: OrtSession.for_directory(directory, manifest, g) for g in ("target", "draft")}
+    got = _check_outputs(manifest, lowered, calls, sequence)
+    del lowered
     # a quantized export (MatMulNBits with int8 activations) re-rounds its activations, so float reordering
     # in the fused graph moves its outputs more than it moves a float graph's
     allowed = LOWERING_TOLERANCE[manifest.dtype] * (100 if any(p.get("lossy") for p in exported.passes) else 1)
     worst = 0.0
-    for name, got, want in pairs:
+    for name, want in wanted.items():
+        value = got[name]
         scale = max(float(np.abs(want).max()), 1e-6)
-        difference = float(np.abs(got.astype(np.float64) - want).max()) / scale
+        difference = float(np.abs(value.astype(np.float64) - want).max()) / scale
         worst = max(worst, difference)
         if difference > allowed:
             buffered = manifest.form == "buffer" and name.startswith("target")
@@ -320,9 +335,7 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
             "target": "ort", "provider": options.provider, "session_options": settings,
             "options": {**asdict(options), "passes": list(options.passes)}, "shared_with_target": shared,
             "draft_onnx_attention": draft_attentions})
-        sessions = {g: OrtSession.for_directory(tmp, lowered, g) for g in ("target", "draft")}
-        lowered.lowering["max_relative_difference"] = check_lowering(Path(source), manifest, lowered, sessions)
-        del sessions
+        lowered.lowering["max_relative_difference"] = check_lowering(Path(source), manifest, tmp, lowered)
         if unshared:
             print(f"warning: draft tensors {unshared} are stored twice (no identical target tensor after ORT's "
                   "optimizations)", file=sys.stderr)
