@@ -277,18 +277,30 @@ def _rewrite_to_buffer_form(fused_dir: Path, manifest: Manifest, ctx_len: int) -
     onnx.save_model(to_kv_buffer(model, manifest.target, ctx_len, str(fused_dir)), str(path))
 
 
-def _rewrite_draft_attention(fused_dir: Path, manifest: Manifest) -> int:
-    """The draft's attention as one ONNX Attention per layer (targets/ort_draft_attention.py), in place;
-    returns how many were rewritten."""
+def _rewrite_draft(fused_dir: Path, manifest: Manifest, rewrite) -> int:
+    """Apply `rewrite` (model -> (model, count)) to fused_dir's draft graph in place, weights left in their
+    data file; returns how many places it rewrote."""
     import onnx
 
-    from .ort_draft_attention import to_onnx_attention
-
     path = fused_dir / manifest.draft.file
-    model, count = to_onnx_attention(onnx.load(str(path), load_external_data=False))
+    model, count = rewrite(onnx.load(str(path), load_external_data=False))
     if count:
         onnx.save_model(model, str(path))
     return count
+
+
+def _rewrite_draft_attention(fused_dir: Path, manifest: Manifest) -> int:
+    """The draft's attention as one ONNX Attention per layer (targets/ort_draft_attention.py)."""
+    from .ort_draft_attention import to_onnx_attention
+
+    return _rewrite_draft(fused_dir, manifest, to_onnx_attention)
+
+
+def _rewrite_draft_rope(fused_dir: Path, manifest: Manifest, rows: int) -> int:
+    """The draft's rotations over a `rows`-row cos/sin cache (targets/ort_rope_cache.py)."""
+    from .ort_rope_cache import to_rope_cache
+
+    return _rewrite_draft(fused_dir, manifest, lambda model: to_rope_cache(model, rows))
 
 
 def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwrite: bool = False,
@@ -313,6 +325,9 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
             shutil.move(str(fused_dir / "passes_report.json"), tmp / "passes_report.json")
         origin = fused_dir if options.passes else Path(source)
         draft_attentions = _rewrite_draft_attention(fused_dir, manifest) if "ort-fusions" in options.passes else 0
+        # a cos/sin cache needs a bound on positions: the buffer form's capacity (a draft block runs past it)
+        draft_rotations = _rewrite_draft_rope(fused_dir, manifest, options.ctx_len + manifest.block_size) \
+            if options.kv_buffer and "rope-fusion" in options.passes else 0
         if options.kv_buffer:
             from .ort_kv_buffer import buffer_spec
 
@@ -334,7 +349,7 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
         lowered = replace(fused, lowering={
             "target": "ort", "provider": options.provider, "session_options": settings,
             "options": {**asdict(options), "passes": list(options.passes)}, "shared_with_target": shared,
-            "draft_onnx_attention": draft_attentions})
+            "draft_onnx_attention": draft_attentions, "draft_rope_cache": draft_rotations})
         lowered.lowering["max_relative_difference"] = check_lowering(Path(source), manifest, tmp, lowered)
         if unshared:
             print(f"warning: draft tensors {unshared} are stored twice (no identical target tensor after ORT's "

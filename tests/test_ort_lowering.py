@@ -82,6 +82,13 @@ def test_buffer_form_capacity_is_checked_before_decoding(ort_lowered):
         decoder.generate([3] * 500, 20)
 
 
+def test_decoding_up_to_the_capacity_matches_the_export(exported, decoders, ort_lowered):
+    """The last blocks run past ctx_len (512) by up to a block: the draft's cos/sin cache covers them."""
+    prompt = np.random.default_rng(5).integers(2, 94, size=490).tolist()
+    want = decoders("agree_b8").generate(prompt, 22, "greedy", stop_token_ids=[]).tokens
+    assert Decoder.open(ort_lowered("agree_b8")).generate(prompt, 22, "dflash", stop_token_ids=[]).tokens == want
+
+
 def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
     out = ort_lowered("agree_b8")
     manifest = load_manifest(out)
@@ -105,6 +112,9 @@ def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
     draft_ops = [n.op_type for n in draft.graph.node]
     assert draft_ops.count("Attention") == manifest.lowering["draft_onnx_attention"] == manifest.draft.num_layers
     assert "MultiHeadAttention" not in draft_ops and "Expand" not in draft_ops
+    # its rotations index a constant cos/sin cache by position: no angles computed per call
+    assert draft_ops.count("RotaryEmbedding") == manifest.lowering["draft_rope_cache"] > 0
+    assert not {"Sin", "Cos", "Range"} & set(draft_ops)
     shared = manifest.lowering["shared_with_target"]
     assert shared  # the embedding (and untied lm_head) are read from the target's data file
     locations = {t.name: {e.key: e.value for e in t.external_data}.get("location") for t in draft.graph.initializer}
