@@ -13,7 +13,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from .ort_kv_buffer import _attrs, _Graph, _tidied
+from .onnx_graph import GraphView, attributes, tidied
 
 ATTENTION_OPSET = 23
 # heads-first, one copy per query head of its kv head, back to seq-first, flattened heads (drafts whose
@@ -35,7 +35,7 @@ def _constant(graph: onnx.GraphProto, name: str) -> list[int] | None:
     return None
 
 
-def _repeated_rows(view: _Graph, graph: onnx.GraphProto, name: str, heads: int) -> tuple[str, int] | None:
+def _repeated_rows(view: GraphView, graph: onnx.GraphProto, name: str, heads: int) -> tuple[str, int] | None:
     """The seq-first [batch, seq, kv_heads, head_dim] K or V that `name` repeats per query head, and its
     kv_heads; None when `name` is made any other way."""
     chain, current = [], name
@@ -49,7 +49,7 @@ def _repeated_rows(view: _Graph, graph: onnx.GraphProto, name: str, heads: int) 
     transposes = [n for n in chain if n.op_type == "Transpose"]
     origin = chain[0].input[0]
     shape = _shape(graph, origin)
-    if any(_attrs(t).get("perm") != [0, 2, 1, 3] for t in transposes) or shape is None or len(shape) != 4 \
+    if any(attributes(t).get("perm") != [0, 2, 1, 3] for t in transposes) or shape is None or len(shape) != 4 \
             or not isinstance(shape[2], int) or shape[2] < 1 or heads % shape[2]:
         return None
     return origin, shape[2]
@@ -61,10 +61,10 @@ def to_onnx_attention(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     graph = model.graph
     for index, node in enumerate(graph.node):
         node.name = node.name or f"unnamed_{index}"
-    view = _Graph(graph)
+    view = GraphView(graph)
     replaced: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
-        attrs = _attrs(node)
+        attrs = attributes(node)
         # inputs: query, key, value, bias, key_padding_mask, attention_bias (additive, as Attention's attn_mask)
         inputs = list(node.input) + [""] * (6 - len(node.input))
         if node.op_type != "MultiHeadAttention" or attrs.get("unidirectional", 0) != 0 or len(inputs) != 6 \
@@ -96,4 +96,4 @@ def to_onnx_attention(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     for opset in model.opset_import:
         if opset.domain in ("", "ai.onnx"):
             opset.version = max(opset.version, ATTENTION_OPSET)
-    return _tidied(model), len(replaced)
+    return tidied(model), len(replaced)

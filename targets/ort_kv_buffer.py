@@ -16,59 +16,50 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import GraphSpec, TensorSpec
 
-SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
+from .onnx_graph import GraphView, attributes, tidied
+
 SHAPE_ONLY = {"Unsqueeze", "Expand", "Reshape", "Transpose", "Squeeze", "Identity"}
 
 
-class _Graph:
-    def __init__(self, graph: onnx.GraphProto):
-        self.producer = {out: node for node in graph.node for out in node.output}
-        self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        for node in graph.node:
-            for name in node.input:
-                self.consumers.setdefault(name, []).append(node)
-
-    def only_consumer(self, name: str, op_type: str) -> onnx.NodeProto:
-        """The one `op_type` node reading `name`, besides Shape nodes (the mask's; checked dead afterwards)."""
-        users = [u for u in self.consumers.get(name, []) if u.op_type != "Shape"]
-        if len(users) != 1 or users[0].op_type != op_type:
-            raise DFlashError(f"buffer form: expected {name} to feed one {op_type}, found "
-                              f"{[u.op_type for u in users]} (lower with --kv-buffer off)")
-        return users[0]
-
-    def attention_reading(self, name: str) -> tuple[onnx.NodeProto, int]:
-        """The MultiHeadAttention that `name` reaches through shape-only ops, and the input slot it enters."""
-        frontier = [name]
-        while frontier:
-            current = frontier.pop()
-            for user in self.consumers.get(current, []):
-                if user.op_type == "MultiHeadAttention":
-                    return user, list(user.input).index(current)
-                if user.op_type in SHAPE_ONLY and user.input[0] == current:
-                    frontier.append(user.output[0])
-        raise DFlashError(f"buffer form: no MultiHeadAttention reads {name}: run the ort-fusions pass first "
-                          "(lower with --kv-buffer off to keep the concat form)")
+def _only_consumer(view: GraphView, name: str, op_type: str) -> onnx.NodeProto:
+    """The one `op_type` node reading `name`, besides Shape nodes (the mask's; checked dead afterwards)."""
+    users = [u for u in view.consumers.get(name, []) if u.op_type != "Shape"]
+    if len(users) != 1 or users[0].op_type != op_type:
+        raise DFlashError(f"buffer form: expected {name} to feed one {op_type}, found "
+                          f"{[u.op_type for u in users]} (lower with --kv-buffer off)")
+    return users[0]
 
 
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+def _attention_reading(view: GraphView, name: str) -> tuple[onnx.NodeProto, int]:
+    """The MultiHeadAttention that `name` reaches through shape-only ops, and the input slot it enters."""
+    frontier = [name]
+    while frontier:
+        current = frontier.pop()
+        for user in view.consumers.get(current, []):
+            if user.op_type == "MultiHeadAttention":
+                return user, list(user.input).index(current)
+            if user.op_type in SHAPE_ONLY and user.input[0] == current:
+                frontier.append(user.output[0])
+    raise DFlashError(f"buffer form: no MultiHeadAttention reads {name}: run the ort-fusions pass first "
+                      "(lower with --kv-buffer off to keep the concat form)")
+
+SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
 
 
-def _through(view: _Graph, name: str, op_type: str, **attrs) -> str | None:
+def _through(view: GraphView, name: str, op_type: str, **attrs) -> str | None:
     """The input of the `op_type` node (with these attributes) that produces `name`, else None."""
     node = view.producer.get(name)
-    if node is None or node.op_type != op_type or any(_attrs(node).get(k) != v for k, v in attrs.items()):
+    if node is None or node.op_type != op_type or any(attributes(node).get(k) != v for k, v in attrs.items()):
         return None
     return node.input[0]
 
 
-def _rotary(view: _Graph, initializers: dict, attention: onnx.NodeProto, key_rows: str,
+def _rotary(view: GraphView, initializers: dict, attention: onnx.NodeProto, key_rows: str,
             base_dir: str | None) -> tuple[str, str, np.ndarray] | None:
     """When the layer's q and k rotations are whole-head, non-interleaved RotaryEmbeddings over
     cos/sin(position * inv_freq): the unrotated q and k ([b, s, heads, hd]) and inv_freq, so that
@@ -78,8 +69,8 @@ def _rotary(view: _Graph, initializers: dict, attention: onnx.NodeProto, key_row
     query_rotated = _through(view, attention.input[0], "Reshape")
     query_rotated = query_rotated and _through(view, query_rotated, "Transpose", perm=heads_first)
     rotations.append(view.producer.get(query_rotated) if query_rotated else None)
-    if any(r is None or r.op_type != "RotaryEmbedding" or _attrs(r).get("interleaved", 0) != 0
-           or _attrs(r).get("rotary_embedding_dim", 0) != 0 for r in rotations):
+    if any(r is None or r.op_type != "RotaryEmbedding" or attributes(r).get("interleaved", 0) != 0
+           or attributes(r).get("rotary_embedding_dim", 0) != 0 for r in rotations):
         return None
     k_rot, q_rot = rotations
     if list(k_rot.input[2:4]) != list(q_rot.input[2:4]):
@@ -111,7 +102,7 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
     graph = model.graph
     for index, node in enumerate(graph.node):  # nodes are removed by name below
         node.name = node.name or f"unnamed_{index}"
-    view = _Graph(graph)
+    view = GraphView(graph)
     initializers = {t.name: t for t in graph.initializer}
     float32 = {i.name: i.type.tensor_type.elem_type for i in graph.input}[spec.kv_inputs[0]] == TensorProto.FLOAT
     new_nodes, dead, cache = [], set(), None
@@ -121,21 +112,21 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
         k_out, v_out = spec.kv_outputs[2 * layer], spec.kv_outputs[2 * layer + 1]
         rows, attention = {}, None
         for role, past, present in (("key", k_in, k_out), ("value", v_in, v_out)):
-            to_heads_first = view.only_consumer(past, "Transpose")
-            concat = view.only_consumer(to_heads_first.output[0], "Concat")
+            to_heads_first = _only_consumer(view, past, "Transpose")
+            concat = _only_consumer(view, to_heads_first.output[0], "Concat")
             if list(concat.input)[:1] != [to_heads_first.output[0]] or len(concat.input) != 2:
                 raise DFlashError(f"buffer form: {past} is not concatenated with the new rows in layer {layer}")
             back = view.producer.get(present)
             if back is None or back.op_type != "Transpose" or back.input[0] != concat.output[0]:
                 raise DFlashError(f"buffer form: {present} is not the transposed concatenation of layer {layer}")
-            found, slot = view.attention_reading(concat.output[0])
+            found, slot = _attention_reading(view, concat.output[0])
             if attention is not None and found is not attention:
                 raise DFlashError(f"buffer form: keys and values of layer {layer} reach different attentions")
             if slot != (1 if role == "key" else 2):
                 raise DFlashError(f"buffer form: the {role}s of layer {layer} enter attention input {slot}")
             attention, rows[role] = found, concat.input[1]
             dead.add(back.name)  # GQA produces `present` now; the concatenation dies with the attention
-        attrs = _attrs(attention)
+        attrs = attributes(attention)
         # ORT's GroupQueryAttention rotates only heads whose size is a multiple of 16
         rotary = _rotary(view, initializers, attention, rows["key"], base_dir) \
             if float32 and spec.head_dim % 16 == 0 else None
@@ -186,7 +177,7 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
                         helper.make_tensor_value_info(TOTAL, TensorProto.INT32, [])])
     if not any(op.domain == "com.microsoft" for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    model = _tidied(model)
+    model = tidied(model)
     readers = {(n.op_type, n.name) for n in model.graph.node for name in n.input
                if name in spec.kv_inputs and not _reads_batch_only(n)}
     others = sorted(r for r in readers if r[0] != "GroupQueryAttention")
@@ -203,46 +194,13 @@ def _reads_batch_only(node: onnx.NodeProto) -> bool:
 
 def _declare_rows(graph: onnx.GraphProto, widths: dict[str, int], elem: int) -> None:
     """Shapes [batch, seq, width] of the values the rewrite adds (batch, seq: input_ids' dims), so that
-    `_tidied` sees which reshape chains end in the shape they began with."""
+    `tidied` sees which reshape chains end in the shape they began with."""
     batch, seq = {i.name: i for i in graph.input}["input_ids"].type.tensor_type.shape.dim
     dims = [d.dim_param or d.dim_value for d in (batch, seq)]
     kept = [v for v in graph.value_info if v.name not in widths]
     del graph.value_info[:]
     graph.value_info.extend(kept)
     graph.value_info.extend(helper.make_tensor_value_info(name, elem, [*dims, width]) for name, width in widths.items())
-
-
-def _same_shape(a: ir.Value, b: ir.Value) -> bool:
-    return a.shape is not None and b.shape is not None and a.shape.rank() == b.shape.rank() and \
-        all(x == y and (isinstance(x, int) or x.value is not None) for x, y in zip(a.shape, b.shape))
-
-
-def _drop_round_trip_reshapes(graph: ir.Graph) -> int:
-    """Remove Reshape chains whose output has the shape of the chain's input (the exporter's
-    [b, s, heads * hd] -> [b, s, heads, hd] views that the rewrite flattens back): their readers read the
-    input. Each removed Reshape is one kernel launch less per step."""
-    removed = 0
-    for node in list(graph):
-        if node.op_type != "Reshape" or node.outputs[0].is_graph_output():
-            continue
-        source = node.inputs[0]
-        while source.producer() is not None and source.producer().op_type == "Reshape" and len(source.uses()) == 1:
-            source = source.producer().inputs[0]
-        if _same_shape(source, node.outputs[0]):
-            ir.convenience.replace_all_uses_with(node.outputs[0], source)
-            removed += 1
-    return removed
-
-
-def _tidied(model: onnx.ModelProto) -> onnx.ModelProto:
-    from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
-
-    ir_model = ir.serde.deserialize_model(model)
-    RemoveUnusedNodesPass()(ir_model)  # first, so that the replaced attention's readers no longer count as uses
-    if _drop_round_trip_reshapes(ir_model.graph):
-        RemoveUnusedNodesPass()(ir_model)
-    TopologicalSortPass()(ir_model)
-    return ir.serde.serialize_model(ir_model)
 
 
 def buffer_spec(spec: GraphSpec, ctx_len: int) -> GraphSpec:

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .ort_kv_buffer import _Graph, _tidied
+from .onnx_graph import GraphView, tidied
 
 
 def _initializer(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
@@ -30,7 +30,7 @@ def _ints(graph: onnx.GraphProto, name: str) -> list[int] | None:
     return None if value is None else value.reshape(-1).tolist()
 
 
-def _angles(view: _Graph, graph: onnx.GraphProto, rotation: onnx.NodeProto) -> tuple[str, list[str], np.ndarray] | None:
+def _angles(view: GraphView, graph: onnx.GraphProto, rotation: onnx.NodeProto) -> tuple[str, list[str], np.ndarray] | None:
     """For a rotation fed Cos/Sin(Reshape(Slice(Mul(Cast(Unsqueeze(positions, -1)), inv_freq), starts, ends,
     seq axis, steps))): the [batch, seq] positions, the Slice's starts/ends/steps and inv_freq; else None."""
     cos, sin = view.producer.get(rotation.input[2]), view.producer.get(rotation.input[3])
@@ -58,7 +58,7 @@ def to_rope_cache(model: onnx.ModelProto, rows: int) -> tuple[onnx.ModelProto, i
     """Rewrite every float32 RotaryEmbedding fed per-call cos/sin to a `rows`-row cache; returns the model
     and how many were rewritten. Positions must stay below `rows` (the lowering's capacity + a block)."""
     graph = model.graph
-    view = _Graph(graph)
+    view = GraphView(graph)
     elem = {v.name: v.type.tensor_type.elem_type for v in (*graph.value_info, *graph.input)}
     streams: dict[tuple, str] = {}  # one Slice of the positions per stream, shared by its rotations
     new_nodes, cache, count = [], None, 0
@@ -89,4 +89,4 @@ def to_rope_cache(model: onnx.ModelProto, rows: int) -> tuple[onnx.ModelProto, i
     graph.node.extend(new_nodes)
     graph.initializer.extend(cache[:2])
     graph.initializer.append(helper.make_tensor("rope_cache_sequence_axis", TensorProto.INT64, [1], [1]))
-    return _tidied(model), count
+    return tidied(model), count

@@ -13,7 +13,6 @@ from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import load_manifest
 from targets.ort import OrtOptions, lower_ort
 
-
 # causal_gqa4_b4's target has sliding-window layers: GroupQueryAttention over the buffers would drop their
 # mask, so that pair is lowered in the concat form (the buffer form is refused for it, tested below).
 KV_BUFFER = {"agree_b8": True, "llama_sliding_b16": True, "causal_gqa4_b4": False}
@@ -213,14 +212,14 @@ def _reshape_chain(final_shape: list[int]) -> onnx.ModelProto:
 
 
 def test_reshape_round_trips_are_removed_and_other_chains_kept():
-    from targets.ort_kv_buffer import _tidied
-
     import onnxruntime as ort
 
+    from targets.onnx_graph import tidied
+
     x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float32)
-    round_trip = _tidied(_reshape_chain([8]))
+    round_trip = tidied(_reshape_chain([8]))
     assert [n.op_type for n in round_trip.graph.node] == ["Relu"] and round_trip.graph.node[0].input[0] == "x"
-    reshaped = _tidied(_reshape_chain([4, 2]))  # ends in another shape: both reshapes stay
+    reshaped = tidied(_reshape_chain([4, 2]))  # ends in another shape: both reshapes stay
     assert [n.op_type for n in reshaped.graph.node] == ["Reshape", "Reshape", "Relu"]
     for model, shape in ((round_trip, (1, 3, 8)), (reshaped, (1, 3, 4, 2))):
         session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
