@@ -147,7 +147,8 @@ def _lower(args) -> int:
         passes = DEFAULT_PASSES if args.passes is None else tuple(
             p.strip() for p in args.passes.split(",") if p.strip() and p.strip() != "none")
         options = OrtOptions(provider=args.provider, passes=passes, optimization_level=args.optimization_level,
-                             intra_op_threads=args.threads, allow_spinning=args.spinning == "on",
+                             intra_op_threads=args.threads, draft_threads=args.draft_threads,
+                             allow_spinning=args.spinning == "on",
                              kv_buffer=args.kv_buffer == "on", ctx_len=args.ctx_len)
         manifest = lower_ort(args.out, args.dest, options, overwrite=args.overwrite, progress=not args.quiet)
         kv = f"K/V buffers of {args.ctx_len} rows" if manifest.form == "buffer" else "concat K/V"
@@ -338,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     lower.add_argument("--optimization-level", choices=("disabled", "basic", "extended", "all"), default="extended",
                        help="ort: graph optimizations saved into the model files (default extended)")
     lower.add_argument("--threads", type=int, default=0, help="ort: intra-op threads (0: ORT's default)")
+    lower.add_argument("--draft-threads", type=int, default=0,
+                       help="ort: the draft session's intra-op threads (default: as --threads); 1 suits drafts of a "
+                            "few MB, whose calls are too short to split")
     lower.add_argument("--spinning", choices=("on", "off"), default="on",
                        help="ort: let idle intra-op threads spin between calls")
     lower.add_argument("--kv-buffer", choices=("on", "off"), default="on",

@@ -35,6 +35,7 @@ class OrtOptions:
     passes: tuple[str, ...] = DEFAULT_PASSES
     optimization_level: str = "extended"  # saved into the model files; "all" adds hardware-specific layouts
     intra_op_threads: int = 0  # 0: ORT's default (one per physical core)
+    draft_threads: int = 0  # the draft session's intra-op threads (0: as intra_op_threads)
     allow_spinning: bool = True
     kv_buffer: bool = True  # the target's attention as GroupQueryAttention over preallocated K/V (targets/ort_kv_buffer.py)
     ctx_len: int = 4096  # rows of each K/V buffer: prompt + new tokens must fit
@@ -99,6 +100,9 @@ class OrtSession:
         """A session on one graph of an export or ORT lowering, with the lowering's recorded options."""
         lowering = manifest.lowering if manifest.lowering.get("target") == "ort" else {}
         settings = dict(lowering.get("session_options", {}))
+        draft_threads = settings.pop("draft_threads", 0)
+        if graph == "draft" and draft_threads:
+            settings["intra_op_threads"] = draft_threads
         if lowering:
             settings["providers"] = [provider_name(lowering["provider"])]
         settings.update({k: v for k, v in overrides.items() if v is not None})
@@ -310,6 +314,8 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
     from passes.pipeline import apply_pipeline
 
     options = options or OrtOptions()
+    if min(options.intra_op_threads, options.draft_threads) < 0:
+        raise DFlashError("--threads and --draft-threads take 0 (ONNX Runtime's default) or a positive count")
     if options.kv_buffer and "ort-fusions" not in options.passes:
         raise DFlashError("the buffer form rewrites the attention the ort-fusions pass fuses: keep ort-fusions in "
                           "--passes, or lower with --kv-buffer off")
@@ -344,7 +350,8 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
                             options.optimization_level)
         shutil.rmtree(fused_dir, ignore_errors=True)
         shared, unshared = share_initializers(tmp, manifest.draft.file, manifest.target.file, manifest.vocab_size)
-        settings = {"intra_op_threads": options.intra_op_threads, "allow_spinning": options.allow_spinning,
+        settings = {"intra_op_threads": options.intra_op_threads, "draft_threads": options.draft_threads,
+                    "allow_spinning": options.allow_spinning,
                     "optimization_level": options.optimization_level}
         lowered = replace(fused, lowering={
             "target": "ort", "provider": options.provider, "session_options": settings,

@@ -92,7 +92,7 @@ def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
     out = ort_lowered("agree_b8")
     manifest = load_manifest(out)
     assert manifest.lowering["target"] == "ort" and manifest.lowering["provider"] == "cpu"
-    assert manifest.lowering["session_options"] == {"intra_op_threads": 0, "allow_spinning": True,
+    assert manifest.lowering["session_options"] == {"intra_op_threads": 0, "draft_threads": 0, "allow_spinning": True,
                                                     "optimization_level": "extended"}
     assert [p["name"] for p in manifest.passes] == ["rope-fusion", "ort-fusions"]
     assert 0 <= manifest.lowering["max_relative_difference"] <= ort_target.LOWERING_TOLERANCE["float32"]
@@ -124,7 +124,7 @@ def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
 def test_sessions_use_the_recorded_options(exported, tmp_path):
     out = tmp_path / "ort1"
     assert main(["lower", str(exported("agree_b8").out), "--target", "ort", "--out", str(out), "--passes", "none",
-                 "--kv-buffer", "off", "--threads", "1", "--spinning", "off", "--quiet"]) == 0
+                 "--kv-buffer", "off", "--threads", "1", "--draft-threads", "2", "--spinning", "off", "--quiet"]) == 0
     manifest = load_manifest(out)
     assert manifest.passes == [] and manifest.lowering["options"]["passes"] == []
     decoder = Decoder.open(out)
@@ -133,6 +133,7 @@ def test_sessions_use_the_recorded_options(exported, tmp_path):
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     # the draft's threads stop spinning when its call ends: the target's verify comes next
     draft_options = decoder.draft._session.get_session_options()
+    assert draft_options.intra_op_num_threads == 2
     assert draft_options.get_session_config_entry("session.force_spinning_stop") == "1"
     with pytest.raises(RuntimeError, match="does not have configuration"):  # the target's keep spinning
         options.get_session_config_entry("session.force_spinning_stop")
@@ -143,6 +144,8 @@ def test_refusals_leave_nothing_behind(exported, ort_lowered, tmp_path, monkeypa
     source = exported("agree_b8").out
     with pytest.raises(DFlashError, match="no CUDAExecutionProvider.*onnxruntime-gpu"):
         lower_ort(source, tmp_path / "cuda", OrtOptions(provider="cuda"), progress=False)
+    with pytest.raises(DFlashError, match="positive count"):
+        lower_ort(source, tmp_path / "threads", OrtOptions(draft_threads=-1), progress=False)
     with pytest.raises(DFlashError, match="keep ort-fusions"):
         lower_ort(source, tmp_path / "nofusion", OrtOptions(passes=()), progress=False)
     with pytest.raises(DFlashError, match="below two blocks"):
