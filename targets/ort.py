@@ -307,6 +307,20 @@ def _rewrite_draft_rope(fused_dir: Path, manifest: Manifest, rows: int) -> int:
     return _rewrite_draft(fused_dir, manifest, lambda model: to_rope_cache(model, rows))
 
 
+def _release_freed_memory() -> None:
+    """Free what the passes left (their IR graphs hold reference cycles, which only the cycle collector
+    frees) and return that heap to the OS before ORT loads the graphs (glibc keeps freed blocks); ORT's
+    optimize and check would otherwise add to it."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwrite: bool = False,
               progress: bool = True) -> Manifest:
     """Write ORT_DIR: ORT-optimized target and draft graphs, the draft's vocab tensors shared, the manifest."""
@@ -330,6 +344,7 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
             fused, _ = apply_pipeline(Path(source), list(options.passes), fused_dir, progress=progress)
             shutil.move(str(fused_dir / "passes_report.json"), tmp / "passes_report.json")
         origin = fused_dir if options.passes else Path(source)
+        _release_freed_memory()
         draft_attentions = _rewrite_draft_attention(fused_dir, manifest) if "ort-fusions" in options.passes else 0
         # a cos/sin cache needs a bound on positions: the buffer form's capacity (a draft block runs past it)
         draft_rotations = _rewrite_draft_rope(fused_dir, manifest, options.ctx_len + manifest.block_size) \
