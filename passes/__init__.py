@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import onnx
+import onnx_ir as ir
 
 PassFunction = Callable[[onnx.ModelProto, str, dict], "tuple[onnx.ModelProto, dict]"]
 
@@ -25,6 +26,9 @@ class GraphPass:
     lossy: bool
     help: str
     calibrated: bool = False  # run() gets options["calibration_feeds"]: recorded inputs of this graph
+    # the same rewrite on an onnx-ir model in place, returning the details: a pipeline of such passes loads
+    # the graph with its weights memory-mapped instead of read into memory (structure-only rewrites)
+    run_ir: Callable[[ir.Model, str, dict], dict] | None = None
 
 
 def registry() -> dict[str, GraphPass]:
@@ -34,10 +38,11 @@ def registry() -> dict[str, GraphPass]:
         GraphPass("cleanup", cleanup.run, 1e-5, False, "constant folding, dead code and CSE, shape inference"),
         GraphPass("rope-fusion", rope_fusion.run, 1e-5, False,
                   "one RotaryEmbedding per q/k rotation, cos/sin once per position stream "
-                  "(form=com.microsoft|onnx|hoist)"),
+                  "(form=com.microsoft|onnx|hoist)", run_ir=rope_fusion.run_ir),
         GraphPass("ort-fusions", ort_fusions.run, 1e-5, False,
                   "ONNX Runtime contrib fusions (onnxscript): SimplifiedLayerNormalization, "
-                  "SkipSimplifiedLayerNormalization, RotaryEmbedding, MultiHeadAttention; ORT only"),
+                  "SkipSimplifiedLayerNormalization, RotaryEmbedding, MultiHeadAttention; ORT only",
+                  run_ir=ort_fusions.run_ir),
         GraphPass("int8", quantize.int8, 0.15, True, "block-wise int8 weight-only MatMulNBits"),
         GraphPass("int4", quantize.int4, 0.75, True, "block-wise int4 weight-only MatMulNBits"),
         GraphPass("fp16", fp16.run, 1e-2, True,

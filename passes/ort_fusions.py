@@ -25,6 +25,11 @@ from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_nor
 
 def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:
     ir_model = ir.serde.deserialize_model(model)
+    details = run_ir(ir_model, graph, options)
+    return ir.serde.serialize_model(ir_model), details
+
+
+def run_ir(ir_model: ir.Model, graph: str, options: dict) -> dict:
     common_passes.ShapeInferencePass()(ir_model)
     optimize(ir_model)
     fused = {
@@ -37,4 +42,4 @@ def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelPr
     rewrite(ir_model, ORT_PATTERN_REWRITE_RULES)
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=1)(ir_model)
     common_passes.RemoveInitializersFromInputsPass()(ir_model)
-    return ir.serde.serialize_model(ir_model), {"fused": {name: n for name, n in fused.items() if n}}
+    return {"fused": {name: n for name, n in fused.items() if n}}

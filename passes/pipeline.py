@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest, load_export
@@ -32,8 +33,14 @@ def parse_pass_options(items: list[str]) -> dict[str, dict]:
     return options
 
 
-def _size(model: onnx.ModelProto) -> int:
+def _size(model: onnx.ModelProto | ir.Model) -> int:
+    if isinstance(model, ir.Model):  # from shapes and dtypes: mapped weights are not read
+        return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     return sum(len(t.raw_data) or onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+
+
+def _nodes(model: onnx.ModelProto | ir.Model) -> int:
+    return len(model.graph) if isinstance(model, ir.Model) else len(model.graph.node)
 
 
 def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict[str, dict] | None = None,
@@ -63,17 +70,23 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
             if progress:
                 print("recording calibration inputs (DFlash on random prompts)", file=sys.stderr)
             feeds = record_feeds(Path(source))
+        # structure-only passes run on the graph with its weights memory-mapped, not read into memory
+        mapped = all(passes[n].run_ir is not None for n in names)
         for graph in ("target", "draft"):
             spec = getattr(manifest, graph)
-            model = onnx.load(str(Path(source) / spec.file))
+            path = Path(source) / spec.file
+            model = ir.load(str(path)) if mapped else onnx.load(str(path))
             for name in names:
                 options = {**pass_options.get("*", {}), **pass_options.get(name, {}),
                            "vocab_size": manifest.vocab_size, "calibration_feeds": feeds.get(graph)}
-                before_nodes, before_bytes = len(model.graph.node), _size(model)
+                before_nodes, before_bytes = _nodes(model), _size(model)
                 started = time.perf_counter()
-                model, details = passes[name].run(model, graph, options)
-                gc.collect()  # the pass's IR graph (reference cycles) still holds a model-sized copy
-                row = {"pass": name, "graph": graph, "nodes_before": before_nodes, "nodes_after": len(model.graph.node),
+                if mapped:
+                    details = passes[name].run_ir(model, graph, options)
+                else:
+                    model, details = passes[name].run(model, graph, options)
+                    gc.collect()  # the pass's IR graph (reference cycles) still holds a model-sized copy
+                row = {"pass": name, "graph": graph, "nodes_before": before_nodes, "nodes_after": _nodes(model),
                        "bytes_before": before_bytes, "bytes_after": _size(model),
                        "seconds": round(time.perf_counter() - started, 3), "details": details}
                 report.append(row)
@@ -82,8 +95,13 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
                 if progress:
                     print(f"{name:>8} {graph:<6} nodes {before_nodes:>6} -> {row['nodes_after']:<6} "
                           f"MiB {before_bytes / 2**20:8.2f} -> {row['bytes_after'] / 2**20:<8.2f}", file=sys.stderr)
-            onnx.save_model(model, str(tmp / spec.file), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=f"{spec.file}.data", size_threshold=1024)
+            if mapped:  # written tensor by tensor from the mapped source
+                ir.save(model, str(tmp / spec.file), external_data=f"{spec.file}.data", size_threshold_bytes=1024)
+            else:
+                onnx.save_model(model, str(tmp / spec.file), save_as_external_data=True,
+                                all_tensors_to_one_file=True, location=f"{spec.file}.data", size_threshold=1024)
+            del model
+            gc.collect()
         share_initializers(tmp, manifest.draft.file, manifest.target.file, manifest.vocab_size)
         copy_tokenizer_files(source, tmp)
         applied = [{"name": n, "options": {**pass_options.get("*", {}), **pass_options.get(n, {})},

@@ -209,7 +209,11 @@ def fuse(model: ir.Model, form: str = "com.microsoft") -> dict:
     }
 
 
+def run_ir(ir_model: ir.Model, graph: str, options: dict) -> dict:
+    return fuse(ir_model, options.get("form", "com.microsoft"))
+
+
 def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:
     ir_model = ir.serde.deserialize_model(model)
-    details = fuse(ir_model, options.get("form", "com.microsoft"))
+    details = run_ir(ir_model, graph, options)
     return ir.serde.serialize_model(ir_model), details
