@@ -2,8 +2,9 @@
 
 - concat form (ORT): K/V grow with the context; `present` is past + new, and the committed prefix is
   a zero-copy view fed back as the next past (rollback = a length change).
-- buffer form (ORT lowering, target only): the session holds [batch, kv_heads, ctx_len, head_dim] buffers
+- buffer form (ORT lowering): the target's session holds [batch, kv_heads, ctx_len, head_dim] buffers
   that GroupQueryAttention updates in place; calls pass the committed length (rollback = a length change).
+  The draft's graph returns only its new context rows, which the runner appends to its own buffers.
 - retained form (AI 100, CoreML): fixed [batch, kv_heads, ctx_len, head_dim] buffers, writes at positions,
   inputs padded to the compiled specializations. Padded rows sit at the scratch slot ctx_len - 1 (AI 100:
   scatter writes), or continue the call's positions (CoreML: slice writes; the last max-size slots are
@@ -104,6 +105,37 @@ class ConcatDraft:
                  **self.kv.prefix_feeds()}
         out = self.session.run(feeds, names)
         self.kv.update(out, start)
+        return out["draft_ids"][0], out["logits"][0] if want_logits else None
+
+
+class RowsDraft:
+    """Draft of the ORT lowering's buffer form: its graph returns only the new context rows' K/V, which
+    are appended to preallocated [batch, ctx_len, kv_heads, head_dim] buffers; the filled prefix of each
+    is the next call's `past` (a view), so no step copies the cache outside the graph."""
+
+    def __init__(self, session: Session, manifest: Manifest):
+        graph = manifest.draft
+        self.session = session
+        self.capacity = int(manifest.ctx_len)
+        shape = (1, self.capacity, graph.num_kv_heads, graph.head_dim)
+        self.buffers = {name: np.zeros(shape, _dtype(manifest)) for name in graph.kv_inputs}
+        self.pairs = list(zip(graph.kv_inputs, graph.kv_outputs))
+        self.length = 0
+
+    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool):
+        """Draft the block after `context`, whose rows join the cache (they never roll back)."""
+        start = self.length + len(context)
+        if start > self.capacity:
+            raise DFlashError(f"the draft's context of {start} rows exceeds the {self.capacity} rows this lowering "
+                              "holds: lower again with a larger --ctx-len")
+        positions = np.arange(self.length, start + len(block), dtype=np.int64)[None]
+        names = ["draft_ids", *(present for _, present in self.pairs)] + (["logits"] if want_logits else [])
+        feeds = {"input_ids": block[None], "target_hidden": context[None], "position_ids": positions,
+                 **{past: buffer[:, : self.length] for past, buffer in self.buffers.items()}}
+        out = self.session.run(feeds, names)
+        for past, present in self.pairs:
+            self.buffers[past][:, self.length : start] = out[present]
+        self.length = start
         return out["draft_ids"][0], out["logits"][0] if want_logits else None
 
 
@@ -232,8 +264,10 @@ def open_runners(manifest: Manifest, target: Session, draft: Session | None, pre
     """The target and draft runners for the manifest's graph form."""
     if manifest.form == "concat":
         return ConcatTarget(target, manifest, prefill_chunk), draft and ConcatDraft(draft, manifest)
-    if manifest.form == "buffer":  # only the target's K/V: the draft keeps its concat-form context cache
-        return BufferTarget(target, manifest, prefill_chunk), draft and ConcatDraft(draft, manifest)
+    if manifest.form == "buffer":  # the draft's attention is not causal: no GroupQueryAttention buffers for it
+        rows = manifest.lowering.get("draft_kv") == "rows"
+        return BufferTarget(target, manifest, prefill_chunk), draft and (
+            RowsDraft(draft, manifest) if rows else ConcatDraft(draft, manifest))
     if manifest.form == "retained":
         return RetainedTarget(target, manifest), draft and RetainedDraft(draft, manifest)
     raise DFlashError(f"unknown graph form {manifest.form!r} in the manifest")

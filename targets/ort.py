@@ -228,14 +228,36 @@ def _target_sequence(manifest: Manifest, session) -> dict[str, np.ndarray]:
     return outputs
 
 
+def _draft_sequence(manifest: Manifest, sessions: dict) -> dict[str, np.ndarray]:
+    """Draft logits over four proposals through the manifest's draft runner, its context cache growing by
+    20, a block, 3 and 1 rows (the same features and ids for every form)."""
+    from dflash_onnx.runners import open_runners
+
+    _, runner = open_runners(manifest, sessions["target"], sessions["draft"], 256)
+    rng = np.random.default_rng(1)
+    dtype = np.float16 if manifest.dtype == "float16" else np.float32
+    outputs = {}
+    for step, rows in enumerate((20, manifest.block_size, 3, 1)):
+        context = rng.standard_normal((rows, manifest.num_taps * manifest.target_hidden_size)).astype(dtype)
+        block = rng.integers(0, manifest.vocab_size, size=manifest.block_size)
+        outputs[f"draft logits (proposal {step})"] = runner.propose(block, context, True)[1]
+    return outputs
+
+
 def _check_outputs(manifest: Manifest, sessions: dict, calls: list[tuple[str, dict]],
                    sequence: bool) -> dict[str, np.ndarray]:
-    """The float outputs of the sample calls, then of the target call sequence when `sequence`, by name."""
+    """The float outputs of the sample calls (of the draft's K/V, the call's new rows: all a rows-form draft
+    returns), then of the target and draft call sequences when `sequence`, by name."""
     outputs = {}
     for index, (graph, feeds) in enumerate(calls):
-        outputs.update({f"{graph} output {name} (call {index})": value
-                        for name, value in sessions[graph].run(feeds).items() if value.dtype.kind == "f"})
-    return {**outputs, **(_target_sequence(manifest, sessions["target"]) if sequence else {})}
+        for name, value in sessions[graph].run(feeds).items():
+            if value.dtype.kind == "f":
+                if graph == "draft" and name in manifest.draft.kv_outputs:
+                    value = value[:, value.shape[1] - feeds["target_hidden"].shape[1]:]
+                outputs[f"{graph} output {name} (call {index})"] = value
+    if sequence:
+        outputs.update({**_target_sequence(manifest, sessions["target"]), **_draft_sequence(manifest, sessions)})
+    return outputs
 
 
 def check_lowering(source: Path, exported: Manifest, directory: Path, manifest: Manifest) -> float:
@@ -300,6 +322,13 @@ def _rewrite_draft_attention(fused_dir: Path, manifest: Manifest) -> int:
     return _rewrite_draft(fused_dir, manifest, to_onnx_attention)
 
 
+def _rewrite_draft_rows(fused_dir: Path, manifest: Manifest) -> bool:
+    """The draft's K/V outputs as the new rows only (targets/ort_draft_rows.py); False leaves it as it was."""
+    from .ort_draft_rows import to_new_rows
+
+    return _rewrite_draft(fused_dir, manifest, lambda model: to_new_rows(model, manifest.draft)) > 0
+
+
 def _rewrite_draft_rope(fused_dir: Path, manifest: Manifest, rows: int) -> int:
     """The draft's rotations over a `rows`-row cos/sin cache (targets/ort_rope_cache.py)."""
     from .ort_rope_cache import to_rope_cache
@@ -346,6 +375,7 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
         origin = fused_dir if options.passes else Path(source)
         _release_freed_memory()
         draft_attentions = _rewrite_draft_attention(fused_dir, manifest) if "ort-fusions" in options.passes else 0
+        draft_kv = "concat"
         # a cos/sin cache needs a bound on positions: the buffer form's capacity (a draft block runs past it)
         draft_rotations = _rewrite_draft_rope(fused_dir, manifest, options.ctx_len + manifest.block_size) \
             if options.kv_buffer and "rope-fusion" in options.passes else 0
@@ -358,6 +388,10 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
             _rewrite_to_buffer_form(fused_dir, manifest, options.ctx_len)
             fused = replace(fused, form="buffer", ctx_len=options.ctx_len, kv_layout="batch,kv_heads,seq,head_dim",
                             target=buffer_spec(fused.target, options.ctx_len))
+            if _rewrite_draft_rows(fused_dir, manifest):  # the runner then keeps the draft's cache in a buffer
+                from .ort_draft_rows import rows_spec
+
+                draft_kv, fused = "rows", replace(fused, draft=rows_spec(fused.draft))
         for graph in ("target", "draft"):
             if progress:
                 print(f"ONNX Runtime optimizes {graph} ({options.optimization_level}, {provider})", file=sys.stderr)
@@ -371,7 +405,7 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
         lowered = replace(fused, lowering={
             "target": "ort", "provider": options.provider, "session_options": settings,
             "options": {**asdict(options), "passes": list(options.passes)}, "shared_with_target": shared,
-            "draft_onnx_attention": draft_attentions, "draft_rope_cache": draft_rotations})
+            "draft_onnx_attention": draft_attentions, "draft_rope_cache": draft_rotations, "draft_kv": draft_kv})
         lowered.lowering["max_relative_difference"] = check_lowering(Path(source), manifest, tmp, lowered)
         if unshared:
             print(f"warning: draft tensors {unshared} are stored twice (no identical target tensor after ORT's "

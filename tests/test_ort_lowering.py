@@ -75,6 +75,25 @@ def test_buffer_form_is_refused_where_it_would_change_the_output(exported, tmp_p
     assert not (tmp_path / "sliding").exists()
 
 
+def test_rows_form_draft_keeps_the_exports_context_cache_in_its_buffers(exported, ort_lowered):
+    """Proposal by proposal, the lowered draft's buffers hold the rows the export's `present` holds."""
+    from dflash_onnx.runners import RowsDraft, open_runners
+
+    lowered, export = Decoder.open(ort_lowered("agree_b8")), exported("agree_b8").decoder()
+    _, rows = open_runners(lowered.manifest, lowered.target, lowered.draft, 256)
+    _, concat = open_runners(export.manifest, export.target, export.draft, 256)
+    assert isinstance(rows, RowsDraft)
+    rng = np.random.default_rng(2)
+    width = export.manifest.num_taps * export.manifest.target_hidden_size
+    for count in (7, 8, 1, 3):
+        context = rng.standard_normal((count, width)).astype(np.float32)
+        block = rng.integers(0, 96, size=export.manifest.block_size)
+        assert rows.propose(block, context, False)[0].tolist() == concat.propose(block, context, False)[0].tolist()
+        assert rows.length == concat.kv.length
+        for past, present in zip(concat.kv.inputs, concat.kv.arrays):
+            np.testing.assert_allclose(rows.buffers[past][:, : rows.length], present, atol=1e-5)
+
+
 def test_buffer_form_capacity_is_checked_before_decoding(ort_lowered):
     decoder = Decoder.open(ort_lowered("agree_b8"))
     with pytest.raises(DFlashError, match="512 positions"):
@@ -111,6 +130,9 @@ def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
     draft_ops = [n.op_type for n in draft.graph.node]
     assert draft_ops.count("Attention") == manifest.lowering["draft_onnx_attention"] == manifest.draft.num_layers
     assert "MultiHeadAttention" not in draft_ops and "Expand" not in draft_ops
+    # its K/V outputs are the new context rows only (the runner keeps the cache)
+    assert manifest.lowering["draft_kv"] == "rows"
+    assert all(t.shape[1] == "ctx_new" for t in manifest.draft.outputs if t.name in manifest.draft.kv_outputs)
     # its rotations index a constant cos/sin cache by position: no angles computed per call
     assert draft_ops.count("RotaryEmbedding") == manifest.lowering["draft_rope_cache"] > 0
     assert not {"Sin", "Cos", "Range"} & set(draft_ops)
