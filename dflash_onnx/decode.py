@@ -131,9 +131,10 @@ class Decoder:
         max_length = len(prompt) + max_new_tokens
         stopped = first in stops
         greedy = sampling.greedy
+        block = np.empty(block_size, dtype=np.int64)  # refilled each step: read only while a step runs
         while start + 1 < max_length and not stopped:
             verify = min(block_size, max_length - start)
-            block = np.full(block_size, mask_id, dtype=np.int64)
+            block.fill(mask_id)
             block[0] = result.tokens[-1]
             if verify > 1:
                 draft_ids, draft_logits = draft.propose(block, context, want_logits=not greedy)

@@ -237,11 +237,19 @@ class BufferTarget:
         self.session, self.chunk = session, prefill_chunk
         self.capacity = int(manifest.ctx_len)
         self.length = 0
+        # every call's position ids are a slice of these, its lengths written into these: a decode step of a
+        # small model is a few hundred microseconds, and each numpy allocation is a visible part of it
+        self.positions = np.arange(self.capacity, dtype=np.int64)[None]
+        self.seqlens, self.total = np.zeros(1, np.int32), np.zeros((), np.int32)
 
     def _call(self, ids: np.ndarray, start: int, logits: bool) -> dict[str, np.ndarray]:
         total = start + len(ids)
-        feeds = {"input_ids": ids[None], "position_ids": np.arange(start, total, dtype=np.int64)[None],
-                 "seqlens_k": np.array([total - 1], np.int32), "total_sequence_length": np.array(total, np.int32)}
+        if total > self.capacity:
+            raise DFlashError(f"a context of {total} tokens exceeds the {self.capacity} positions this lowering holds: "
+                              "lower with a larger --ctx-len")
+        self.seqlens[0], self.total[()] = total - 1, total
+        feeds = {"input_ids": ids[None], "position_ids": self.positions[:, start:total], "seqlens_k": self.seqlens,
+                 "total_sequence_length": self.total}
         return self.session.run(feeds, self.NAMES + ["logits"] if logits else self.NAMES)
 
     def forward(self, ids: np.ndarray, want_logits: bool) -> TargetStep:
