@@ -146,7 +146,7 @@ class Decoder:
             out = target.forward(block[:verify], want_logits=not greedy)
             if greedy:
                 posterior = out.greedy_ids.tolist()
-                accepted = _agreeing_prefix(block[1:verify].tolist(), posterior)
+                accepted = _agreeing_prefix(block[1:verify].tolist(), posterior) if verify > 1 else 0
                 bonus = posterior[accepted]
             else:
                 target_probs = sampling_probs(out.logits, sampling)
@@ -154,7 +154,7 @@ class Decoder:
                     accepted, bonus = rejection_sample(block[1:verify], target_probs, draft_probs, rng)
                 else:
                     accepted, bonus = 0, int(sample_rows(target_probs[-1], rng))
-            new = [*block[1 : accepted + 1].tolist(), bonus][: max_length - start - 1]
+            new = [*block[1 : accepted + 1].tolist(), bonus][: max_length - start - 1] if accepted else [bonus]
             for index, token in enumerate(new):
                 if token in stops:
                     new, stopped = new[: index + 1], True
