@@ -20,7 +20,7 @@ from .onnx_graph import GraphView, attributes, tidied
 
 def to_new_rows(model: onnx.ModelProto, spec: GraphSpec) -> tuple[onnx.ModelProto, int]:
     """Rewrite every K/V output of the draft graph `model` to its new rows; returns the model and the number
-    of outputs rewritten (0, with the model unchanged, unless every output has the expected shape)."""
+    of outputs rewritten (0, with the model unchanged, unless every output is made the expected way)."""
     graph = model.graph
     view = GraphView(graph)
     plans = []
