@@ -15,7 +15,9 @@ from targets.ort import OrtOptions, lower_ort
 
 # causal_gqa4_b4's target has sliding-window layers: GroupQueryAttention over the buffers would drop their
 # mask, so that pair is lowered in the concat form (the buffer form is refused for it, tested below).
-KV_BUFFER = {"agree_b8": True, "llama_sliding_b16": True, "causal_gqa4_b4": False}
+# agree_b4_fp16 covers float16 graphs: RoPE stays out of GroupQueryAttention and the draft's rotations keep
+# their per-call cos/sin (both rewrites are float32-only), the rest of the lowering applies.
+KV_BUFFER = {"agree_b8": True, "llama_sliding_b16": True, "causal_gqa4_b4": False, "agree_b4_fp16": True}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,8 @@ def test_lowered_pair_decodes_the_exports_greedy_tokens(name, exported, decoders
     spec = exported(name).spec
     grouped = spec.num_heads > spec.num_kv_heads
     assert lowered.manifest.lowering["draft_onnx_attention"] == (lowered.manifest.draft.num_layers if grouped else 0)
+    cached = KV_BUFFER[name] and lowered.manifest.dtype == "float32"  # a cos/sin cache needs the position bound
+    assert (lowered.manifest.lowering["draft_rope_cache"] > 0) == cached
     rng = np.random.default_rng(3)
     for _ in range(3):
         prompt = rng.integers(2, 94, size=int(rng.integers(1, 12))).tolist()
