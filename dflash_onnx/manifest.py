@@ -62,7 +62,8 @@ class Manifest:
     # "concat": past in, past+new out (ORT form). "retained": fixed ctx_len buffers returned whole
     # (AI 100 form; the target graph also applies the draft's fc + hidden_norm). "buffer": the ORT
     # lowering's target reads and writes [batch, kv_heads, ctx_len, head_dim] buffers in place
-    # (GroupQueryAttention, lengths as inputs); its draft stays concat.
+    # (GroupQueryAttention, lengths as inputs); its draft returns only its new context rows when
+    # lowering["draft_kv"] is "rows" (else it stays concat).
     form: str = "concat"
     ctx_len: int | None = None
     prefill_len: int | None = None
@@ -74,6 +75,13 @@ class Manifest:
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def numpy_dtype(self) -> type:
+        """The numpy type of the graphs' float inputs and K/V."""
+        import numpy as np
+
+        return np.float16 if self.dtype == "float16" else np.float32
 
     def checkpoints(self, target_dir: Path | None = None, draft_dir: Path | None = None,
                     flag: str = "--{kind}") -> tuple[Path, Path]:

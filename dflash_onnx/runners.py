@@ -58,15 +58,11 @@ class KVState:
         self.length = length
 
 
-def _dtype(manifest: Manifest):
-    return np.float16 if manifest.dtype == "float16" else np.float32
-
-
 class ConcatTarget:
     def __init__(self, session: Session, manifest: Manifest, prefill_chunk: int):
         graph = manifest.target
         self.session, self.chunk = session, prefill_chunk
-        self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), _dtype(manifest)))
+        self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), manifest.numpy_dtype))
         self.capacity: int | None = None
 
     def forward(self, ids: np.ndarray, want_logits: bool) -> TargetStep:
@@ -94,7 +90,7 @@ class ConcatDraft:
     def __init__(self, session: Session, manifest: Manifest):
         graph = manifest.draft
         self.session = session
-        self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), _dtype(manifest)))
+        self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), manifest.numpy_dtype))
 
     def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool):
         """Append `context` rows to the draft's context cache and draft the block after them."""
@@ -108,35 +104,32 @@ class ConcatDraft:
         return out["draft_ids"][0], out["logits"][0] if want_logits else None
 
 
-class RowsDraft:
-    """Draft of the ORT lowering's buffer form: its graph returns only the new context rows' K/V, which
-    are appended to preallocated [batch, ctx_len, kv_heads, head_dim] buffers; the filled prefix of each
-    is the next call's `past` (a view), so no step copies the cache outside the graph."""
+class RowsKV(KVState):
+    """A draft's K/V in the ORT lowering's buffer form: its graph returns only the new context rows, which
+    `update` appends to preallocated [batch, ctx_len, kv_heads, head_dim] buffers; the filled prefix of each
+    is the next call's `past` (a view), so no step copies the cache outside the graph. Context rows never
+    roll back."""
+
+    def __init__(self, graph: GraphSpec, capacity: int, dtype):
+        super().__init__(graph, np.empty(0, dtype))
+        self.arrays = [np.zeros((1, capacity, graph.num_kv_heads, graph.head_dim), dtype) for _ in self.inputs]
+        self.capacity = capacity
+
+    def update(self, outputs: dict[str, np.ndarray], length: int) -> None:
+        if length > self.capacity:
+            raise DFlashError(f"the draft's context of {length} rows exceeds the {self.capacity} rows this lowering "
+                              "holds: lower again with a larger --ctx-len")
+        for array, name in zip(self.arrays, self.outputs):
+            array[:, self.length : length] = outputs[name]
+        self.length = length
+
+
+class RowsDraft(ConcatDraft):
+    """ConcatDraft over RowsKV: the ORT lowering's draft, whose K/V outputs are the new rows only."""
 
     def __init__(self, session: Session, manifest: Manifest):
-        graph = manifest.draft
         self.session = session
-        self.capacity = int(manifest.ctx_len)
-        shape = (1, self.capacity, graph.num_kv_heads, graph.head_dim)
-        self.buffers = {name: np.zeros(shape, _dtype(manifest)) for name in graph.kv_inputs}
-        self.pairs = list(zip(graph.kv_inputs, graph.kv_outputs))
-        self.length = 0
-
-    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool):
-        """Draft the block after `context`, whose rows join the cache (they never roll back)."""
-        start = self.length + len(context)
-        if start > self.capacity:
-            raise DFlashError(f"the draft's context of {start} rows exceeds the {self.capacity} rows this lowering "
-                              "holds: lower again with a larger --ctx-len")
-        positions = np.arange(self.length, start + len(block), dtype=np.int64)[None]
-        names = ["draft_ids", *(present for _, present in self.pairs)] + (["logits"] if want_logits else [])
-        feeds = {"input_ids": block[None], "target_hidden": context[None], "position_ids": positions,
-                 **{past: buffer[:, : self.length] for past, buffer in self.buffers.items()}}
-        out = self.session.run(feeds, names)
-        for past, present in self.pairs:
-            self.buffers[past][:, self.length : start] = out[present]
-        self.length = start
-        return out["draft_ids"][0], out["logits"][0] if want_logits else None
+        self.kv = RowsKV(manifest.draft, int(manifest.ctx_len), manifest.numpy_dtype)
 
 
 def _pad(rows: np.ndarray, size: int, fill) -> np.ndarray:
@@ -157,7 +150,7 @@ class _Retained:
         self.consecutive = manifest.lowering.get("padding") == "consecutive"
         self.capacity = self.ctx_len - (self.sizes[-1] if self.consecutive else 1)
         self.on_device = bool(getattr(session, "retains_state", False))
-        initial = np.zeros((1, graph.num_kv_heads, self.ctx_len, graph.head_dim), _dtype(manifest))
+        initial = np.zeros((1, graph.num_kv_heads, self.ctx_len, graph.head_dim), manifest.numpy_dtype)
         self.kv = KVState(graph, initial)
 
     def chunks(self, count: int) -> list[tuple[int, int, int]]:

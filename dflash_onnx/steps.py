@@ -19,7 +19,7 @@ from .manifest import Manifest, load_manifest
 
 
 def _kv(manifest: Manifest, graph, context: int) -> dict[str, np.ndarray]:
-    dtype = np.float16 if manifest.dtype == "float16" else np.float32
+    dtype = manifest.numpy_dtype
     rng = np.random.default_rng(0)  # random, not zeros: calloc'd zero pages would time page faults
     return {n: rng.standard_normal((1, context, graph.num_kv_heads, graph.head_dim)).astype(dtype)
             for n in graph.kv_inputs}
@@ -38,7 +38,7 @@ def target_feeds(manifest: Manifest, context: int, count: int) -> dict[str, np.n
 
 def draft_feeds(manifest: Manifest, context: int) -> dict[str, np.ndarray]:
     """A draft step with block_size new context rows after `context` cached ones (concat form)."""
-    dtype = np.float16 if manifest.dtype == "float16" else np.float32
+    dtype = manifest.numpy_dtype
     block, features = manifest.block_size, manifest.num_taps * manifest.target_hidden_size
     return {"input_ids": np.full((1, block), manifest.mask_token_id, np.int64),
             "target_hidden": np.random.default_rng(1).standard_normal((1, block, features)).astype(dtype),

@@ -1,12 +1,13 @@
 """Proto-level helpers shared by the ORT lowering's graph rewrites (targets/ort_*.py): who produces and
-who reads each value, node attributes, and the tidy-up after a rewrite (dead nodes, reshape round trips,
+who reads each value, node attributes, small constants and declared shapes, and the tidy-up after a rewrite (dead nodes, reshape round trips,
 topological order). The rewrites load graph structure only, so nothing here touches weights."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import helper
+from onnx import TensorProto, helper, numpy_helper
 
 
 class GraphView:
@@ -22,6 +23,28 @@ class GraphView:
 
 def attributes(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def constant(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
+    """An initializer stored in the graph (None for a computed value, or one kept in the external data file,
+    which structure-only loading leaves unread)."""
+    for tensor in graph.initializer:
+        if tensor.name == name and tensor.data_location != TensorProto.EXTERNAL:
+            return numpy_helper.to_array(tensor)
+    return None
+
+
+def constant_ints(graph: onnx.GraphProto, name: str) -> list[int] | None:
+    value = constant(graph, name)
+    return None if value is None else value.reshape(-1).tolist()
+
+
+def value_shape(graph: onnx.GraphProto, name: str) -> list | None:
+    """The declared shape of a value (ints and dim names), None when the graph declares none."""
+    for value in (*graph.value_info, *graph.input, *graph.output):
+        if value.name == name and value.type.tensor_type.HasField("shape"):
+            return [d.dim_value or d.dim_param for d in value.type.tensor_type.shape.dim]
+    return None
 
 
 def _same_shape(a: ir.Value, b: ir.Value) -> bool:

@@ -1,10 +1,11 @@
 """ONNX Runtime: the `lower --target ort` lowering and the Session every ORT run goes through.
 
-The lowering applies the passes that pay off on ORT (default: rope-fusion then ort-fusions), lets ORT
-run its graph optimizations once and saves the result (so sessions start from the optimized graph),
-stores the draft's embedding / lm_head once again (ORT's save writes one data file per graph), checks
-the lowered graphs against the export on sample inputs, and records the provider and session options
-in the manifest; `generate`, `bench` and `steps` on the lowered directory open sessions with them.
+The lowering applies the passes that pay off on ORT (default: rope-fusion then ort-fusions), rewrites
+the target's attention to the buffer form and the draft's attention, RoPE and K/V outputs
+(targets/ort_*.py), lets ORT run its graph optimizations once and saves the result (so sessions start
+from the optimized graph), stores the draft's embedding / lm_head once again (ORT's save writes one
+data file per graph), checks the lowered graphs against the export on sample inputs, and records the
+provider and session options in the manifest; `generate`, `bench` and `steps` on the lowered directory open sessions with them.
 """
 
 from __future__ import annotations
@@ -139,9 +140,8 @@ class OrtBufferSession(OrtSession):
         super().__init__(path, **settings)
         self._ort = ort
         graph = manifest.target
-        dtype = np.float16 if manifest.dtype == "float16" else np.float32
         shape = (1, graph.num_kv_heads, int(manifest.ctx_len), graph.head_dim)
-        self.buffers = {name: np.zeros(shape, dtype) for name in graph.kv_inputs}
+        self.buffers = {name: np.zeros(shape, manifest.numpy_dtype) for name in graph.kv_inputs}
         self._values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.buffers.items()}
         self._pairs = list(zip(graph.kv_inputs, graph.kv_outputs))
         self._specs = {t.name: t for t in graph.outputs if t.name not in set(graph.kv_outputs)}
@@ -235,10 +235,10 @@ def _draft_sequence(manifest: Manifest, sessions: dict) -> dict[str, np.ndarray]
 
     _, runner = open_runners(manifest, sessions["target"], sessions["draft"], 256)
     rng = np.random.default_rng(1)
-    dtype = np.float16 if manifest.dtype == "float16" else np.float32
     outputs = {}
     for step, rows in enumerate((20, manifest.block_size, 3, 1)):
-        context = rng.standard_normal((rows, manifest.num_taps * manifest.target_hidden_size)).astype(dtype)
+        features = rng.standard_normal((rows, manifest.num_taps * manifest.target_hidden_size))
+        context = features.astype(manifest.numpy_dtype)
         block = rng.integers(0, manifest.vocab_size, size=manifest.block_size)
         outputs[f"draft logits (proposal {step})"] = runner.propose(block, context, True)[1]
     return outputs
@@ -336,20 +336,6 @@ def _rewrite_draft_rope(fused_dir: Path, manifest: Manifest, rows: int) -> int:
     return _rewrite_draft(fused_dir, manifest, lambda model: to_rope_cache(model, rows))
 
 
-def _release_freed_memory() -> None:
-    """Free what the passes left (their IR graphs hold reference cycles, which only the cycle collector
-    frees) and return that heap to the OS before ORT loads the graphs (glibc keeps freed blocks); ORT's
-    optimize and check would otherwise add to it."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwrite: bool = False,
               progress: bool = True) -> Manifest:
     """Write ORT_DIR: ORT-optimized target and draft graphs, the draft's vocab tensors shared, the manifest."""
@@ -373,7 +359,6 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None, overwr
             fused, _ = apply_pipeline(Path(source), list(options.passes), fused_dir, progress=progress)
             shutil.move(str(fused_dir / "passes_report.json"), tmp / "passes_report.json")
         origin = fused_dir if options.passes else Path(source)
-        _release_freed_memory()
         draft_attentions = _rewrite_draft_attention(fused_dir, manifest) if "ort-fusions" in options.passes else 0
         draft_kv = "concat"
         # a cos/sin cache needs a bound on positions: the buffer form's capacity (a draft block runs past it)

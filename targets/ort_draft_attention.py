@@ -13,26 +13,12 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from .onnx_graph import GraphView, attributes, tidied
+from .onnx_graph import GraphView, attributes, constant_ints, tidied, value_shape
 
 ATTENTION_OPSET = 23
 # heads-first, one copy per query head of its kv head, back to seq-first, flattened heads (drafts whose
 # query and kv heads are as many reach MultiHeadAttention through one Reshape already and are left alone)
 REPEATED = ["Transpose", "Unsqueeze", "Expand", "Reshape", "Transpose", "Reshape"]
-
-
-def _shape(graph: onnx.GraphProto, name: str) -> list | None:
-    for value in (*graph.value_info, *graph.input, *graph.output):
-        if value.name == name and value.type.tensor_type.HasField("shape"):
-            return [d.dim_value or d.dim_param for d in value.type.tensor_type.shape.dim]
-    return None
-
-
-def _constant(graph: onnx.GraphProto, name: str) -> list[int] | None:
-    for tensor in graph.initializer:
-        if tensor.name == name:
-            return onnx.numpy_helper.to_array(tensor).reshape(-1).tolist()
-    return None
 
 
 def _repeated_rows(view: GraphView, graph: onnx.GraphProto, name: str, heads: int) -> tuple[str, int] | None:
@@ -44,11 +30,11 @@ def _repeated_rows(view: GraphView, graph: onnx.GraphProto, name: str, heads: in
         chain.insert(0, node)
         current = node.input[0]
     chain = chain[-len(REPEATED):]
-    if [n.op_type for n in chain] != REPEATED or _constant(graph, chain[1].input[1]) != [2]:
+    if [n.op_type for n in chain] != REPEATED or constant_ints(graph, chain[1].input[1]) != [2]:
         return None  # [2]: the copies sit next to their kv head, the grouping Attention assumes
     transposes = [n for n in chain if n.op_type == "Transpose"]
     origin = chain[0].input[0]
-    shape = _shape(graph, origin)
+    shape = value_shape(graph, origin)
     if any(attributes(t).get("perm") != [0, 2, 1, 3] for t in transposes) or shape is None or len(shape) != 4 \
             or not isinstance(shape[2], int) or shape[2] < 1 or heads % shape[2]:
         return None

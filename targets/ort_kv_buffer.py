@@ -22,6 +22,7 @@ from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import GraphSpec, TensorSpec
 
 from .onnx_graph import GraphView, attributes, tidied
+from .ort_rope_cache import rope_tables
 
 SHAPE_ONLY = {"Unsqueeze", "Expand", "Reshape", "Transpose", "Squeeze", "Identity"}
 
@@ -104,7 +105,7 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
         node.name = node.name or f"unnamed_{index}"
     view = GraphView(graph)
     initializers = {t.name: t for t in graph.initializer}
-    float32 = {i.name: i.type.tensor_type.elem_type for i in graph.input}[spec.kv_inputs[0]] == TensorProto.FLOAT
+    kv_elem = {i.name: i.type.tensor_type.elem_type for i in graph.input}[spec.kv_inputs[0]]
     new_nodes, dead, cache = [], set(), None
     widths: dict[str, int] = {}  # last dimension of each [batch, seq, width] value added
     for layer in range(spec.num_layers):
@@ -129,15 +130,15 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
         attrs = attributes(attention)
         # ORT's GroupQueryAttention rotates only heads whose size is a multiple of 16
         rotary = _rotary(view, initializers, attention, rows["key"], base_dir) \
-            if float32 and spec.head_dim % 16 == 0 else None
+            if kv_elem == TensorProto.FLOAT and spec.head_dim % 16 == 0 else None
         flat, query, extra = {}, attention.input[0], []
         for role, name in rows.items():  # new rows [b, kv, t, hd] -> [b, t, kv*hd], as GQA takes them
             seq_first = f"{name}_bsnh_l{layer}"
             flat[role] = f"{name}_bsd_l{layer}"
             if role == "key" and rotary is not None:
                 seq_first = rotary[1]  # the unrotated keys, already [b, t, kv, hd]
-            elif _through(view, name, "Transpose", perm=[0, 2, 1, 3]):
-                seq_first = _through(view, name, "Transpose", perm=[0, 2, 1, 3])  # the rows before heads-first
+            elif heads_last := _through(view, name, "Transpose", perm=[0, 2, 1, 3]):
+                seq_first = heads_last  # the rows before they were made heads-first
             else:
                 new_nodes.append(helper.make_node("Transpose", [name], [seq_first], perm=[0, 2, 1, 3]))
             new_nodes.append(helper.make_node("Reshape", [seq_first, "kv_buffer_bsd_shape"], [flat[role]]))
@@ -150,9 +151,7 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
             new_nodes.append(helper.make_node("Reshape", [rotary[0], "kv_buffer_bsd_shape"], [query]))
             widths[query] = attrs["num_heads"] * spec.head_dim
             if cache is None:
-                positions = np.arange(ctx_len, dtype=np.float32)[:, None] * rotary[2].astype(np.float32)[None]
-                cache = (numpy_helper.from_array(np.cos(positions).astype(np.float32), "kv_buffer_cos_cache"),
-                         numpy_helper.from_array(np.sin(positions).astype(np.float32), "kv_buffer_sin_cache"))
+                cache = rope_tables(ctx_len, rotary[2], "kv_buffer_cache")
             extra = [cache[0].name, cache[1].name]
             gqa_attrs.update(do_rotary=1, rotary_interleaved=0)
         new_nodes.append(helper.make_node(
@@ -163,16 +162,15 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
     kept = [node for node in graph.node if node.name not in dead]
     del graph.node[:]
     graph.node.extend(kept + new_nodes)
-    _declare_rows(graph, widths, {i.name: i.type.tensor_type.elem_type for i in graph.input}[spec.kv_inputs[0]])
+    _declare_rows(graph, widths, kv_elem)
     graph.initializer.append(helper.make_tensor("kv_buffer_bsd_shape", TensorProto.INT64, [3], [0, 0, -1]))
     if cache is not None:
         graph.initializer.extend(cache)
-    elem = {i.name: i.type.tensor_type.elem_type for i in graph.input}
     buffer_shape = ["batch", spec.num_kv_heads, ctx_len, spec.head_dim]
     for collection in (graph.input, graph.output):
         for value in collection:
             if value.name in spec.kv_inputs or value.name in spec.kv_outputs:
-                value.CopyFrom(helper.make_tensor_value_info(value.name, elem[spec.kv_inputs[0]], buffer_shape))
+                value.CopyFrom(helper.make_tensor_value_info(value.name, kv_elem, buffer_shape))
     graph.input.extend([helper.make_tensor_value_info(SEQLENS, TensorProto.INT32, ["batch"]),
                         helper.make_tensor_value_info(TOTAL, TensorProto.INT32, [])])
     if not any(op.domain == "com.microsoft" for op in model.opset_import):
@@ -188,7 +186,7 @@ def to_kv_buffer(model: onnx.ModelProto, spec: GraphSpec, ctx_len: int,
 
 def _reads_batch_only(node: onnx.NodeProto) -> bool:
     """Shape(x)[0:1]: the batch size, the same in both layouts (the exporter reads it from a K/V input)."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = attributes(node)
     return node.op_type == "Shape" and attrs.get("start", 0) == 0 and attrs.get("end") == 1
 
 

@@ -14,20 +14,15 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .onnx_graph import GraphView, tidied
+from .onnx_graph import GraphView, constant, constant_ints, tidied
 
 
-def _initializer(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
-    """A small initializer's value (None for a computed value or one kept in the external data file)."""
-    for tensor in graph.initializer:
-        if tensor.name == name and tensor.data_location != TensorProto.EXTERNAL:
-            return numpy_helper.to_array(tensor)
-    return None
-
-
-def _ints(graph: onnx.GraphProto, name: str) -> list[int] | None:
-    value = _initializer(graph, name)
-    return None if value is None else value.reshape(-1).tolist()
+def rope_tables(rows: int, inv_freq: np.ndarray, prefix: str) -> tuple[onnx.TensorProto, onnx.TensorProto]:
+    """cos and sin of position x inv_freq for positions 0..rows-1, [rows, rotary_dim / 2], computed as the
+    exported graph computes its angles (float32 position times float32 inv_freq)."""
+    angles = np.arange(rows, dtype=np.float32)[:, None] * inv_freq.astype(np.float32).reshape(1, -1)
+    return (numpy_helper.from_array(np.cos(angles).astype(np.float32), f"{prefix}_cos"),
+            numpy_helper.from_array(np.sin(angles).astype(np.float32), f"{prefix}_sin"))
 
 
 def _angles(view: GraphView, graph: onnx.GraphProto, rotation: onnx.NodeProto) -> tuple[str, list[str], np.ndarray] | None:
@@ -38,18 +33,18 @@ def _angles(view: GraphView, graph: onnx.GraphProto, rotation: onnx.NodeProto) -
         return None
     flat = view.producer.get(cos.input[0])
     cut = flat and flat.op_type == "Reshape" and view.producer.get(flat.input[0])
-    if not cut or cut.op_type != "Slice" or len(cut.input) < 4 or _ints(graph, cut.input[3]) not in ([1], [-2]):
+    if not cut or cut.op_type != "Slice" or len(cut.input) < 4 or constant_ints(graph, cut.input[3]) not in ([1], [-2]):
         return None
     multiply = view.producer.get(cut.input[0])
     if multiply is None or multiply.op_type != "Mul":
         return None
-    constants = [_initializer(graph, name) for name in multiply.input]
+    constants = [constant(graph, name) for name in multiply.input]
     computed = [view.producer.get(name) for name, value in zip(multiply.input, constants) if value is None]
     inv_freq = [value for value in constants if value is not None]
     if len(inv_freq) != 1 or len(computed) != 1 or computed[0] is None or computed[0].op_type != "Cast":
         return None
     unsqueeze = view.producer.get(computed[0].input[0])
-    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or _ints(graph, unsqueeze.input[1]) not in ([2], [-1]):
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or constant_ints(graph, unsqueeze.input[1]) not in ([2], [-1]):
         return None
     return unsqueeze.input[0], [cut.input[1], cut.input[2], *cut.input[4:]], inv_freq[0].astype(np.float32).reshape(-1)
 
@@ -71,9 +66,7 @@ def to_rope_cache(model: onnx.ModelProto, rows: int) -> tuple[onnx.ModelProto, i
             continue
         positions, slice_inputs, inv_freq = found
         if cache is None:
-            angles = np.arange(rows, dtype=np.float32)[:, None] * inv_freq[None]
-            cache = (numpy_helper.from_array(np.cos(angles).astype(np.float32), "rope_cache_cos"),
-                     numpy_helper.from_array(np.sin(angles).astype(np.float32), "rope_cache_sin"), inv_freq)
+            cache = (*rope_tables(rows, inv_freq, "rope_cache"), inv_freq)
         elif not np.array_equal(cache[2], inv_freq):
             continue  # another rotary base: left as it is
         key = (positions, *slice_inputs)

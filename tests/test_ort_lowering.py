@@ -93,9 +93,9 @@ def test_rows_form_draft_keeps_the_exports_context_cache_in_its_buffers(exported
         context = rng.standard_normal((count, width)).astype(np.float32)
         block = rng.integers(0, 96, size=export.manifest.block_size)
         assert rows.propose(block, context, False)[0].tolist() == concat.propose(block, context, False)[0].tolist()
-        assert rows.length == concat.kv.length
-        for past, present in zip(concat.kv.inputs, concat.kv.arrays):
-            np.testing.assert_allclose(rows.buffers[past][:, : rows.length], present, atol=1e-5)
+        assert rows.kv.length == concat.kv.length
+        for buffer, present in zip(rows.kv.arrays, concat.kv.arrays):
+            np.testing.assert_allclose(buffer[:, : rows.kv.length], present, atol=1e-5)
 
 
 def test_buffer_form_capacity_is_checked_before_decoding(ort_lowered):
