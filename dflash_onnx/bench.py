@@ -18,10 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
+from targets import backend_for, open_decoder
+
 from .decode import Decoder
 from .errors import DFlashError
-from .manifest import Manifest
-from .steps import draft_feeds, target_feeds
+from .feeds import draft_feeds, target_feeds
+from .manifest import Manifest, load_manifest
 from .tokenizer import TextCodec, has_tokenizer
 
 
@@ -225,8 +227,6 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
               peers: list[str], checkpoints: tuple[Path | None, Path | None], progress: bool = True) -> dict:
     from tqdm import tqdm
 
-    from .manifest import load_manifest
-
     manifest = load_manifest(directory)
     bad = [t for t in options.verify_lengths or [] if not 1 <= t <= manifest.block_size]
     if bad:
@@ -235,8 +235,8 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
         from .peers import check_peer_names
 
         check_peer_names(peers)
-    backend = backend or {"mlx": "mlx", "coreml": "coreml"}.get(manifest.lowering.get("target"), "ort")
-    decoder = Decoder.open(directory, backend=backend)
+    backend = backend_for(directory, manifest, backend).name
+    decoder = open_decoder(directory, backend=backend)
     codec = TextCodec(directory) if has_tokenizer(directory) else None
     prompts = load_prompts(prompts_file, codec, options.num_prompts, manifest.vocab_size)
     lengths = options.verify_lengths or default_verify_lengths(manifest.block_size)
@@ -248,7 +248,7 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
     summary = aggregate(rows, manifest.block_size)
     report = {
         "directory": str(directory), "backend": backend, "block_size": manifest.block_size,
-        "passes": [p["name"] for p in manifest.passes], "lowering": manifest.lowering.get("target"),
+        "passes": [p["name"] for p in manifest.passes], "lowering": manifest.backend,
         "max_new_tokens": options.max_new_tokens, "repeats": options.repeats,
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "python": platform.python_version(), **_library_versions()},
@@ -276,8 +276,9 @@ def format_report(report: dict) -> str:
              f"{'prompt':<7} {'tokens':>6} {'greedy tok/s':>13} {'dflash tok/s':>13} {'speedup':>8} {'tau':>6} "
              f"{'ttft ms':>8} {'identical':>9}"]
     for index, row in enumerate(report["prompts"], 1):
-        lines.append(f"{index:<7} {row['dflash']['tokens']:>6} {row['greedy']['tokens_per_second']:>13.1f} "
-                     f"{row['dflash']['tokens_per_second']:>13.1f} {row['speedup']:>7.2f}x {row['dflash']['tau']:>6.2f} "
+        greedy, dflash = row["greedy"], row["dflash"]
+        lines.append(f"{index:<7} {dflash['tokens']:>6} {greedy['tokens_per_second']:>13.1f} "
+                     f"{dflash['tokens_per_second']:>13.1f} {row['speedup']:>7.2f}x {dflash['tau']:>6.2f} "
                      f"{1000 * row['dflash']['ttft_s']:>8.1f} {str(row['identical_to_greedy']):>9}")
     g, d = agg["greedy"], agg["dflash"]
     lines += [

@@ -27,10 +27,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args) -> int:
-    import shutil
     import tempfile
 
-    from .export import check_out_dir, export_pair
+    from .export import export_pair
+    from .publish import check_out_dir
 
     passes = [n.strip() for n in (getattr(args, "passes", None) or "").split(",") if n.strip()]
     if not passes:
@@ -43,14 +43,11 @@ def run_export(args) -> int:
 
         check_out_dir(Path(args.out), (args.target, args.draft), args.overwrite)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{Path(args.out).name}.export.", dir=Path(args.out).parent))
-        try:
-            export_pair(args.target, args.draft, staging / "raw", block_size=args.block_size, dtype=args.dtype,
+        with tempfile.TemporaryDirectory(prefix=f".{Path(args.out).name}.export.", dir=Path(args.out).parent) as raw:
+            export_pair(args.target, args.draft, Path(raw) / "raw", block_size=args.block_size, dtype=args.dtype,
                         opset=args.opset, allow_longer_block=args.allow_longer_block, progress=not args.quiet)
-            manifest, _ = apply_pipeline(staging / "raw", passes, args.out, parse_pass_options(args.pass_option),
+            manifest, _ = apply_pipeline(Path(raw) / "raw", passes, args.out, parse_pass_options(args.pass_option),
                                          overwrite=args.overwrite, progress=not args.quiet)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     sizes = {p.name: p.stat().st_size for p in Path(args.out).iterdir() if p.suffix in (".onnx", ".data")}
     print(f"exported to {args.out}: block size {manifest.block_size}, dtype {manifest.dtype}, opset {manifest.opset}")
     for name, size in sorted(sizes.items()):
@@ -66,25 +63,24 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _generate(args) -> int:
-    from .decode import Decoder
-    from .sampling import SamplingParams
-    from .tokenizer import TextCodec, has_tokenizer
+    from targets import open_decoder
 
-    decoder = Decoder.open(args.out, backend=args.backend)
+    from .sampling import SamplingParams
+    from .tokenizer import TextCodec, TextStream, has_tokenizer
+
+    decoder = open_decoder(args.out, backend=args.backend)
     codec = TextCodec(args.out) if (args.prompt is not None or has_tokenizer(args.out)) else None
     prompt = codec.encode(args.prompt) if args.prompt is not None else _parse_ids(args.prompt_ids)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    produced: list[int] = []
+    stream = TextStream(codec) if codec is not None else None
 
     def show(chunk: list[int]) -> None:
         if args.json:
             return
-        if codec is None:
+        if stream is None:
             print(" ".join(map(str, chunk)), end=" ", flush=True)
-            return
-        before = codec.decode(produced)
-        produced.extend(chunk)
-        print(codec.decode(produced)[len(before):], end="", flush=True)
+        else:
+            print(stream.delta(chunk), end="", flush=True)
 
     result = decoder.generate(prompt, args.max_new_tokens, args.mode, sampling, on_tokens=show)
     block = decoder.manifest.block_size if args.mode == "dflash" else 1
@@ -108,56 +104,24 @@ def _generate(args) -> int:
 
 
 def _lower(args) -> int:
-    if args.target == "ai100":
-        from targets.ai100 import Ai100Options, lower_ai100
+    from targets import BACKENDS, LowerRequest, get_backend
 
-        options = Ai100Options(ctx_len=args.ctx_len, prefill_len=args.prefill_len or 128, num_cores=args.num_cores,
-                               mxfp6_matmul=args.mxfp6_matmul, kv_dtype=args.kv_dtype, opset=args.opset)
-        manifest = lower_ai100(args.out, args.dest, options, dry_run=args.dry_run, target_dir=args.target_dir,
-                               draft_dir=args.draft_dir, progress=not args.quiet)
-        calibration = manifest.lowering["calibration"]
-        print(f"lowered to {args.dest} for AI 100 (ctx_len {options.ctx_len}, prefill {options.prefill_len}, "
-              f"block {manifest.block_size}); fc scale {calibration['fc_scale']:g}, largest activation "
-              f"{calibration['largest_activation']:.3g} at {calibration['largest_activation_at']}")
-        print("compiled: qpc/" if manifest.lowering["compiled"] else f"not compiled: run {args.dest}/compile.sh "
-              "where the Cloud AI 100 SDK is installed")
-        return 0
-    if args.target == "mlx":
-        from targets.mlx import lower_mlx
-
-        manifest = lower_mlx(args.out, args.dest, bits=args.bits, group_size=args.group_size, progress=not args.quiet)
-        weights = manifest.lowering["weights"]
-        print(f"lowered to {args.dest} for MLX ({f'{args.bits}-bit, group {args.group_size}' if args.bits else 'float'}"
-              f"; {sum(w['quantized'] for w in weights.values())} quantized MatMul weights, "
-              f"{len(manifest.lowering['shared_with_target'])} draft tensors shared with the target)")
-        return 0
-    if args.target == "coreml":
-        from targets.coreml import CoremlOptions, lower_coreml
-
-        options = CoremlOptions(ctx_len=args.ctx_len, prefill_len=args.prefill_len or 64,
-                                compute_units=args.compute_units)
-        manifest = lower_coreml(args.out, args.dest, options, target_dir=args.target_dir, draft_dir=args.draft_dir,
-                                progress=not args.quiet)
-        print(f"lowered to {args.dest} for CoreML (stateful mlprogram, float16, ctx_len {options.ctx_len}, "
-              f"seq_len {manifest.block_size} or {options.prefill_len}); run it on macOS 15+ with --backend coreml")
-        return 0
-    if args.target == "ort":
-        from targets.ort import DEFAULT_PASSES, OrtOptions, lower_ort
-
-        passes = DEFAULT_PASSES if args.passes is None else tuple(
-            p.strip() for p in args.passes.split(",") if p.strip() and p.strip() != "none")
-        options = OrtOptions(provider=args.provider, passes=passes, optimization_level=args.optimization_level,
-                             intra_op_threads=args.threads, draft_threads=args.draft_threads,
-                             allow_spinning=args.spinning == "on",
-                             kv_buffer=args.kv_buffer == "on", ctx_len=args.ctx_len)
-        manifest = lower_ort(args.out, args.dest, options, overwrite=args.overwrite, progress=not args.quiet)
-        kv = f"K/V buffers of {args.ctx_len} rows" if manifest.form == "buffer" else "concat K/V"
-        print(f"lowered to {args.dest} for ONNX Runtime ({args.provider}; {kv}; passes {', '.join(passes) or 'none'}; "
-              f"ORT optimizations '{args.optimization_level}' saved; {len(manifest.lowering['shared_with_target'])} "
-              f"draft tensors shared with the target; largest difference to the export "
-              f"{manifest.lowering['max_relative_difference']:.1g} of scale)")
-        return 0
-    raise DFlashError(f"lowering for --target {args.target} is not available yet")
+    backend = get_backend(args.backend)
+    given = {flag.name: getattr(args, flag.dest) for b in BACKENDS.values() for flag in b.flags
+             if getattr(args, flag.dest) not in (None, False)}
+    foreign = sorted(set(given) - {flag.name for flag in backend.flags})
+    if foreign:
+        owners = {f: [b.name for b in BACKENDS.values() if f in {flag.name for flag in b.flags}] for f in foreign}
+        raise DFlashError("; ".join(f"{f} is an option of --target {'/'.join(owners[f])}" for f in foreign)
+                          + f", not of --target {backend.name}")
+    if not backend.reexports and (args.target_dir or args.draft_dir):
+        raise DFlashError(f"--target-dir and --draft-dir are for lowerings that convert the checkpoints again "
+                          f"(ai100, coreml); --target {backend.name} reads only the export")
+    request = LowerRequest(overwrite=args.overwrite, progress=not args.quiet, target_dir=args.target_dir,
+                           draft_dir=args.draft_dir)
+    manifest = backend.lower(args.out, args.dest, backend.options(given), request)
+    print(backend.summary(manifest, args.dest))
+    return 0
 
 
 def _optimize(args) -> int:
@@ -248,7 +212,64 @@ def _demo(args) -> int:
     return run_demo(as_json=args.json, max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
 
 
+BACKEND_HELP = ("backend to run on; default: the directory's own (ort for exports and for ORT and AI 100 "
+                "lowerings, whose graphs ONNX Runtime runs; mlx and coreml for their lowerings); ai100 needs a "
+                "compiled AI 100 lowering and the SDK, coreml macOS 15+")
+
+
+def _shown(flag, value) -> str:
+    """A flag's default as the user would type it."""
+    if isinstance(value, bool) and flag.choices == ("on", "off"):
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list)):
+        return ",".join(value) or "none"
+    return "none" if value is None else str(value)
+
+
+def _add_lower(commands) -> None:
+    """`lower`: the flags every backend takes, then each backend's own group (a flag several backends take
+    is listed once, with each one's default)."""
+    from targets import BACKENDS
+
+    lower = commands.add_parser(
+        "lower", help=f"lower an exported directory for a backend ({', '.join(BACKENDS)})",
+        description="Lower an exported directory for a backend. A backend's options are refused with another "
+                    "--target.")
+    lower.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
+    lower.add_argument("--target", dest="backend", choices=list(BACKENDS), required=True, metavar="BACKEND",
+                       help=f"the backend to lower for: {', '.join(BACKENDS)} (it names the backend, not the "
+                            "target model)")
+    lower.add_argument("--out", dest="dest", type=Path, required=True, help="lowered directory (created atomically)")
+    lower.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    reexporting = [b.name for b in BACKENDS.values() if b.reexports]
+    lower.add_argument("--target-dir", type=Path, help=f"{', '.join(reexporting)}: target checkpoint, if it moved "
+                       "since export")
+    lower.add_argument("--draft-dir", type=Path, help=f"{', '.join(reexporting)}: draft checkpoint, if it moved "
+                       "since export")
+    lower.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    owners: dict[str, list] = {}
+    for backend in BACKENDS.values():
+        for flag in backend.flags:
+            owners.setdefault(flag.name, []).append((backend, flag))
+    groups = {None: lower.add_argument_group("options of several backends")}
+    groups.update({b.name: lower.add_argument_group(f"--target {b.name} ({b.title})") for b in BACKENDS.values()})
+    for name, owned in owners.items():
+        backend, flag = owned[0]
+        group = groups[backend.name if len(owned) == 1 else None]
+        defaults = ", ".join(f"{b.name + ' ' if len(owned) > 1 else ''}{_shown(f, b.default(f))}" for b, f in owned)
+        label = "" if len(owned) == 1 else f"{'/'.join(b.name for b, _ in owned)}: "
+        if flag.switch:
+            group.add_argument(name, action="store_true", help=f"{label}{flag.help}")
+        else:
+            group.add_argument(name, type=flag.type, choices=flag.choices, default=None,
+                               help=f"{label}{flag.help} (default: {defaults})")
+    lower.set_defaults(func=_lower)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from targets import BACKENDS
+
+    backends = list(BACKENDS)
     parser = argparse.ArgumentParser(
         prog="dflash-onnx", description="DFlash speculative decoding: export to ONNX, run on any backend.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -268,15 +289,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     generate.add_argument("--seed", type=int, help="sampling seed")
-    generate.add_argument("--backend", choices=("ort", "ai100", "mlx", "coreml"), default="ort",
-                          help="ort runs exports and AI 100 lowerings; ai100 needs a compiled AI 100 lowering; "
-                               "mlx needs 'lower --target mlx'; coreml needs 'lower --target coreml' and macOS 15+")
+    generate.add_argument("--backend", choices=backends, help=BACKEND_HELP)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate.set_defaults(func=_generate)
 
     optimize = commands.add_parser("optimize", help="apply graph passes to an exported directory")
     optimize.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
-    optimize.add_argument("--passes", required=True, help="comma-separated, in order: cleanup, rope-fusion, ort-fusions, int8, int4, fp16")
+    optimize.add_argument("--passes", required=True,
+                          help="comma-separated, in order: cleanup, rope-fusion, ort-fusions, int8, int4, fp16, tidy")
     optimize.add_argument("--out", dest="dest", type=Path, required=True, help="new directory (created atomically)")
     optimize.add_argument("--pass-option", action="append", default=[], metavar="[PASS.]KEY=VALUE",
                           help="e.g. int4.block_size=64, int4.graphs=draft, int4.lm_head=true, symmetric=false")
@@ -297,10 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "step time for T = 1..block new tokens at several contexts and the draft step, and what "
                     "those imply. Exits 1 if any DFlash output differs from greedy.")
     bench.add_argument("dir", type=Path, help="an exported or lowered directory")
-    bench.add_argument("--backend", choices=("ort", "ai100", "mlx", "coreml"),
-                       help="default: the lowering's backend, else ort")
+    bench.add_argument("--backend", choices=backends, help=BACKEND_HELP)
     bench.add_argument("--prompts", type=Path, help="one prompt per line (\\n for newlines), or .jsonl with "
-                       "\"prompt\" or \"ids\"; default: held-out standard-library code (random ids without a tokenizer)")
+                       "\"prompt\" or \"ids\"; default: held-out standard-library code (random ids without a "
+                       "tokenizer)")
     bench.add_argument("--num-prompts", type=int, default=4, help="default prompts to take (default 4)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3, help="runs per prompt and mode (medians)")
@@ -308,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--contexts", default="256,1024", help="context lengths of the cost curve")
     bench.add_argument("--curve-repeats", type=int, default=10)
     bench.add_argument("--peers", help="also run hf (transformers greedy) and/or reference (dflash_generate at "
-                       "block 1 and B) and/or ort-genai (greedy and n-gram speculative) on the checkpoints, e.g. hf,reference,ort-genai")
+                       "block 1 and B) and/or ort-genai (greedy and n-gram speculative) on the checkpoints, e.g. "
+                       "hf,reference,ort-genai")
     bench.add_argument("--target", type=Path, help="target checkpoint for --peers (default: recorded at export)")
     bench.add_argument("--draft", type=Path, help="draft checkpoint for --peers (default: recorded at export)")
     bench.add_argument("--json", type=Path, help="write every figure to this JSON file")
@@ -316,42 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 
-    lower = commands.add_parser("lower", help="lower an exported directory for a backend (ort, ai100, mlx, coreml)")
-    lower.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
-    lower.add_argument("--target", choices=("ort", "ai100", "mlx", "coreml"), required=True,
-                       help="backend to lower for")
-    lower.add_argument("--out", dest="dest", type=Path, required=True, help="lowered directory (created atomically)")
-    lower.add_argument("--ctx-len", type=int, default=4096, help="KV buffer length (one slot is scratch)")
-    lower.add_argument("--prefill-len", type=int, help="prefill chunk, a multiple of the block size "
-                       "(ai100: 128, coreml: 64)")
-    lower.add_argument("--num-cores", type=int, default=16)
-    lower.add_argument("--mxfp6-matmul", action="store_true", help="compile matmul weights to MXFP6")
-    lower.add_argument("--kv-dtype", choices=("float16", "mxint8"), default="float16")
-    lower.add_argument("--opset", type=int, default=18, choices=(18,), help="ONNX opset (AI 100 accepts 17-18)")
-    lower.add_argument("--dry-run", action="store_true", help="write compile.sh instead of compiling")
-    lower.add_argument("--compute-units", choices=("all", "cpu_and_ne", "cpu_and_gpu", "cpu_only"), default="all",
-                       help="coreml: where the model may run")
-    lower.add_argument("--bits", type=int, choices=(4, 8), help="mlx: quantize MatMul weights (mx.quantize)")
-    lower.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="mlx: quantization group")
-    lower.add_argument("--provider", default="cpu", help="ort: execution provider (cpu, cuda, tensorrt, dml, "
-                       "openvino, coreml, qnn); must exist in the installed onnxruntime")
-    lower.add_argument("--passes", help="ort: passes applied first (default rope-fusion,ort-fusions; 'none')")
-    lower.add_argument("--optimization-level", choices=("disabled", "basic", "extended", "all"), default="extended",
-                       help="ort: graph optimizations saved into the model files (default extended)")
-    lower.add_argument("--threads", type=int, default=0, help="ort: intra-op threads (0: ORT's default)")
-    lower.add_argument("--draft-threads", type=int, default=0,
-                       help="ort: the draft session's intra-op threads (default: as --threads); 1 suits drafts of a "
-                            "few MB, whose calls are too short to split")
-    lower.add_argument("--spinning", choices=("on", "off"), default="on",
-                       help="ort: let idle intra-op threads spin between calls")
-    lower.add_argument("--kv-buffer", choices=("on", "off"), default="on",
-                       help="ort: target attention as GroupQueryAttention over preallocated --ctx-len K/V buffers "
-                            "updated in place (default on); off keeps the concat form")
-    lower.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
-    lower.add_argument("--target-dir", type=Path, help="target checkpoint, if it moved since export")
-    lower.add_argument("--draft-dir", type=Path, help="draft checkpoint, if it moved since export")
-    lower.add_argument("--quiet", action="store_true")
-    lower.set_defaults(func=_lower)
+    _add_lower(commands)
 
     parity = commands.add_parser("parity", help="check exported graphs against PyTorch and the reference")
     parity.add_argument("out", type=Path)
@@ -398,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except DFlashError as exc:
         print(f"dflash-onnx {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # the runtime needs neither; export, conversion and the torch peers do
+        if exc.name is None or exc.name.split(".")[0] not in ("torch", "transformers", "safetensors"):
+            raise
+        print(f"dflash-onnx {args.command}: error: this needs PyTorch and transformers, which are not installed: "
+              "pip install torch==2.13.0 && pip install 'dflash-onnx[export]'", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -1,9 +1,10 @@
 """The decoding loop, numpy only: greedy baseline and DFlash speculative decoding on any backend.
 
-It talks to two Sessions (target, draft) through the manifest's input/output names and never
-imports torch or a backend. One DFlash step: block = [last token, mask x (B-1)]; the draft proposes
-positions 1..B-1; the target verifies the block in one call; the longest agreeing prefix plus the
-target's bonus token is committed (truncated at a stop token); KV rollback is a length change.
+It talks to two Sessions (target, draft) through the manifest's input/output names and never imports
+torch or a backend (`targets.open_decoder` opens one on a directory). One DFlash step: block = [last
+token, mask x (B-1)]; the draft proposes positions 1..B-1; the target verifies the block in one call;
+the longest agreeing prefix plus the target's bonus token is committed (truncated at a stop token);
+KV rollback is a length change.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from .errors import DFlashError
-from .manifest import Manifest, load_manifest
+from .manifest import Manifest
 from .runners import open_runners
 from .sampling import SamplingParams, rejection_sample, sample_rows, sampling_probs
 from .session import Session
@@ -77,20 +77,12 @@ class Decoder:
         self.prefill_chunk = prefill_chunk
         self.stop_token_ids = list(manifest.stop_token_ids)
 
-    @classmethod
-    def open(cls, directory: Path, backend: str = "ort", prefill_chunk: int = 256, **options) -> "Decoder":
-        from targets import open_session
-
-        manifest = load_manifest(directory)
-        target = open_session(directory, manifest, "target", backend, **options)
-        draft = open_session(directory, manifest, "draft", backend, **options)
-        return cls(manifest, target, draft, prefill_chunk)
-
     def stream(
         self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int = 64, mode: str = "dflash",
         sampling: SamplingParams | None = None, stop_token_ids: list[int] | None = None,
     ) -> Iterator[list[int]]:
-        """Yield each step's committed tokens; the generator's return value is the GenerationResult."""
+        """An iterator over each step's committed tokens, whose return value (StopIteration.value) is the
+        GenerationResult. The arguments are checked here, before anything runs."""
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if prompt.size == 0:
             raise DFlashError("the prompt is empty: give at least one token")
@@ -102,19 +94,23 @@ class Decoder:
             raise DFlashError(f"prompt ids must lie in 0..{self.manifest.vocab_size - 1}")
         if mode == "dflash" and self.draft is None:
             raise DFlashError("dflash mode needs a draft session")
-        sampling = sampling or SamplingParams()
-        rng = np.random.default_rng(sampling.seed)
-        stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
-        block_size = self.manifest.block_size if mode == "dflash" else 1
-        mask_id = self.manifest.mask_token_id
-        result = GenerationResult(prompt_tokens=int(prompt.size))
         target, draft = open_runners(self.manifest, self.target, self.draft, self.prefill_chunk)
         if target.capacity is not None and len(prompt) + max_new_tokens > target.capacity:
             raise DFlashError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceed the "
                               f"{target.capacity} positions this lowering holds: lower with a larger --ctx-len")
+        stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
+        block_size = self.manifest.block_size if mode == "dflash" else 1
+        return self._steps(target, draft, prompt, max_new_tokens, block_size, sampling or SamplingParams(), stops)
+
+    def _steps(self, target, draft, prompt: np.ndarray, max_new_tokens: int, block_size: int,
+               sampling: SamplingParams, stops: frozenset[int]) -> Iterator[list[int]]:
+        """The decoding itself: prefill, then one draft + verify round per step."""
+        rng = np.random.default_rng(sampling.seed)
+        mask_id = self.manifest.mask_token_id
+        result = GenerationResult(prompt_tokens=int(prompt.size))
 
         started = time.perf_counter()
-        out = target.forward(prompt, want_logits=not sampling.greedy)
+        out = target.forward(prompt, logits_rows=0 if sampling.greedy else 1)
         target.commit(len(prompt))
         context = out.context
         if sampling.greedy:
@@ -133,7 +129,9 @@ class Decoder:
         greedy = sampling.greedy
         block = np.empty(block_size, dtype=np.int64)  # refilled each step: read only while a step runs
         while start + 1 < max_length and not stopped:
-            verify = min(block_size, max_length - start)
+            # rows to verify: the last token and up to block_size - 1 proposals, no more than the tokens still
+            # wanted (accepted proposals + the target's bonus token)
+            verify = min(block_size, max_length - start - 1)
             block.fill(mask_id)
             block[0] = result.tokens[-1]
             if verify > 1:
@@ -143,7 +141,7 @@ class Decoder:
                 else:
                     draft_probs = sampling_probs(draft_logits[: verify - 1], sampling)
                     block[1:verify] = sample_rows(draft_probs, rng)
-            out = target.forward(block[:verify], want_logits=not greedy)
+            out = target.forward(block[:verify], logits_rows=0 if greedy else verify)
             if greedy:
                 posterior = out.greedy_ids.tolist()
                 accepted = _agreeing_prefix(block[1:verify].tolist(), posterior) if verify > 1 else 0
@@ -154,7 +152,7 @@ class Decoder:
                     accepted, bonus = rejection_sample(block[1:verify], target_probs, draft_probs, rng)
                 else:
                     accepted, bonus = 0, int(sample_rows(target_probs[-1], rng))
-            new = [*block[1 : accepted + 1].tolist(), bonus][: max_length - start - 1] if accepted else [bonus]
+            new = [*block[1 : accepted + 1].tolist(), bonus] if accepted else [bonus]
             for index, token in enumerate(new):
                 if token in stops:
                     new, stopped = new[: index + 1], True

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
+from targets import open_decoder
+
 from .decode import Decoder
 from .manifest import MANIFEST_NAME
-from .tokenizer import TextCodec, has_tokenizer
+from .tokenizer import TextCodec, TextStream, has_tokenizer
 
 PAIR_DIR = Path(__file__).parent / "demo_pair"
 PROMPT_BYTES = 160
@@ -85,7 +87,7 @@ def _prompts(decoder: Decoder, codec: TextCodec | None, count: int) -> list[tupl
 
 def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int = 4) -> int:
     out = ensure_demo_export(progress=not as_json)
-    decoder = Decoder.open(out)
+    decoder = open_decoder(out)
     codec = TextCodec(out) if has_tokenizer(out) else None
     prompts = _prompts(decoder, codec, num_prompts)
     decoder.generate(prompts[0][1], 4, "dflash", stop_token_ids=[])  # first-call setup is not decoding speed
@@ -93,15 +95,8 @@ def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int 
     for index, (text, ids) in enumerate(prompts):
         if not as_json:
             print(f"--- prompt {index + 1} ---\n{text if text is not None else ids}", end="", flush=True)
-        streamed: list[int] = []
-
-        def on_tokens(chunk: list[int]) -> None:
-            if as_json or codec is None:
-                return
-            before = codec.decode(streamed)
-            streamed.extend(chunk)
-            print(codec.decode(streamed)[len(before):], end="", flush=True)
-
+        stream = TextStream(codec) if codec is not None and not as_json else None
+        on_tokens = (lambda chunk, stream=stream: print(stream.delta(chunk), end="", flush=True)) if stream else None
         dflash = decoder.generate(ids, max_new_tokens, "dflash", stop_token_ids=[], on_tokens=on_tokens)
         greedy = decoder.generate(ids, max_new_tokens, "greedy", stop_token_ids=[])
         for mode, result in (("greedy", greedy), ("dflash", dflash)):

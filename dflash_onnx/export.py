@@ -9,40 +9,24 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import shutil
 import sys
-import tempfile
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import onnx
 import torch
 
 from . import __version__
 from .errors import DFlashError
-from .manifest import GraphSpec, Manifest, TensorSpec
+from .graph_files import graph_spec, share_initializers
+from .manifest import GraphSpec, Manifest
 from .models.draft import DFlashDraft, DraftSpec
 from .models.target import TappedTarget, check_against_hf
 from .pair import LOGIT_TOLERANCE, TargetInfo, load_draft, load_target, validate_pair
 from .progress import Stages
+from .publish import check_out_dir, copy_tokenizer_files, staged_directory
 
 DEFAULT_OPSET = 18
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json",
-)
-ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64"}
-
-
-def _point_to(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
-    del tensor.external_data[:]
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        entry = tensor.external_data.add()
-        entry.key, entry.value = key, value
 
 
 def kv_names(prefix: str, num_layers: int) -> list[str]:
@@ -103,100 +87,6 @@ def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dty
     program.save(str(out / "draft.onnx"), external_data=True)
 
 
-def _external_bytes(tensor: onnx.TensorProto) -> tuple[str, int, int]:
-    info = {e.key: e.value for e in tensor.external_data}
-    return info["location"], int(info.get("offset", 0)), int(info["length"])
-
-
-def _read(out: Path, tensor: onnx.TensorProto) -> bytes:
-    location, offset, length = _external_bytes(tensor)
-    with open(out / location, "rb") as handle:
-        handle.seek(offset)
-        return handle.read(length)
-
-
-def _transposed(payload: bytes, tensor: onnx.TensorProto) -> bytes:
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    return np.frombuffer(payload, dtype=dtype).reshape(tuple(tensor.dims)).T.tobytes()
-
-
-def share_initializers(
-    out: Path, draft_file: str, target_file: str, vocab_size: int
-) -> tuple[list[str], list[str]]:
-    """Point the draft's vocab-sized tensors (embedding, lm_head) at identical tensors in the
-    target's data file, and rewrite the draft's data file without them.
-
-    Matching is by content, so it survives the exporter renaming weights. When the exporter
-    pre-transposed a weight in one graph only, the draft reads the target's copy through a
-    Transpose node (ORT folds it at load), so the bytes are still stored once.
-    Returns the names of the vocab-sized draft tensors now shared, and of those left unshared.
-    """
-    target = onnx.load(str(out / target_file), load_external_data=False)
-    draft = onnx.load(str(out / draft_file), load_external_data=False)
-
-    def vocab_sized(t: onnx.TensorProto) -> bool:
-        return t.data_location == onnx.TensorProto.EXTERNAL and vocab_size in t.dims
-
-    def key(dims, data_type, payload: bytes):
-        return tuple(dims), data_type, hashlib.sha256(payload).hexdigest()
-
-    by_content = {key(t.dims, t.data_type, _read(out, t)): t for t in target.graph.initializer if vocab_sized(t)}
-    old_data, new_data = out / f"{draft_file}.data", out / f"{draft_file}.data.tmp"
-    shared, unshared, transposes = [], [], []
-    kept = []
-    with open(new_data, "wb") as dst:
-        for tensor in draft.graph.initializer:
-            kept.append(tensor)
-            if tensor.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            payload = _read(out, tensor)
-            if vocab_sized(tensor):
-                same = by_content.get(key(tensor.dims, tensor.data_type, payload))
-                flipped = None
-                if same is None and len(tensor.dims) == 2:
-                    flipped = by_content.get(key(tensor.dims[::-1], tensor.data_type, _transposed(payload, tensor)))
-                if same is not None:
-                    _point_to(tensor, *_external_bytes(same))
-                    shared.append(tensor.name)
-                    continue
-                if flipped is not None:
-                    source = onnx.TensorProto()
-                    source.CopyFrom(flipped)
-                    source.name = f"{tensor.name}.shared_transposed"
-                    kept[-1] = source
-                    transposes.append(onnx.helper.make_node("Transpose", [source.name], [tensor.name], perm=[1, 0]))
-                    shared.append(tensor.name)
-                    continue
-                unshared.append(tensor.name)
-            dst.seek((dst.tell() + 63) // 64 * 64)
-            position = dst.tell()
-            dst.write(payload)
-            _point_to(tensor, f"{draft_file}.data", position, len(payload))
-    os.replace(new_data, old_data)
-    del draft.graph.initializer[:]
-    draft.graph.initializer.extend(kept)
-    for node in reversed(transposes):
-        draft.graph.node.insert(0, node)
-    onnx.save(draft, str(out / draft_file))
-    return shared, unshared
-
-
-def graph_spec(path: Path, num_layers: int, num_kv_heads: int, head_dim: int, kv_inputs: list[str],
-               kv_outputs: list[str]) -> GraphSpec:
-    """Describe an exported graph file for the manifest."""
-    model = onnx.load(str(path), load_external_data=False)
-
-    def spec(value) -> TensorSpec:
-        shape = [d.dim_param if d.dim_param else d.dim_value for d in value.type.tensor_type.shape.dim]
-        return TensorSpec(value.name, ONNX_DTYPES.get(value.type.tensor_type.elem_type, "unknown"), shape)
-
-    return GraphSpec(
-        file=path.name, inputs=[spec(v) for v in model.graph.input], outputs=[spec(v) for v in model.graph.output],
-        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        kv_inputs=kv_inputs, kv_outputs=kv_outputs,
-    )
-
-
 def check_symbolic(graph: GraphSpec, promised: dict[str, list[int]]) -> None:
     """Fail loudly if the exporter fixed an axis that must stay dynamic."""
     shapes = {t.name: t.shape for t in graph.inputs + graph.outputs}
@@ -232,9 +122,7 @@ def export_pair(
     block = validate_pair(info, spec, block_size, allow_longer_block, dtype)
     torch_dtype = torch.float16 if dtype == "float16" else torch.float32
     stages = Stages(6, enabled=progress)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_directory(out) as tmp:
         with stages.stage("loading target and draft"), torch.no_grad():
             lm = load_target(target_dir, dtype)
             draft = load_draft(draft_dir, lm, dtype)
@@ -245,7 +133,7 @@ def export_pair(
         with stages.stage(f"exporting draft graph (block size {block})"):
             export_draft(draft, block, tmp, opset, torch_dtype)
         with stages.stage("sharing embedding and lm_head weights"):
-            shared, unshared = share_initializers(tmp, "draft.onnx", "target.onnx", info.vocab_size)
+            _, unshared = share_initializers(tmp, "draft.onnx", "target.onnx", info.vocab_size)
             if unshared:
                 print(f"warning: draft tensors {unshared} have no identical copy in the target graph; "
                       "they are stored twice", file=sys.stderr)
@@ -279,56 +167,4 @@ def export_pair(
                 source_dirs={"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve())},
             )
             manifest.save(tmp)
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
-
-
-def copy_tokenizer_files(source: Path, dest: Path) -> list[str]:
-    """Copy the tokenizer and generation-config files `source` has into `dest`; return their names."""
-    copied = [f for f in TOKENIZER_FILES if (Path(source) / f).is_file()]
-    for name in copied:
-        shutil.copy2(Path(source) / name, Path(dest) / name)
-    return copied
-
-
-def check_out_dir(out: Path, sources: tuple[Path, ...], overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise DFlashError(f"{out} exists and is not a directory: choose another --out")
-    if out.exists() and not overwrite:
-        raise DFlashError(f"{out} already exists: choose another --out or pass --overwrite")
-    resolved = out.resolve()
-    for source in sources:
-        if resolved == source.resolve() or resolved in source.resolve().parents:
-            raise DFlashError(f"--out {out} would replace the model directory {source}: choose another --out")
-
-
-@contextmanager
-def staged_directory(out: Path) -> Iterator[Path]:
-    """A temporary sibling of `out` to write into: published as `out` on success, removed on any error,
-    so a failed or interrupted run never leaves a half-written directory."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        yield tmp
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def publish_dir(tmp: Path, out: Path) -> None:
-    """Move the finished export into place; an old --out is set aside first and removed only after."""
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from .errors import DFlashError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: `lowering` is the typed Lowering record (format 1 held a free-form dict)
 MANIFEST_NAME = "dflash.json"
 KV_LAYOUT = "batch,seq,kv_heads,head_dim"
+FORMS = ("concat", "buffer", "retained")
 
 
 @dataclass
@@ -41,6 +42,28 @@ class GraphSpec:
 
 
 @dataclass
+class Lowering:
+    """How a directory was lowered for a backend: written by the backend's lowering, read by its sessions,
+    by the runners (graph-form facts) and by `bench` / `steps` (what they measure)."""
+
+    backend: str  # "ort", "ai100", "mlx" or "coreml"
+    options: dict  # the backend's options record as written (its own dataclass reads it back)
+    provider: str | None = None  # ORT: the execution provider the sessions use
+    # the draft's K/V outputs: "concat" (past + new rows) or "rows" (the new rows only; runners.RowsDraft
+    # appends them to its own buffers)
+    draft_kv: str = "concat"
+    # retained forms: rows padded up to a specialization write the "scratch" slot ctx_len - 1 (AI 100), or
+    # continue the call's positions ("consecutive", CoreML: the last chunk's slots are then reserved)
+    padding: str = "scratch"
+    shared_with_target: dict[str, str] = field(default_factory=dict)  # draft tensor -> the target tensor it reads
+    rewrites: dict[str, dict[str, dict]] = field(default_factory=dict)  # pass -> graph -> what it did
+    calibration: dict | None = None  # float16 range measured on calibration prompts (AI 100, CoreML)
+    max_relative_difference: float | None = None  # lowered vs exported outputs, relative to their scale (ORT)
+    compiled: bool = False  # the backend's compiler ran (AI 100)
+    report: dict = field(default_factory=dict)  # other findings of the lowering, by the backend's own keys
+
+
+@dataclass
 class Manifest:
     block_size: int
     trained_block_size: int
@@ -59,16 +82,16 @@ class Manifest:
     sources: dict[str, dict[str, str]]
     tool_version: str
     kv_layout: str = KV_LAYOUT
-    # "concat": past in, past+new out (ORT form). "retained": fixed ctx_len buffers returned whole
-    # (AI 100 form; the target graph also applies the draft's fc + hidden_norm). "buffer": the ORT
+    # "concat": past in, past+new out (the export). "retained": fixed ctx_len buffers returned whole
+    # (AI 100 and CoreML; the target graph also applies the draft's fc + hidden_norm). "buffer": the ORT
     # lowering's target reads and writes [batch, kv_heads, ctx_len, head_dim] buffers in place
     # (GroupQueryAttention, lengths as inputs); its draft returns only its new context rows when
-    # lowering["draft_kv"] is "rows" (else it stays concat).
+    # lowering.draft_kv is "rows" (else it stays concat).
     form: str = "concat"
     ctx_len: int | None = None
     prefill_len: int | None = None
     passes: list[dict] = field(default_factory=list)
-    lowering: dict = field(default_factory=dict)
+    lowering: Lowering | None = None
     source_dirs: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
@@ -102,17 +125,32 @@ class Manifest:
     def save(self, directory: Path) -> None:
         (Path(directory) / MANIFEST_NAME).write_text(self.to_json())
 
+    @property
+    def backend(self) -> str | None:
+        """The backend this directory was lowered for; None for an export."""
+        return self.lowering.backend if self.lowering else None
+
     @classmethod
-    def from_dict(cls, raw: dict) -> "Manifest":
-        version = raw.get("format_version")
-        if version != FORMAT_VERSION:
-            raise DFlashError(f"manifest format_version {version} is not {FORMAT_VERSION}: re-export with this version")
+    def from_dict(cls, raw: dict) -> Manifest:
         data = dict(raw)
+        version = data.get("format_version")
+        if version == 1 and not data.get("lowering"):  # an export: format 1 and 2 describe it alike
+            data.update(format_version=FORMAT_VERSION, lowering=None)
+        elif version == 1:
+            raise DFlashError("this lowered directory was written by an older dflash-onnx (manifest format 1): "
+                              "re-run 'dflash-onnx lower' on its export")
+        elif version != FORMAT_VERSION:
+            raise DFlashError(f"manifest format_version {version} is not {FORMAT_VERSION}: use the dflash-onnx "
+                              "that wrote it, or export again with this one")
         for key in ("target", "draft"):
             graph = dict(data[key])
             graph["inputs"] = [TensorSpec(**t) for t in graph["inputs"]]
             graph["outputs"] = [TensorSpec(**t) for t in graph["outputs"]]
             data[key] = GraphSpec(**graph)
+        if data.get("lowering") is not None:
+            data["lowering"] = Lowering(**data["lowering"])
+        if data.get("form", "concat") not in FORMS:
+            raise KeyError(f"form {data['form']!r}")
         return cls(**data)
 
 
@@ -120,10 +158,9 @@ def load_export(directory: Path, action: str) -> Manifest:
     """The manifest of a directory `dflash-onnx export` (or `optimize`) wrote; lowered directories are refused,
     whatever their form (an MLX lowering keeps concat-form graphs but not their weights)."""
     manifest = load_manifest(directory)
-    if manifest.form != "concat" or manifest.lowering:
-        lowered_for = manifest.lowering.get("target", manifest.form)
-        raise DFlashError(f"{directory} is already lowered (for {lowered_for}): {action} the directory "
-                          "'dflash-onnx export' wrote")
+    if manifest.form != "concat" or manifest.lowering is not None:
+        raise DFlashError(f"{directory} is already lowered (for {manifest.backend or manifest.form}): {action} the "
+                          "directory 'dflash-onnx export' wrote")
     return manifest
 
 
@@ -138,7 +175,7 @@ def load_manifest(directory: Path) -> Manifest:
     try:
         manifest = Manifest.from_dict(json.loads(path.read_text()))
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
-        raise DFlashError(f"{path} is corrupt ({exc}): re-run 'dflash-onnx export'") from None
+        raise DFlashError(f"{path} is corrupt ({exc}): re-run the command that wrote it") from None
     for graph in (manifest.target, manifest.draft):
         if not (directory / graph.file).exists():  # a file, or a package directory (CoreML)
             raise DFlashError(f"{directory} lacks {graph.file}, named in {MANIFEST_NAME}: re-run the export")

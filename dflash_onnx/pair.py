@@ -14,6 +14,7 @@ from torch import nn
 
 from .errors import DFlashError
 from .models.draft import DFlashDraft, DraftSpec
+from .models.target import TappedTarget
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # Largest logit difference accepted between two computations of the same model, per dtype.
@@ -33,7 +34,7 @@ class TargetInfo:
     stop_token_ids: list[int]
 
     @classmethod
-    def from_dir(cls, path: Path) -> "TargetInfo":
+    def from_dir(cls, path: Path) -> TargetInfo:
         from transformers import AutoConfig
 
         path = Path(path)
@@ -142,3 +143,13 @@ def load_draft(path: Path, target: nn.Module, dtype: str = "float32") -> DFlashD
     draft.rotary_emb.inv_freq = inv_freq  # RoPE frequencies stay float32, as in the reference and HF
     draft.load_checkpoint(Path(path))
     return draft.eval()
+
+
+def load_tapped_pair(target_dir: Path, draft_dir: Path, target_layer_ids: list[int],
+                     dtype: str = "float32") -> tuple[TappedTarget, DFlashDraft]:
+    """The target wrapped to tap `target_layer_ids`, and its draft: what export and re-exporting lowerings
+    convert (no gradients: conversion only)."""
+    with torch.no_grad():
+        lm = load_target(target_dir, dtype)
+        draft = load_draft(draft_dir, lm, dtype)
+    return TappedTarget(lm, target_layer_ids).eval(), draft

@@ -13,11 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from targets import open_decoder
+
 from .decode import Decoder
 from .errors import DFlashError
 from .manifest import Manifest
 from .models.draft import DFlashDraft
-from .models.target import TappedTarget
+from .models.target import TappedTarget, hf_greedy
 from .pair import LOGIT_TOLERANCE, load_draft, load_target
 
 
@@ -62,15 +64,6 @@ def _scale(b: torch.Tensor) -> float:
 
 def _kv_feeds(names: list[str], tensors) -> dict[str, np.ndarray]:
     return {name: t.detach().numpy() for name, t in zip(names, tensors)}
-
-
-def _hf_greedy(lm, prompt: np.ndarray, max_new_tokens: int, stops: list[int]) -> list[int]:
-    ids = torch.tensor(prompt)[None]
-    out = lm.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
-        do_sample=False, eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0,
-    )
-    return out[0, len(prompt):].tolist()
 
 
 def _reference_model(draft_dir: Path, dtype: torch.dtype):
@@ -144,7 +137,7 @@ def _compare_graphs(prompt_index: int, prompt: np.ndarray, manifest: Manifest, d
 def run_parity(out_dir: Path, target_dir: Path | None = None, draft_dir: Path | None = None, num_prompts: int = 4,
                max_new_tokens: int = 32, seed: int = 0, decoder: Decoder | None = None) -> ParityReport:
     """Compare the exported graphs in `out_dir` with the PyTorch pair they were exported from."""
-    decoder = decoder or Decoder.open(Path(out_dir))
+    decoder = decoder or open_decoder(Path(out_dir))
     manifest = decoder.manifest
     if manifest.form != "concat":
         raise DFlashError(f"{out_dir} is a lowered ({manifest.form}) directory: run parity on the export it came "
@@ -168,7 +161,7 @@ def run_parity(out_dir: Path, target_dir: Path | None = None, draft_dir: Path | 
             greedy = decoder.generate(prompt, max_new_tokens, "greedy").tokens
             report.checks.append(Check(index, "tokens: dflash-ort == ort greedy", f"{len(ours)} tok", ours == greedy))
             continue
-        hf = _hf_greedy(lm, prompt, max_new_tokens, stops)
+        hf = hf_greedy(lm, prompt.tolist(), max_new_tokens, stops)
         report.checks.append(Check(index, "tokens: dflash-ort == hf greedy", f"{len(ours)} tok", ours == hf))
         if reference_model is not None:
             reference = _reference_tokens(reference_model, lm, prompt, max_new_tokens, stops, manifest.block_size)

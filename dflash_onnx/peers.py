@@ -13,6 +13,7 @@ first generated token.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -26,8 +27,9 @@ PEERS = ("hf", "reference", "ort-genai")
 
 
 def _hf_greedy(lm, prompts: list[dict], max_new_tokens: int, repeats: int) -> dict:
-    import torch
     from transformers.generation.streamers import BaseStreamer
+
+    from .models.target import hf_greedy
 
     class FirstToken(BaseStreamer):
         def __init__(self):
@@ -42,13 +44,11 @@ def _hf_greedy(lm, prompts: list[dict], max_new_tokens: int, repeats: int) -> di
             pass
 
     def once(ids: list[int]):
-        streamer, tensor = FirstToken(), torch.tensor(ids)[None]
+        streamer = FirstToken()
         started = time.perf_counter()
-        with torch.inference_mode():
-            out = lm.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=max_new_tokens,
-                              min_new_tokens=max_new_tokens, do_sample=False, streamer=streamer, pad_token_id=0)
+        tokens = hf_greedy(lm, ids, max_new_tokens, None, streamer)
         ended = time.perf_counter()
-        return out[0, len(ids):].tolist(), streamer.first_at - started, ended - streamer.first_at
+        return tokens, streamer.first_at - started, ended - streamer.first_at
 
     return _collect("hf greedy (transformers, torch CPU)", prompts, repeats, once, tau=False)
 
@@ -156,10 +156,22 @@ def _collect(name: str, prompts: list[dict], repeats: int, once, tau: bool) -> d
             "tau": float(np.mean(lengths)) if lengths else None, "outputs": outputs}
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def check_peer_names(names: list[str]) -> None:
+    """Refuse unknown peers, and torch peers where torch is missing, before anything is measured."""
     unknown = sorted(set(names) - set(PEERS))
     if unknown:
         raise DFlashError(f"unknown peers {unknown}: choose from {', '.join(PEERS)}")
+    torch_peers = sorted({"hf", "reference"} & set(names))
+    if torch_peers and not (_installed("torch") and _installed("transformers")):
+        raise DFlashError(f"peers {', '.join(torch_peers)} run PyTorch and transformers, which are not installed: "
+                          "pip install torch==2.13.0 && pip install 'dflash-onnx[export]'")
 
 
 def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str], target_dir: Path | None,
@@ -173,7 +185,7 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
         print(f"note: peers run the original checkpoints; this directory's target is transformed by {lossy}, "
               "so its tokens may differ from theirs", file=sys.stderr)
     target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir)
-    dtype = manifest.dtype if manifest.lowering.get("target") not in ("coreml",) else "float32"
+    dtype = manifest.dtype if manifest.backend != "coreml" else "float32"
     lm = load_target(target_dir, dtype) if {"hf", "reference"} & set(names) else None
     rows = []
     if "hf" in names:
@@ -215,9 +227,10 @@ def _ratios(rows: list[dict], ours: dict) -> dict:
     for row in rows:
         if row["name"].startswith("ort-genai"):
             kind = "greedy" if "greedy" in row["name"] else "speculative"
-            ratios[f"ours dflash / ort-genai {kind}"] = ours["dflash"]["tokens_per_second"] / row["tokens_per_second"]
+            theirs = row["tokens_per_second"]
+            ratios[f"ours dflash / ort-genai {kind}"] = ours["dflash"]["tokens_per_second"] / theirs
             if kind == "greedy":
-                ratios["ours greedy / ort-genai greedy"] = ours["greedy"]["tokens_per_second"] / row["tokens_per_second"]
+                ratios["ours greedy / ort-genai greedy"] = ours["greedy"]["tokens_per_second"] / theirs
         elif row["name"].startswith("hf greedy"):
             ratios["ours greedy / hf greedy"] = ours["greedy"]["tokens_per_second"] / row["tokens_per_second"]
             ratios["ours dflash / hf greedy"] = ours["dflash"]["tokens_per_second"] / row["tokens_per_second"]

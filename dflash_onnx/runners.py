@@ -9,7 +9,7 @@
   inputs padded to the compiled specializations. Padded rows sit at the scratch slot ctx_len - 1 (AI 100:
   scatter writes), or continue the call's positions (CoreML: slice writes; the last max-size slots are
   then reserved so a padded call never runs past ctx_len).
-  A Session with `retains_state = True` keeps the buffers on the device; otherwise (ORT emulation)
+  A Session whose `retains_state` is True keeps the buffers on the device; otherwise (ORT emulation)
   each `*_RetainedState` output is fed back as the next input.
 """
 
@@ -26,11 +26,22 @@ from .session import Session
 
 @dataclass
 class TargetStep:
-    """Per input row: the target's greedy id, its logits (when asked for) and the draft's context features."""
+    """Per input row: the target's greedy id and the draft's context features; the logits of the rows asked for
+    (the last `logits_rows` of the call), None when none were."""
 
     greedy_ids: np.ndarray
     logits: np.ndarray | None
     context: np.ndarray
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray | None:
+    return None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _wanted_rows(begin: int, end: int, count: int, logits_rows: int) -> slice | None:
+    """Which rows of the chunk [begin, end) of a `count`-row call are among its last `logits_rows`."""
+    first = count - logits_rows
+    return slice(max(0, first - begin), end - begin) if logits_rows > 0 and end > first else None
 
 
 class KVState:
@@ -65,22 +76,24 @@ class ConcatTarget:
         self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), manifest.numpy_dtype))
         self.capacity: int | None = None
 
-    def forward(self, ids: np.ndarray, want_logits: bool) -> TargetStep:
-        """Run `ids` from the committed length on; chunked so logits stay [chunk, vocab] at most.
-        Earlier chunks are committed as they go; `logits` covers the final chunk's rows."""
-        chunks = [ids[begin : begin + self.chunk] for begin in range(0, len(ids), self.chunk)]
-        contexts, greedy = [], []
-        for index, chunk in enumerate(chunks):
-            final = index == len(chunks) - 1
-            names = ["greedy_ids", "target_hidden", *self.kv.outputs] + (["logits"] if want_logits and final else [])
+    def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
+        """Run `ids` from the committed length on, with the logits of the last `logits_rows` rows; chunked so
+        logits stay [chunk, vocab] at most. Earlier chunks are committed as they go."""
+        contexts, greedy, logits = [], [], []
+        for begin in range(0, len(ids), self.chunk):
+            chunk = ids[begin : begin + self.chunk]
+            end = begin + len(chunk)
+            wanted = _wanted_rows(begin, end, len(ids), logits_rows)
+            names = ["greedy_ids", "target_hidden", *self.kv.outputs] + (["logits"] if wanted else [])
             positions = np.arange(self.kv.length, self.kv.length + len(chunk), dtype=np.int64)[None]
             out = self.session.run({"input_ids": chunk[None], "position_ids": positions, **self.kv.prefix_feeds()},
                                    names)
-            self.kv.update(out, self.kv.length if final else self.kv.length + len(chunk))
+            self.kv.update(out, self.kv.length if end == len(ids) else self.kv.length + len(chunk))
             contexts.append(out["target_hidden"][0])
             greedy.append(out["greedy_ids"][0])
-        context = contexts[0] if len(contexts) == 1 else np.concatenate(contexts)
-        return TargetStep(np.concatenate(greedy), out["logits"][0] if want_logits else None, context)
+            if wanted:
+                logits.append(out["logits"][0, wanted])
+        return TargetStep(_joined(greedy), _joined(logits), _joined(contexts))
 
     def commit(self, length: int) -> None:
         self.kv.length = length
@@ -147,9 +160,9 @@ class _Retained:
         self.ctx_len = int(manifest.ctx_len)
         self.sizes = sorted({manifest.block_size, int(manifest.prefill_len)})
         self.scratch = self.ctx_len - 1
-        self.consecutive = manifest.lowering.get("padding") == "consecutive"
+        self.consecutive = manifest.lowering is not None and manifest.lowering.padding == "consecutive"
         self.capacity = self.ctx_len - (self.sizes[-1] if self.consecutive else 1)
-        self.on_device = bool(getattr(session, "retains_state", False))
+        self.on_device = session.retains_state
         initial = np.zeros((1, graph.num_kv_heads, self.ctx_len, graph.head_dim), manifest.numpy_dtype)
         self.kv = KVState(graph, initial)
 
@@ -182,18 +195,19 @@ class RetainedTarget(_Retained):
         super().__init__(session, manifest, manifest.target)
         self.length = 0
 
-    def forward(self, ids: np.ndarray, want_logits: bool) -> TargetStep:
-        contexts, greedy = [], []
+    def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
+        contexts, greedy, logits = [], [], []
         for begin, end, size in self.chunks(len(ids)):
             rows = end - begin
             feeds = {"input_ids": _pad(ids[begin:end], size, 0)[None],
                      "position_ids": self.positions(self.length + begin, rows, size)}
-            final = end == len(ids)
-            out = self.run(feeds, ["greedy_ids", "context_hidden"] + (["logits"] if want_logits and final else []))
+            wanted = _wanted_rows(begin, end, len(ids), logits_rows)
+            out = self.run(feeds, ["greedy_ids", "context_hidden"] + (["logits"] if wanted else []))
             contexts.append(out["context_hidden"][0, :rows])
             greedy.append(out["greedy_ids"][0, :rows])
-        context = contexts[0] if len(contexts) == 1 else np.concatenate(contexts)
-        return TargetStep(np.concatenate(greedy), out["logits"][0, :rows] if want_logits else None, context)
+            if wanted:
+                logits.append(out["logits"][0, wanted])
+        return TargetStep(_joined(greedy), _joined(logits), _joined(contexts))
 
     def commit(self, length: int) -> None:
         self.length = length
@@ -225,7 +239,7 @@ class BufferTarget:
     NAMES = ["greedy_ids", "target_hidden"]
 
     def __init__(self, session: Session, manifest: Manifest, prefill_chunk: int):
-        if not getattr(session, "retains_state", False):
+        if not session.retains_state:
             raise DFlashError("buffer-form graphs need a session that keeps their K/V buffers (the ORT lowering's)")
         self.session, self.chunk = session, prefill_chunk
         self.capacity = int(manifest.ctx_len)
@@ -245,17 +259,21 @@ class BufferTarget:
                  "total_sequence_length": self.total}
         return self.session.run(feeds, self.NAMES + ["logits"] if logits else self.NAMES)
 
-    def forward(self, ids: np.ndarray, want_logits: bool) -> TargetStep:
-        if len(ids) <= self.chunk:  # every decode and verify step
-            out = self._call(ids, self.length, want_logits)
-            return TargetStep(out["greedy_ids"][0], out["logits"][0] if want_logits else None, out["target_hidden"][0])
-        contexts, greedy = [], []
+    def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
+        if len(ids) <= self.chunk:  # every decode and verify step: one call, nothing to join
+            out = self._call(ids, self.length, logits_rows > 0)
+            logits = out["logits"][0, len(ids) - logits_rows:] if logits_rows else None
+            return TargetStep(out["greedy_ids"][0], logits, out["target_hidden"][0])
+        contexts, greedy, logits = [], [], []
         for begin in range(0, len(ids), self.chunk):
-            out = self._call(ids[begin : begin + self.chunk], self.length + begin,
-                             want_logits and begin + self.chunk >= len(ids))
+            chunk = ids[begin : begin + self.chunk]
+            wanted = _wanted_rows(begin, begin + len(chunk), len(ids), logits_rows)
+            out = self._call(chunk, self.length + begin, wanted is not None)
             contexts.append(out["target_hidden"][0])
             greedy.append(out["greedy_ids"][0])
-        return TargetStep(np.concatenate(greedy), out["logits"][0] if want_logits else None, np.concatenate(contexts))
+            if wanted:
+                logits.append(out["logits"][0, wanted])
+        return TargetStep(_joined(greedy), _joined(logits), _joined(contexts))
 
     def commit(self, length: int) -> None:
         self.length = length
@@ -266,7 +284,7 @@ def open_runners(manifest: Manifest, target: Session, draft: Session | None, pre
     if manifest.form == "concat":
         return ConcatTarget(target, manifest, prefill_chunk), draft and ConcatDraft(draft, manifest)
     if manifest.form == "buffer":  # the draft's attention is not causal: no GroupQueryAttention buffers for it
-        rows = manifest.lowering.get("draft_kv") == "rows"
+        rows = manifest.lowering is not None and manifest.lowering.draft_kv == "rows"
         return BufferTarget(target, manifest, prefill_chunk), draft and (
             RowsDraft(draft, manifest) if rows else ConcatDraft(draft, manifest))
     if manifest.form == "retained":

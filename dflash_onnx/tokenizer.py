@@ -29,5 +29,19 @@ class TextCodec:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
 
+class TextStream:
+    """The text each chunk of a growing id list adds (tokens can merge with the next one, so each delta is
+    the decoded whole minus what was printed before)."""
+
+    def __init__(self, codec: TextCodec):
+        self.codec, self.ids, self.printed = codec, [], ""
+
+    def delta(self, chunk: list[int]) -> str:
+        self.ids.extend(chunk)
+        text = self.codec.decode(self.ids)
+        new, self.printed = text[len(self.printed):], text
+        return new
+
+
 def has_tokenizer(directory: Path) -> bool:
     return (Path(directory) / "tokenizer.json").is_file()

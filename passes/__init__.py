@@ -1,52 +1,62 @@
 """Graph passes: ONNX -> ONNX transformations of exported graphs, each a function plus a report.
 
-A pass is `run(model: onnx.ModelProto, graph: "target" | "draft", options: dict) -> (model, details)`;
-`apply_pipeline` (passes/pipeline.py) measures nodes and bytes around each one and writes the report.
+Every pass has one signature, `run(model: ir.Model, context: PassContext) -> (ir.Model, details)`, on an
+onnx-ir model whose weights may be memory-mapped from the source file: rewrites of the graph's structure
+never read them, and passes built on protobuf tools (ORT's quantizer and float16 converter) load them and
+convert inside. `details` is what the pass found and did; the pipeline writes it to passes_report.json.
 `bound` is the largest logit difference against the untransformed graph the pass is allowed, relative
 to the largest |logit| of the untransformed graph (tested on the tiny random pairs, whose 64-wide random
 matrices are far harder to quantize than trained checkpoints).
+
+Passes with a `lowering` are rewrites that backend's lowering applies (they change the graph form the
+runners feed, so the manifest must say so): `optimize` and `export --passes` refuse them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from .base import GraphPass, PassContext, PassFunction, loaded_proto
 
-import onnx
-import onnx_ir as ir
-
-PassFunction = Callable[[onnx.ModelProto, str, dict], "tuple[onnx.ModelProto, dict]"]
-
-
-@dataclass(frozen=True)
-class GraphPass:
-    name: str
-    run: PassFunction
-    bound: float
-    lossy: bool
-    help: str
-    calibrated: bool = False  # run() gets options["calibration_feeds"]: recorded inputs of this graph
-    # the same rewrite on an onnx-ir model in place, returning the details: a pipeline of such passes loads
-    # the graph with its weights memory-mapped instead of read into memory (structure-only rewrites)
-    run_ir: Callable[[ir.Model, str, dict], dict] | None = None
+__all__ = ["GraphPass", "PassContext", "PassFunction", "loaded_proto", "registry"]
 
 
 def registry() -> dict[str, GraphPass]:
-    from . import cleanup, fp16, ort_fusions, quantize, rope_fusion
+    from . import (
+        cleanup,
+        draft_attention,
+        draft_rows,
+        fp16,
+        kv_buffer,
+        ort_fusions,
+        quantize,
+        rope_cache,
+        rope_fusion,
+        tidy,
+    )
 
     passes = [
         GraphPass("cleanup", cleanup.run, 1e-5, False, "constant folding, dead code and CSE, shape inference"),
         GraphPass("rope-fusion", rope_fusion.run, 1e-5, False,
                   "one RotaryEmbedding per q/k rotation, cos/sin once per position stream "
-                  "(form=com.microsoft|onnx|hoist)", run_ir=rope_fusion.run_ir),
+                  "(form=com.microsoft|onnx|hoist)"),
         GraphPass("ort-fusions", ort_fusions.run, 1e-5, False,
                   "ONNX Runtime contrib fusions (onnxscript): SimplifiedLayerNormalization, "
-                  "SkipSimplifiedLayerNormalization, RotaryEmbedding, MultiHeadAttention; ORT only",
-                  run_ir=ort_fusions.run_ir),
-        GraphPass("int8", quantize.int8, 0.15, True, "block-wise int8 weight-only MatMulNBits"),
-        GraphPass("int4", quantize.int4, 0.75, True, "block-wise int4 weight-only MatMulNBits"),
+                  "SkipSimplifiedLayerNormalization, RotaryEmbedding, MultiHeadAttention; ORT only"),
+        GraphPass("int8", quantize.int8, 0.15, True, "block-wise int8 weight-only MatMulNBits", loads_weights=True),
+        GraphPass("int4", quantize.int4, 0.75, True, "block-wise int4 weight-only MatMulNBits", loads_weights=True),
         GraphPass("fp16", fp16.run, 1e-2, True,
                   "float16 weights and activations, fp32 norm/softmax islands, draft fc pre-scaled, overflow check",
-                  calibrated=True),
+                  calibrated=True, loads_weights=True),
+        GraphPass("draft-attention", draft_attention.run, 1e-5, False,
+                  "draft: grouped-query MultiHeadAttention over per-head repeated K/V -> one ONNX Attention",
+                  lowering="ort"),
+        GraphPass("rope-cache", rope_cache.run, 1e-5, False,
+                  "draft: RotaryEmbedding reads a constant cos/sin cache at the call's positions (rows=N)",
+                  lowering="ort"),
+        GraphPass("kv-buffer", kv_buffer.run, 1e-4, False,
+                  "target: attention -> GroupQueryAttention over preallocated K/V buffers (ctx_len=N)",
+                  lowering="ort"),
+        GraphPass("draft-rows", draft_rows.run, 1e-5, False,
+                  "draft: K/V outputs -> the new context rows only", lowering="ort"),
+        GraphPass("tidy", tidy.run, 1e-5, False, "dead nodes, reshape round trips, topological order"),
     ]
     return {p.name: p for p in passes}

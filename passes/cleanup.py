@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import onnx
 import onnx_ir as ir
 import onnxscript.optimizer
 from onnx_ir.passes.common import (
@@ -11,9 +10,10 @@ from onnx_ir.passes.common import (
     ShapeInferencePass,
 )
 
+from .base import PassContext
 
-def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:
-    ir_model = ir.serde.deserialize_model(model)
+
+def run(ir_model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     onnxscript.optimizer.optimize(ir_model, onnx_shape_inference=False)
     for step in (CommonSubexpressionEliminationPass(), RemoveUnusedNodesPass()):
         step(ir_model)
@@ -22,4 +22,4 @@ def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelPr
         inferred = True
     except Exception:  # inference is best-effort: large models can exceed protobuf's 2 GB limit
         inferred = False
-    return ir.serde.serialize_model(ir_model), {"shape_inference": inferred}
+    return ir_model, {"shape_inference": inferred}

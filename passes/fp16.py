@@ -15,7 +15,10 @@ import onnx_ir as ir
 from onnx import numpy_helper
 from onnx_ir.passes.common import ShapeInferencePass
 
-from .calibration import activation_peaks, fp16_range_report, power_of_two_scale
+from dflash_onnx.fp16_range import fp16_range_report, power_of_two_scale
+
+from .base import PassContext, loaded_proto
+from .calibration import activation_peaks
 
 FP32_ISLANDS = ["Pow", "ReduceMean", "Sqrt", "Reciprocal", "Softmax", "Cos", "Sin", "Range", "CumSum"]
 DRAFT_FEATURES = "target_hidden"
@@ -119,12 +122,13 @@ def _drop_round_trips(model: onnx.ModelProto) -> int:
     return len(replaced)
 
 
-def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:
+def run(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
+    graph, model = context.graph, loaded_proto(model)
     for index, node in enumerate(model.graph.node):  # the converter blocks nodes by name
         node.name = node.name or f"{node.op_type}_{index}"
-    feeds = options.get("calibration_feeds") or []
+    feeds = context.calibration_feeds or []
     island_nodes = _island_nodes(model)
     details: dict = {"fp32_islands": FP32_ISLANDS, "fp32_nodes": len(island_nodes)}
     if feeds:
@@ -142,4 +146,4 @@ def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelPr
                                          node_block_list=[n.name for n in island_nodes], disable_shape_infer=True)
     details["float16_round_trips_removed"] = _drop_round_trips(converted)
     details["casts"] = sum(n.op_type == "Cast" for n in converted.graph.node)
-    return converted, details
+    return ir.from_proto(converted), details

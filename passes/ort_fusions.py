@@ -11,7 +11,6 @@ ORT rejects the block-verify call). RoPE is fused by our own `rope-fusion` pass 
 
 from __future__ import annotations
 
-import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 from onnxscript.optimizer import optimize
@@ -22,14 +21,10 @@ from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
 
-
-def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:
-    ir_model = ir.serde.deserialize_model(model)
-    details = run_ir(ir_model, graph, options)
-    return ir.serde.serialize_model(ir_model), details
+from .base import PassContext
 
 
-def run_ir(ir_model: ir.Model, graph: str, options: dict) -> dict:
+def run(ir_model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     common_passes.ShapeInferencePass()(ir_model)
     optimize(ir_model)
     fused = {
@@ -42,4 +37,4 @@ def run_ir(ir_model: ir.Model, graph: str, options: dict) -> dict:
     rewrite(ir_model, ORT_PATTERN_REWRITE_RULES)
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=1)(ir_model)
     common_passes.RemoveInitializersFromInputsPass()(ir_model)
-    return {"fused": {name: n for name, n in fused.items() if n}}
+    return ir_model, {"fused": {name: n for name, n in fused.items() if n}}

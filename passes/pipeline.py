@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import gc
 import json
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-import onnx
 import onnx_ir as ir
 
 from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import Manifest, load_export
+from dflash_onnx.graph_files import graph_spec, share_initializers
+from dflash_onnx.manifest import GraphSpec, Manifest, load_export
+from dflash_onnx.publish import check_out_dir, copy_tokenizer_files, staged_directory
 
 from . import registry
+from .base import GraphPass, PassContext
 from .calibration import record_feeds
 
 
@@ -33,84 +33,83 @@ def parse_pass_options(items: list[str]) -> dict[str, dict]:
     return options
 
 
-def _size(model: onnx.ModelProto | ir.Model) -> int:
-    if isinstance(model, ir.Model):  # from shapes and dtypes: mapped weights are not read
-        return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    return sum(len(t.raw_data) or onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+def _size(model: ir.Model) -> int:
+    """Bytes of the initializers, from shapes and dtypes (mapped weights are not read)."""
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-def _nodes(model: onnx.ModelProto | ir.Model) -> int:
-    return len(model.graph) if isinstance(model, ir.Model) else len(model.graph.node)
-
-
-def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict[str, dict] | None = None,
-                   overwrite: bool = False, progress: bool = True) -> tuple[Manifest, list[dict]]:
-    """Run `names` in order on both graphs of `source`; write `out` (atomically) with passes_report.json."""
-    from dflash_onnx.export import (
-        check_out_dir,
-        copy_tokenizer_files,
-        publish_dir,
-        share_initializers,
-    )
-
+def select_passes(names: list[str], lowering: str | None) -> list[GraphPass]:
+    """The registered passes `names`, in order; a lowering's own rewrites only for that lowering."""
     passes = registry()
     unknown = [n for n in names if n not in passes]
     if unknown or not names:
-        raise DFlashError(f"unknown passes {unknown or names}: choose from {', '.join(passes)}")
+        public = [n for n, p in passes.items() if p.lowering is None]
+        raise DFlashError(f"unknown passes {unknown or names}: choose from {', '.join(public)}")
+    foreign = [n for n in names if passes[n].lowering not in (None, lowering)]
+    if foreign:
+        raise DFlashError(f"{', '.join(foreign)}: applied by 'dflash-onnx lower --target "
+                          f"{passes[foreign[0]].lowering}', not on their own")
+    return [passes[n] for n in names]
+
+
+def _run_graph(path: Path, spec: GraphSpec, context: dict, chosen: list[GraphPass], pass_options: dict,
+               progress: bool) -> tuple[ir.Model, list[dict]]:
+    """Every pass on one graph, loaded with its weights memory-mapped; returns the model and report rows."""
+    model, rows = ir.load(str(path)), []
+    for graph_pass in chosen:
+        options = {**pass_options.get("*", {}), **pass_options.get(graph_pass.name, {})}
+        before_nodes, before_bytes = len(model.graph), _size(model)
+        started = time.perf_counter()
+        model, details = graph_pass.run(model, PassContext(options=options, **context))
+        if graph_pass.loads_weights:
+            gc.collect()  # its protobuf and IR copies of the weights are reference cycles: free them now
+        row = {"pass": graph_pass.name, "graph": context["graph"], "nodes_before": before_nodes,
+               "nodes_after": len(model.graph), "bytes_before": before_bytes, "bytes_after": _size(model),
+               "seconds": round(time.perf_counter() - started, 3), "details": details}
+        rows.append(row)
+        for warning in details.get("warnings", []):
+            print(f"warning: {graph_pass.name}: {warning}", file=sys.stderr)
+        if progress:
+            print(f"{graph_pass.name:>15} {context['graph']:<6} nodes {before_nodes:>6} -> {row['nodes_after']:<6} "
+                  f"MiB {before_bytes / 2**20:8.2f} -> {row['bytes_after'] / 2**20:<8.2f}", file=sys.stderr)
+    return model, rows
+
+
+def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict[str, dict] | None = None,
+                   overwrite: bool = False, progress: bool = True,
+                   lowering: str | None = None) -> tuple[Manifest, list[dict]]:
+    """Run `names` in order on both graphs of `source`; write `out` (atomically) with passes_report.json.
+    The manifest describes the graphs written (their inputs and outputs read back from the files).
+    `lowering` names the backend whose own rewrites may run."""
+    chosen = select_passes(names, lowering)
     manifest = load_export(source, "run passes on")
     out = Path(out)
     check_out_dir(out, (Path(source),), overwrite)
     pass_options = pass_options or {}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    report = []
-    try:
+    report: list[dict] = []
+    with staged_directory(out) as tmp:
         feeds = {}
-        if any(passes[n].calibrated for n in names):
+        if any(p.calibrated for p in chosen):
             if progress:
                 print("recording calibration inputs (DFlash on random prompts)", file=sys.stderr)
             feeds = record_feeds(Path(source))
-        # structure-only passes run on the graph with its weights memory-mapped, not read into memory
-        mapped = all(passes[n].run_ir is not None for n in names)
+        specs = {}
         for graph in ("target", "draft"):
             spec = getattr(manifest, graph)
-            path = Path(source) / spec.file
-            model = ir.load(str(path)) if mapped else onnx.load(str(path))
-            for name in names:
-                options = {**pass_options.get("*", {}), **pass_options.get(name, {}),
-                           "vocab_size": manifest.vocab_size, "calibration_feeds": feeds.get(graph)}
-                before_nodes, before_bytes = _nodes(model), _size(model)
-                started = time.perf_counter()
-                if mapped:
-                    details = passes[name].run_ir(model, graph, options)
-                else:
-                    model, details = passes[name].run(model, graph, options)
-                    gc.collect()  # the pass's IR graph (reference cycles) still holds a model-sized copy
-                row = {"pass": name, "graph": graph, "nodes_before": before_nodes, "nodes_after": _nodes(model),
-                       "bytes_before": before_bytes, "bytes_after": _size(model),
-                       "seconds": round(time.perf_counter() - started, 3), "details": details}
-                report.append(row)
-                for warning in details.get("warnings", []):
-                    print(f"warning: {name}: {warning}", file=sys.stderr)
-                if progress:
-                    print(f"{name:>8} {graph:<6} nodes {before_nodes:>6} -> {row['nodes_after']:<6} "
-                          f"MiB {before_bytes / 2**20:8.2f} -> {row['bytes_after'] / 2**20:<8.2f}", file=sys.stderr)
-            if mapped:  # written tensor by tensor from the mapped source
-                ir.save(model, str(tmp / spec.file), external_data=f"{spec.file}.data", size_threshold_bytes=1024)
-            else:
-                onnx.save_model(model, str(tmp / spec.file), save_as_external_data=True,
-                                all_tensors_to_one_file=True, location=f"{spec.file}.data", size_threshold=1024)
+            context = {"graph": graph, "manifest": manifest, "calibration_feeds": feeds.get(graph)}
+            model, rows = _run_graph(Path(source) / spec.file, spec, context, chosen, pass_options, progress)
+            report += rows
+            # written tensor by tensor, mapped weights straight from the source file
+            ir.save(model, str(tmp / spec.file), external_data=f"{spec.file}.data", size_threshold_bytes=1024)
             del model
             gc.collect()
+            specs[graph] = graph_spec(tmp / spec.file, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                      spec.kv_inputs, spec.kv_outputs)
         share_initializers(tmp, manifest.draft.file, manifest.target.file, manifest.vocab_size)
         copy_tokenizer_files(source, tmp)
-        applied = [{"name": n, "options": {**pass_options.get("*", {}), **pass_options.get(n, {})},
-                    "bound": passes[n].bound, "lossy": passes[n].lossy} for n in names]
-        result = replace(manifest, passes=[*manifest.passes, *applied])
+        applied = [{"name": p.name, "options": {**pass_options.get("*", {}), **pass_options.get(p.name, {})},
+                    "bound": p.bound, "lossy": p.lossy} for p in chosen]
+        result = replace(manifest, passes=[*manifest.passes, *applied], **specs)
         result.save(tmp)
         (tmp / "passes_report.json").write_text(json.dumps(report, indent=2) + "\n")
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return result, report

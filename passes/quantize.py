@@ -11,9 +11,12 @@ from __future__ import annotations
 import logging
 
 import onnx
+import onnx_ir as ir
 from onnx import numpy_helper
 
 from dflash_onnx.errors import DFlashError
+
+from .base import PassContext, loaded_proto
 
 
 def _flag(value, default: bool) -> bool:
@@ -67,23 +70,25 @@ def fold_weight_transposes(model: onnx.ModelProto, wanted=lambda dims: True) -> 
     return len(folded)
 
 
-def _quantize(bits: int, model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:
+def _quantize(bits: int, ir_model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         MatMulNBitsQuantizer,
         logger,
     )
 
     logger.setLevel(logging.WARNING)  # it logs every node it visits at INFO; our report says what matters
+    options = context.options
     graphs = options.get("graphs", "both")
     if graphs not in ("target", "draft", "both"):
         raise DFlashError(f"int{bits}: graphs={graphs} must be target, draft or both")
-    if graphs not in (graph, "both"):
-        return model, {"skipped": f"graphs={graphs}"}
-    block_size = int(options.get("block_size", 32))
+    if graphs not in (context.graph, "both"):
+        return ir_model, {"skipped": f"graphs={graphs}"}
+    block_size = context.int_option("block_size", 32)
     if block_size < 16 or block_size & (block_size - 1):
         raise DFlashError(f"int{bits}: block_size={block_size} must be a power of two >= 16")
-    vocab = int(options.get("vocab_size", 0))
+    vocab = context.manifest.vocab_size
     keep_lm_head = not _flag(options.get("lm_head"), False)
+    model = loaded_proto(ir_model)
     folded = fold_weight_transposes(
         model, lambda dims: dims[0] >= block_size and not (keep_lm_head and vocab in dims))
     excluded, why = _excluded(model, block_size, keep_lm_head, vocab)
@@ -97,7 +102,7 @@ def _quantize(bits: int, model: onnx.ModelProto, graph: str, options: dict) -> t
     out = quantizer.model.model
     quantized = sum(n.op_type == "MatMulNBits" for n in out.graph.node)
     _drop_unused(out)
-    return out, {"quantized_matmuls": quantized, "not_quantized": why, "block_size": block_size,
+    return ir.from_proto(out), {"quantized_matmuls": quantized, "not_quantized": why, "block_size": block_size,
                  "folded_weight_transposes": folded}
 
 
@@ -118,11 +123,11 @@ def _drop_unused(model: onnx.ModelProto) -> None:
         model.graph.initializer.extend(keep)
 
 
-def int4(model: onnx.ModelProto, graph: str, options: dict):
-    return _quantize(4, model, graph, options)
+def int4(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
+    return _quantize(4, model, context)
 
 
-def int8(model: onnx.ModelProto, graph: str, options: dict):
-    return _quantize(8, model, graph, options)
+def int8(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
+    return _quantize(8, model, context)
 
 

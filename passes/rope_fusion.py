@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import (
     CommonSubexpressionEliminationPass,
@@ -28,6 +27,8 @@ from onnxscript import version_converter
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
 from dflash_onnx.errors import DFlashError
+
+from .base import PassContext
 
 FORMS = ("com.microsoft", "onnx", "hoist")
 # Unsqueeze axis that broadcasts [batch, seq, head_dim] cos/sin over the heads -> layout of x.
@@ -209,11 +210,5 @@ def fuse(model: ir.Model, form: str = "com.microsoft") -> dict:
     }
 
 
-def run_ir(ir_model: ir.Model, graph: str, options: dict) -> dict:
-    return fuse(ir_model, options.get("form", "com.microsoft"))
-
-
-def run(model: onnx.ModelProto, graph: str, options: dict) -> tuple[onnx.ModelProto, dict]:
-    ir_model = ir.serde.deserialize_model(model)
-    details = run_ir(ir_model, graph, options)
-    return ir.serde.serialize_model(ir_model), details
+def run(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
+    return model, fuse(model, context.option("form", "com.microsoft"))

@@ -1,51 +1,68 @@
-"""Backends: each lowers an exported directory and opens Sessions on it.
+"""Backends, and the registry every command reaches them through.
 
-`open_session(directory, manifest, "target" | "draft", backend)` is all the decoding loop needs.
+Each backend package (ort, ai100, mlx, coreml) holds a lowering module (it may import export, passes and
+torch) and a session module (numpy plus that backend's runtime library); its `__init__` builds the
+`Backend` object registered here. One rule picks a directory's backend when none is named, the same in
+every command: the first registered backend that can open it. That is ONNX Runtime for exports and for
+ORT and AI 100 lowerings (their graphs are ONNX with weights), and the lowering's own backend for MLX and
+CoreML lowerings (their weights and packages only that backend reads).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from dflash_onnx.decode import Decoder
 from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import Manifest
+from dflash_onnx.manifest import Manifest, load_manifest
 from dflash_onnx.session import Session
 
-BACKENDS = ("ort", "ai100", "mlx", "coreml")
+from .ai100 import BACKEND as AI100
+from .backend import Backend, Flag, LowerRequest
+from .coreml import BACKEND as COREML
+from .mlx import BACKEND as MLX
+from .ort import BACKEND as ORT
+
+BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (ORT, AI100, MLX, COREML)}
+
+__all__ = ["BACKENDS", "Backend", "Flag", "LowerRequest", "backend_for", "get_backend", "open_decoder",
+           "open_session"]
 
 
-def open_session(directory: Path, manifest: Manifest, graph: str, backend: str = "ort", **options) -> Session:
-    """Open the `graph` ("target" or "draft") of an exported directory on `backend`."""
+def get_backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise DFlashError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]
+
+
+def backend_for(directory: Path, manifest: Manifest, requested: str | None = None) -> Backend:
+    """The backend named (refused with what to do when it cannot open the directory), else the first
+    registered backend that can."""
+    if requested is not None:
+        backend = get_backend(requested)
+        reason = backend.can_open(Path(directory), manifest)
+        if reason is not None:
+            raise DFlashError(reason)
+        return backend
+    for backend in BACKENDS.values():
+        if backend.can_open(Path(directory), manifest) is None:
+            return backend
+    raise DFlashError(f"{directory}: no backend opens a {manifest.backend} lowering")
+
+
+def open_session(directory: Path, manifest: Manifest, graph: str, backend: str | None = None,
+                 **overrides) -> Session:
+    """Open the `graph` ("target" or "draft") of a directory on `backend` (default: the directory's)."""
     if graph not in ("target", "draft"):
         raise ValueError(f"graph must be 'target' or 'draft', not {graph!r}")
-    spec = getattr(manifest, graph)
-    lowered_for = manifest.lowering.get("target")
-    if lowered_for in ("mlx", "coreml") and backend != lowered_for:
-        raise DFlashError(f"{directory} was lowered for {lowered_for}: run it with --backend {lowered_for}")
-    if backend == "coreml":
-        if lowered_for != "coreml":
-            raise DFlashError(f"{directory} is not a CoreML lowering: run 'dflash-onnx lower OUT --target coreml "
-                              "--out COREML_DIR' first")
-        from .coreml import CoremlSession
+    return backend_for(directory, manifest, backend).open_session(Path(directory), manifest, graph, **overrides)
 
-        units = options.get("compute_units") or manifest.lowering["options"]["compute_units"]
-        return CoremlSession(Path(directory) / spec.file, units)
-    if backend == "mlx":
-        if lowered_for != "mlx":
-            raise DFlashError(f"{directory} is not an MLX lowering: run 'dflash-onnx lower OUT --target mlx "
-                              "--out MLX_DIR' first")
-        from .mlx import MlxSession
 
-        return MlxSession(Path(directory), manifest, graph)
-    if backend == "ort":
-        from .ort import OrtSession
-
-        return OrtSession.for_directory(Path(directory), manifest, graph, **options)
-    if backend == "ai100":
-        if manifest.form != "retained":
-            raise DFlashError(f"{directory} holds {manifest.form}-form graphs: lower it with "
-                              "'dflash-onnx lower OUT --target ai100' first")
-        from .ai100 import Ai100Session
-
-        return Ai100Session(Path(directory) / "qpc" / graph, Path(directory) / spec.file, **options)
-    raise DFlashError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+def open_decoder(directory: Path, backend: str | None = None, prefill_chunk: int = 256, **overrides) -> Decoder:
+    """A Decoder on an exported or lowered directory: its target and draft sessions on `backend` (default:
+    the directory's); `overrides` go to the backend's sessions (ORT: intra_op_threads, ...)."""
+    manifest = load_manifest(directory)
+    chosen = backend_for(directory, manifest, backend).name
+    target = open_session(directory, manifest, "target", chosen, **overrides)
+    draft = open_session(directory, manifest, "draft", chosen, **overrides)
+    return Decoder(manifest, target, draft, prefill_chunk)

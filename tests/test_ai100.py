@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -15,11 +16,12 @@ from reference import (  # skips the module when the oracle is missing
 )
 from transformers import AutoModelForCausalLM
 
-from dflash_onnx.decode import Decoder
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import load_manifest
 from dflash_onnx.sampling import SamplingParams
-from targets.ai100 import Ai100Options, lower_ai100
+from targets import LowerRequest, open_decoder
+from targets.ai100.lower import lower_ai100
+from targets.ai100.options import Ai100Options
 
 
 def _prompts(count, vocab, seed):
@@ -30,7 +32,7 @@ def _prompts(count, vocab, seed):
 
 def test_ai100_graphs_equal_reference_and_the_ort_form(exported, lowered, decoders):
     pair, (directory, _) = exported("agree_b8"), lowered("agree_b8")
-    ai100, ort_form = Decoder.open(directory), decoders("agree_b8")
+    ai100, ort_form = open_decoder(directory), decoders("agree_b8")
     target = AutoModelForCausalLM.from_pretrained(str(pair.target_dir), attn_implementation="sdpa").eval()
     draft = DFlashDraftModel.from_pretrained(str(pair.draft_dir)).eval()
     lengths = []
@@ -47,7 +49,7 @@ def test_ai100_graphs_equal_reference_and_the_ort_form(exported, lowered, decode
 
 def test_ai100_stop_tokens_and_sampling(exported, lowered):
     pair, (directory, _) = exported("agree_b8"), lowered("agree_b8")
-    decoder = Decoder.open(directory)
+    decoder = open_decoder(directory)
     favourite = pair.spec.favourite_token
     stopped = decoder.generate([3, 4, 5], 30, "dflash", stop_token_ids=[favourite])
     assert stopped.tokens[-1] == favourite and favourite not in stopped.tokens[:-1]
@@ -58,7 +60,7 @@ def test_ai100_stop_tokens_and_sampling(exported, lowered):
 
 def test_ai100_fp16_weights_stay_lossless(lowered):
     directory, _ = lowered("agree_b4_fp16")
-    decoder = Decoder.open(directory)
+    decoder = open_decoder(directory)
     assert load_manifest(directory).dtype == "float16"
     for prompt in ([5], [9, 8, 7, 6, 5, 4, 3, 2, 11, 12], list(range(2, 30))):
         dflash = decoder.generate(prompt, 24, "dflash", stop_token_ids=[])
@@ -103,7 +105,7 @@ def test_graphs_use_standard_ops_at_opset_18_and_scatter_writes(lowered, graph):
     onnx.checker.check_model(str(directory / f"{graph}.onnx"))
     assert sum(n.op_type == "ScatterND" for n in model.graph.node) >= 2
     assert any(n.op_type == "ArgMax" for n in model.graph.node)  # greedy ids computed on the device
-    hoisting = load_manifest(directory).lowering["rope_hoisting"][graph]  # rope-fusion's opset-18 form
+    hoisting = load_manifest(directory).lowering.rewrites["rope-fusion"][graph]  # rope-fusion's opset-18 form
     assert hoisting["fused"] == hoisting["rotations"] > 0 and hoisting["unmatched"] == 0
     streams = 1 if graph == "target" else 2  # the draft's context keys and block rows
     assert sum(n.op_type == "Cos" for n in model.graph.node) == hoisting["cos_nodes"] == streams
@@ -121,29 +123,29 @@ def test_compile_commands_reach_the_compiler(lowered):
                          "specializations.json", f"-custom-IO-list-file={graph}_custom_io.yaml",
                          f"-aic-binary-dir=qpc/{graph}"):
             assert expected in args
-    assert load_manifest(directory).lowering["compiled"] and (directory / "qpc" / "target").is_dir()
+    assert load_manifest(directory).lowering.compiled and (directory / "qpc" / "target").is_dir()
 
 
 def test_missing_compiler_writes_compile_sh_and_says_so(exported, tmp_path, monkeypatch):
-    import targets.ai100 as ai100
+    import targets.ai100.lower as ai100
 
     pair = exported("agree_b2")
     monkeypatch.setattr(ai100, "find_compiler", lambda: None)
     with pytest.raises(DFlashError, match="qaic-compile not found.*compile.sh.*--dry-run"):
-        lower_ai100(pair.out, tmp_path / "ai", Ai100Options(ctx_len=64, prefill_len=4), progress=False)
+        lower_ai100(pair.out, tmp_path / "ai", Ai100Options(ctx_len=64, prefill_len=4), LowerRequest(progress=False))
     assert (tmp_path / "ai" / "compile.sh").read_text().count("qaic-compile -aic-hw") == 2
 
 
 def test_ai100_backend_needs_the_sdk_and_a_lowering(lowered, exported):
     directory, _ = lowered("agree_b8")
     with pytest.raises(DFlashError, match="needs the Cloud AI 100 platform and apps SDKs"):
-        Decoder.open(directory, backend="ai100")
-    with pytest.raises(DFlashError, match="lower it with"):
-        Decoder.open(exported("agree_b8").out, backend="ai100")
+        open_decoder(directory, backend="ai100")
+    with pytest.raises(DFlashError, match="not a Cloud AI 100 lowering: run 'dflash-onnx lower OUT --target ai100"):
+        open_decoder(exported("agree_b8").out, backend="ai100")
 
 
 def test_context_beyond_ctx_len_is_refused(lowered):
-    decoder = Decoder.open(lowered("agree_b8")[0])
+    decoder = open_decoder(lowered("agree_b8")[0])
     with pytest.raises(DFlashError, match="ctx-len"):
         decoder.generate(list(range(2, 90)), 100, "dflash", stop_token_ids=[])
 
@@ -157,7 +159,8 @@ def test_context_beyond_ctx_len_is_refused(lowered):
 ])
 def test_bad_lowering_options(exported, tmp_path, options, message):
     with pytest.raises(DFlashError, match=message):
-        lower_ai100(exported("agree_b8").out, tmp_path / "x", options, dry_run=True, progress=False)
+        lower_ai100(exported("agree_b8").out, tmp_path / "x", dataclasses.replace(options, dry_run=True),
+                    LowerRequest(progress=False))
     assert not (tmp_path / "x").exists()
 
 
@@ -178,8 +181,8 @@ def test_ai100_session_on_a_fake_sdk_keeps_state_on_device_and_skips_logits(lowe
     import qaicrt
 
     qaicrt.CALLS.clear()
-    device = Decoder.open(directory, backend="ai100")
-    emulated = Decoder.open(directory, backend="ort")
+    device = open_decoder(directory, backend="ai100")
+    emulated = open_decoder(directory, backend="ort")
     for prompt in ([3, 4, 5], list(range(2, 40))):
         ours = device.generate(prompt, 30, "dflash", stop_token_ids=[])
         twin = emulated.generate(prompt, 30, "dflash", stop_token_ids=[])
@@ -192,9 +195,9 @@ def test_ai100_session_on_a_fake_sdk_keeps_state_on_device_and_skips_logits(lowe
 
 
 def test_fp16_calibration_scales_fc_and_reports_the_largest_activation(exported):
+    from dflash_onnx.models.calibration import calibrate_fc_scale
     from dflash_onnx.models.target import TappedTarget
     from dflash_onnx.pair import load_draft, load_target
-    from targets.ai100 import calibrate_fc_scale
 
     pair = exported("agree_b2")
     lm = load_target(pair.target_dir)

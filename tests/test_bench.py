@@ -7,8 +7,15 @@ import json
 import numpy as np
 import pytest
 
-from dflash_onnx.bench import (BenchOptions, ClockedSession, aggregate, default_verify_lengths, implied_speedups,
-                               load_prompts, run_bench)
+from dflash_onnx.bench import (
+    BenchOptions,
+    ClockedSession,
+    aggregate,
+    default_verify_lengths,
+    implied_speedups,
+    load_prompts,
+    run_bench,
+)
 from dflash_onnx.cli import main
 from dflash_onnx.errors import DFlashError
 
@@ -60,7 +67,8 @@ def test_curve_covers_every_length_and_context(report):
 def test_aggregate_weights_prompts_by_tokens():
     def row(tokens, greedy_s, dflash_s, lengths):
         mode = lambda s, ls: {"tokens": tokens, "decode_s": s, "ttft_s": 0.01, "backend_s": 0.9 * s,  # noqa: E731
-                              "acceptance_lengths": ls, "acceptance_histogram": np.bincount(ls, minlength=5)[1:].tolist()}
+                              "acceptance_lengths": ls,
+                              "acceptance_histogram": np.bincount(ls, minlength=5)[1:].tolist()}
         return {"greedy": mode(greedy_s, [1] * tokens), "dflash": mode(dflash_s, lengths), "identical_to_greedy": True}
 
     agg = aggregate([row(10, 1.0, 0.5, [4, 4, 1]), row(30, 2.0, 1.5, [2, 2])], block=4)

@@ -20,10 +20,12 @@ from dflash_onnx.manifest import load_manifest
 from dflash_onnx.models.stateful import StatefulDraft, StatefulTarget
 from dflash_onnx.models.target import TappedTarget
 from dflash_onnx.pair import load_draft, load_target
+from targets import LowerRequest, open_decoder
 
 ct = pytest.importorskip("coremltools", reason="coremltools is not installed: pip install 'coremltools>=9,<10'")
 
-from targets.coreml import CoremlOptions, lower_coreml  # noqa: E402
+from targets.coreml.lower import lower_coreml  # noqa: E402
+from targets.coreml.options import CoremlOptions  # noqa: E402
 
 CTX_LEN, PREFILL = 96, 16
 
@@ -31,7 +33,8 @@ CTX_LEN, PREFILL = 96, 16
 @pytest.fixture(scope="session")
 def coreml_lowered(exported, tmp_path_factory):
     out = tmp_path_factory.mktemp("coreml") / "agree_b8"
-    lower_coreml(exported("agree_b8").out, out, CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL), progress=False)
+    lower_coreml(exported("agree_b8").out, out, CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL),
+                 LowerRequest(progress=False))
     return out
 
 
@@ -97,7 +100,7 @@ def test_stateful_target_matches_the_hf_model(exported):
 def test_packages_convert_with_states_and_enumerated_shapes(coreml_lowered, exported):
     manifest = load_manifest(coreml_lowered)
     spec = exported("agree_b8").spec
-    assert manifest.lowering["target"] == "coreml" and manifest.form == "retained"
+    assert manifest.backend == "coreml" and manifest.form == "retained" and manifest.lowering.padding == "consecutive"
     for graph, inputs, outputs, layers in (
             ("target", ["input_ids", "position_ids"], ["greedy_ids", "logits", "context_hidden"], spec.target_layers),
             ("draft", ["input_ids", "context_hidden", "ctx_position_ids", "position_ids"], ["draft_ids", "logits"],
@@ -123,13 +126,13 @@ def test_coreml_backend_says_it_needs_macos(coreml_lowered, capsys):
     assert main(["generate", str(coreml_lowered), "--backend", "coreml", "--prompt-ids", "3,4"]) == 2
     assert "needs macOS 15" in capsys.readouterr().err
     with pytest.raises(DFlashError, match="--backend coreml"):
-        Decoder.open(coreml_lowered, backend="ort")
+        open_decoder(coreml_lowered, backend="ort")
 
 
 def test_consecutive_padding_reserves_the_tail(coreml_lowered):
     from dflash_onnx.runners import RetainedTarget
 
-    runner = RetainedTarget(None, load_manifest(coreml_lowered))
+    runner = RetainedTarget(TorchStatefulSession(None, []), load_manifest(coreml_lowered))  # positions only
     assert runner.capacity == CTX_LEN - PREFILL
     assert runner.positions(10, 3, 8).tolist() == [list(range(10, 18))]  # padding continues the positions
     with pytest.raises(DFlashError, match="larger --ctx-len"):
@@ -143,5 +146,5 @@ def test_consecutive_padding_reserves_the_tail(coreml_lowered):
 ])
 def test_bad_coreml_options(options, message, exported, tmp_path):
     with pytest.raises(DFlashError, match=message):
-        lower_coreml(exported("agree_b8").out, tmp_path / "out", options, progress=False)
+        lower_coreml(exported("agree_b8").out, tmp_path / "out", options, LowerRequest(progress=False))
     assert not list(tmp_path.iterdir())

@@ -150,10 +150,10 @@ def test_kv_outputs_are_paired_with_inputs_by_name(decoders):
 
 
 def test_chunked_prefill_changes_nothing(exported, decoders):
-    from dflash_onnx.decode import Decoder
+    from targets import open_decoder
 
     pair, whole = exported("agree_b8"), decoders("agree_b8")
-    chunked = Decoder.open(pair.out, prefill_chunk=3)
+    chunked = open_decoder(pair.out, prefill_chunk=3)
     for prompt in _prompts(5, pair.spec.vocab_size, seed=21):
         a = whole.generate(prompt, 20, "dflash", stop_token_ids=[])
         b = chunked.generate(prompt, 20, "dflash", stop_token_ids=[])

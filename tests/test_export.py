@@ -92,7 +92,7 @@ def test_share_initializers_reads_a_pre_transposed_copy_through_transpose(tmp_pa
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from dflash_onnx.export import share_initializers
+    from dflash_onnx.graph_files import share_initializers
 
     vocab, hidden = 11, 4
     weight = np.random.default_rng(0).normal(size=(vocab, hidden)).astype(np.float32)
@@ -112,7 +112,7 @@ def test_share_initializers_reads_a_pre_transposed_copy_through_transpose(tmp_pa
 
     shared, unshared = share_initializers(tmp_path, "draft.onnx", "target.onnx", vocab)
 
-    assert shared == ["WT"] and unshared == []
+    assert shared == {"WT": "W"} and unshared == []
     assert (tmp_path / "draft.onnx.data").stat().st_size < weight.nbytes  # only `own` is left
     rewritten = onnx.load(str(tmp_path / "draft.onnx"), load_external_data=False)
     assert rewritten.graph.node[0].op_type == "Transpose"

@@ -13,13 +13,15 @@ from reference import (  # skips the module when the oracle is missing
 )
 from transformers import AutoModelForCausalLM
 
-from dflash_onnx.decode import Decoder
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import load_manifest
+from targets import LowerRequest, open_decoder
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed: pip install 'mlx[cpu]' (Linux) or mlx (macOS)")
 
-from targets.mlx import MlxSession, lower_mlx  # noqa: E402
+from targets.mlx.lower import lower_mlx  # noqa: E402
+from targets.mlx.options import MlxOptions  # noqa: E402
+from targets.mlx.session import MlxSession  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +32,7 @@ def mlx_lowered(exported, tmp_path_factory):
         key = (name, bits, group_size)
         if key not in cache:
             out = tmp_path_factory.mktemp("mlx") / f"{name}_{bits}"
-            lower_mlx(exported(name).out, out, bits=bits, group_size=group_size, progress=False)
+            lower_mlx(exported(name).out, out, MlxOptions(bits, group_size), LowerRequest(progress=False))
             cache[key] = out
         return cache[key]
 
@@ -44,7 +46,7 @@ def _prompts(n, vocab, seed=0):
 
 @pytest.mark.parametrize("name", ["agree_b8", "causal_gqa4_b4", "llama_sliding_b16"])
 def test_mlx_decodes_exactly_like_ort(name, exported, decoders, mlx_lowered):
-    mlx, ort = Decoder.open(mlx_lowered(name), backend="mlx"), decoders(name)
+    mlx, ort = open_decoder(mlx_lowered(name), backend="mlx"), decoders(name)
     for prompt in _prompts(5, exported(name).spec.vocab_size, seed=1):
         for mode in ("dflash", "greedy"):
             ours = mlx.generate(prompt, 24, mode, stop_token_ids=[])
@@ -56,7 +58,7 @@ def test_mlx_equals_the_reference(exported, mlx_lowered):
     pair = exported("causal_gqa4_b4")  # causal draft: every step, the tail included, matches the reference
     target = AutoModelForCausalLM.from_pretrained(str(pair.target_dir), attn_implementation="sdpa").eval()
     draft = DFlashDraftModel.from_pretrained(str(pair.draft_dir)).eval()
-    decoder = Decoder.open(mlx_lowered("causal_gqa4_b4"), backend="mlx")
+    decoder = open_decoder(mlx_lowered("causal_gqa4_b4"), backend="mlx")
     for prompt in _prompts(4, pair.spec.vocab_size, seed=2):
         ref = dflash_model.dflash_generate(draft, target, torch.tensor(prompt)[None], 24, None, return_stats=True)
         ours = decoder.generate(prompt, 24, "dflash", stop_token_ids=[])
@@ -80,9 +82,9 @@ def test_graph_outputs_match_ort(exported, decoders, mlx_lowered):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_mlx_is_lossless_against_its_own_greedy(bits, exported, mlx_lowered):
     directory = mlx_lowered("agree_b8", bits=bits)
-    weights = load_manifest(directory).lowering["weights"]
+    weights = load_manifest(directory).lowering.report["weights"]
     assert weights["target"]["quantized"] >= 4 * 7 and weights["draft"]["quantized"] >= 7
-    decoder = Decoder.open(directory, backend="mlx")
+    decoder = open_decoder(directory, backend="mlx")
     taus = []
     for prompt in _prompts(6, exported("agree_b8").spec.vocab_size, seed=3):
         dflash = decoder.generate(prompt, 32, "dflash", stop_token_ids=[])
@@ -94,25 +96,25 @@ def test_quantized_mlx_is_lossless_against_its_own_greedy(bits, exported, mlx_lo
 def test_draft_shares_the_targets_embedding_and_head(mlx_lowered):
     directory = mlx_lowered("agree_b8")
     manifest = load_manifest(directory)
-    assert len(manifest.lowering["shared_with_target"]) == 2  # embedding and lm_head, stored once
+    assert len(manifest.lowering.shared_with_target) == 2  # embedding and lm_head, stored once
     target, draft = MlxSession(directory, manifest, "target"), MlxSession(directory, manifest, "draft")
-    for draft_name, target_name in manifest.lowering["shared_with_target"].items():
+    for draft_name, target_name in manifest.lowering.shared_with_target.items():
         assert draft.values[draft_name] is target.values[target_name]  # one loaded copy
 
 
 def test_backend_and_lowering_must_agree(exported, mlx_lowered, tmp_path):
     with pytest.raises(DFlashError, match="--backend mlx"):
-        Decoder.open(mlx_lowered("agree_b8"), backend="ort")
+        open_decoder(mlx_lowered("agree_b8"), backend="ort")
     with pytest.raises(DFlashError, match="lower OUT --target mlx"):
-        Decoder.open(exported("agree_b8").out, backend="mlx")
+        open_decoder(exported("agree_b8").out, backend="mlx")
     with pytest.raises(DFlashError, match="already lowered"):
-        lower_mlx(mlx_lowered("agree_b8"), tmp_path / "again", progress=False)
+        lower_mlx(mlx_lowered("agree_b8"), tmp_path / "again", request=LowerRequest(progress=False))
     from passes.pipeline import apply_pipeline
 
     with pytest.raises(DFlashError, match=r"already lowered \(for mlx\)"):  # its graphs carry no weights
         apply_pipeline(mlx_lowered("agree_b8"), ["cleanup"], tmp_path / "passes", progress=False)
     with pytest.raises(DFlashError, match="MLX supports 32, 64 or 128"):
-        lower_mlx(exported("agree_b8").out, tmp_path / "bad", bits=4, group_size=48, progress=False)
+        lower_mlx(exported("agree_b8").out, tmp_path / "bad", MlxOptions(4, 48), LowerRequest(progress=False))
     assert not (tmp_path / "again").exists() and not (tmp_path / "bad").exists()
 
 
@@ -126,3 +128,12 @@ def test_lower_and_generate_commands(exported, tmp_path, capsys):
     assert main(["generate", str(out), "--backend", "mlx", "--prompt-ids", "3,4", "--max-new-tokens", "6",
                  "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["tokens"]) == 6
+    # without --backend, every command picks the directory's own backend (the one rule in targets/)
+    assert main(["generate", str(out), "--prompt-ids", "3,4", "--max-new-tokens", "6", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 6
+    assert main(["steps", str(out), "--repeats", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["backend"] == "mlx"
+    # a backend's options are refused with another backend's --target, naming whose they are
+    assert main(["lower", str(exported("agree_b2").out), "--target", "ort", "--out", str(tmp_path / "o"),
+                 "--bits", "4"]) == 2
+    assert "--bits is an option of --target mlx" in capsys.readouterr().err

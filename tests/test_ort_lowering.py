@@ -5,46 +5,38 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import KV_BUFFER
 
-import targets.ort as ort_target
+import targets.ort.check as ort_check
 from dflash_onnx.cli import main
-from dflash_onnx.decode import Decoder
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import load_manifest
-from targets.ort import OrtOptions, lower_ort
+from targets import LowerRequest, open_decoder
+from targets.ort.lower import lower_ort
+from targets.ort.options import OrtOptions
 
-# causal_gqa4_b4's target has sliding-window layers: GroupQueryAttention over the buffers would drop their
-# mask, so that pair is lowered in the concat form (the buffer form is refused for it, tested below).
-# agree_b4_fp16 covers float16 graphs: RoPE stays out of GroupQueryAttention and the draft's rotations keep
-# their per-call cos/sin (both rewrites are float32-only), the rest of the lowering applies.
-KV_BUFFER = {"agree_b8": True, "llama_sliding_b16": True, "causal_gqa4_b4": False, "agree_b4_fp16": True}
+QUIET = LowerRequest(progress=False)
+REWRITES = ["draft-attention", "rope-cache", "kv-buffer", "draft-rows", "tidy"]  # the lowering's own, in order
 
 
-@pytest.fixture(scope="module")
-def ort_lowered(exported, tmp_path_factory):
-    cache = {}
+def _rewrote(manifest, name: str, graph: str, key: str) -> int:
+    """What the lowering's rewrite `name` reports for `graph` (0 when it did not run)."""
+    return manifest.lowering.rewrites.get(name, {}).get(graph, {}).get(key, 0)
 
-    def get(name: str):
-        if name not in cache:
-            cache[name] = tmp_path_factory.mktemp("ort") / name
-            lower_ort(exported(name).out, cache[name], OrtOptions(kv_buffer=KV_BUFFER[name], ctx_len=512),
-                      progress=False)
-        return cache[name]
-
-    return get
 
 
 @pytest.mark.parametrize("name", sorted(KV_BUFFER))
 def test_lowered_pair_decodes_the_exports_greedy_tokens(name, exported, decoders, ort_lowered):
-    lowered = Decoder.open(ort_lowered(name))
+    lowered = open_decoder(ort_lowered(name))
     assert lowered.manifest.form == ("buffer" if KV_BUFFER[name] else "concat")
     # every grouped-query draft layer attends through ONNX Attention (causal_gqa4_b4's with its mask); the
     # llama draft has as many kv heads as query heads, so nothing is repeated and nothing rewritten
     spec = exported(name).spec
     grouped = spec.num_heads > spec.num_kv_heads
-    assert lowered.manifest.lowering["draft_onnx_attention"] == (lowered.manifest.draft.num_layers if grouped else 0)
+    attentions = _rewrote(lowered.manifest, "draft-attention", "draft", "attentions")
+    assert attentions == (lowered.manifest.draft.num_layers if grouped else 0)
     cached = KV_BUFFER[name] and lowered.manifest.dtype == "float32"  # a cos/sin cache needs the position bound
-    assert (lowered.manifest.lowering["draft_rope_cache"] > 0) == cached
+    assert (_rewrote(lowered.manifest, "rope-cache", "draft", "rotations") > 0) == cached
     rng = np.random.default_rng(3)
     for _ in range(3):
         prompt = rng.integers(2, 94, size=int(rng.integers(1, 12))).tolist()
@@ -55,7 +47,7 @@ def test_lowered_pair_decodes_the_exports_greedy_tokens(name, exported, decoders
 
 def test_buffer_form_writes_kv_in_place_into_the_preallocated_buffers(exported, ort_lowered):
     """After a prefill, the session's own numpy buffers hold the export's K/V rows (no copy handed back)."""
-    lowered = Decoder.open(ort_lowered("agree_b8"))
+    lowered = open_decoder(ort_lowered("agree_b8"))
     session, manifest = lowered.target, lowered.manifest
     assert manifest.form == "buffer" and manifest.ctx_len == 512
     assert all(b.shape == (1, manifest.target.num_kv_heads, 512, manifest.target.head_dim)
@@ -75,7 +67,7 @@ def test_buffer_form_writes_kv_in_place_into_the_preallocated_buffers(exported, 
 
 def test_buffer_form_is_refused_where_it_would_change_the_output(exported, tmp_path):
     with pytest.raises(DFlashError, match="--kv-buffer off"):
-        lower_ort(exported("causal_gqa4_b4").out, tmp_path / "sliding", progress=False)
+        lower_ort(exported("causal_gqa4_b4").out, tmp_path / "sliding", request=QUIET)
     assert not (tmp_path / "sliding").exists()
 
 
@@ -83,7 +75,7 @@ def test_rows_form_draft_keeps_the_exports_context_cache_in_its_buffers(exported
     """Proposal by proposal, the lowered draft's buffers hold the rows the export's `present` holds."""
     from dflash_onnx.runners import RowsDraft, open_runners
 
-    lowered, export = Decoder.open(ort_lowered("agree_b8")), exported("agree_b8").decoder()
+    lowered, export = open_decoder(ort_lowered("agree_b8")), exported("agree_b8").decoder()
     _, rows = open_runners(lowered.manifest, lowered.target, lowered.draft, 256)
     _, concat = open_runners(export.manifest, export.target, export.draft, 256)
     assert isinstance(rows, RowsDraft)
@@ -99,7 +91,7 @@ def test_rows_form_draft_keeps_the_exports_context_cache_in_its_buffers(exported
 
 
 def test_buffer_form_capacity_is_checked_before_decoding(ort_lowered):
-    decoder = Decoder.open(ort_lowered("agree_b8"))
+    decoder = open_decoder(ort_lowered("agree_b8"))
     with pytest.raises(DFlashError, match="512 positions"):
         decoder.generate([3] * 500, 20)
 
@@ -108,17 +100,20 @@ def test_decoding_up_to_the_capacity_matches_the_export(exported, decoders, ort_
     """The last blocks run past ctx_len (512) by up to a block: the draft's cos/sin cache covers them."""
     prompt = np.random.default_rng(5).integers(2, 94, size=490).tolist()
     want = decoders("agree_b8").generate(prompt, 22, "greedy", stop_token_ids=[]).tokens
-    assert Decoder.open(ort_lowered("agree_b8")).generate(prompt, 22, "dflash", stop_token_ids=[]).tokens == want
+    assert open_decoder(ort_lowered("agree_b8")).generate(prompt, 22, "dflash", stop_token_ids=[]).tokens == want
 
 
 def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
     out = ort_lowered("agree_b8")
     manifest = load_manifest(out)
-    assert manifest.lowering["target"] == "ort" and manifest.lowering["provider"] == "cpu"
-    assert manifest.lowering["session_options"] == {"intra_op_threads": 0, "draft_threads": 0, "allow_spinning": True,
-                                                    "optimization_level": "extended"}
-    assert [p["name"] for p in manifest.passes] == ["rope-fusion", "ort-fusions"]
-    assert 0 <= manifest.lowering["max_relative_difference"] <= ort_target.LOWERING_TOLERANCE["float32"]
+    assert manifest.backend == "ort" and manifest.lowering.provider == "cpu"
+    options = manifest.lowering.options
+    assert (options["intra_op_threads"], options["draft_threads"], options["allow_spinning"],
+            options["optimization_level"]) == (0, 0, True, "extended")
+    assert [p["name"] for p in manifest.passes] == ["rope-fusion", "ort-fusions", *REWRITES]
+    assert 0 <= manifest.lowering.max_relative_difference <= ort_check.LOWERING_TOLERANCE["float32"]
+    assert _rewrote(manifest, "kv-buffer", "target", "attentions") == manifest.target.num_layers
+    assert {"seqlens_k", "total_sequence_length"} <= set(manifest.target.input_names())
     target = onnx.load(str(out / "target.onnx"), load_external_data=False)
     ops = [n.op_type for n in target.graph.node]
     assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= set(ops)
@@ -132,15 +127,17 @@ def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
     draft = onnx.load(str(out / "draft.onnx"), load_external_data=False)
     # the draft attends through one ONNX Attention per layer, its K/V never repeated per query head
     draft_ops = [n.op_type for n in draft.graph.node]
-    assert draft_ops.count("Attention") == manifest.lowering["draft_onnx_attention"] == manifest.draft.num_layers
+    assert draft_ops.count("Attention") == _rewrote(manifest, "draft-attention", "draft", "attentions") \
+        == manifest.draft.num_layers
     assert "MultiHeadAttention" not in draft_ops and "Expand" not in draft_ops
     # its K/V outputs are the new context rows only (the runner keeps the cache)
-    assert manifest.lowering["draft_kv"] == "rows"
+    assert manifest.lowering.draft_kv == "rows"
+    assert _rewrote(manifest, "draft-rows", "draft", "outputs") == len(manifest.draft.kv_outputs)
     assert all(t.shape[1] == "ctx_new" for t in manifest.draft.outputs if t.name in manifest.draft.kv_outputs)
     # its rotations index a constant cos/sin cache by position: no angles computed per call
-    assert draft_ops.count("RotaryEmbedding") == manifest.lowering["draft_rope_cache"] > 0
+    assert draft_ops.count("RotaryEmbedding") == _rewrote(manifest, "rope-cache", "draft", "rotations") > 0
     assert not {"Sin", "Cos", "Range"} & set(draft_ops)
-    shared = manifest.lowering["shared_with_target"]
+    shared = manifest.lowering.shared_with_target
     assert shared  # the embedding (and untied lm_head) are read from the target's data file
     locations = {t.name: {e.key: e.value for e in t.external_data}.get("location") for t in draft.graph.initializer}
     assert all(locations[name] == "target.onnx.data" for name in shared if name in locations)
@@ -152,8 +149,8 @@ def test_sessions_use_the_recorded_options(exported, tmp_path):
     assert main(["lower", str(exported("agree_b8").out), "--target", "ort", "--out", str(out), "--passes", "none",
                  "--kv-buffer", "off", "--threads", "1", "--draft-threads", "2", "--spinning", "off", "--quiet"]) == 0
     manifest = load_manifest(out)
-    assert manifest.passes == [] and manifest.lowering["options"]["passes"] == []
-    decoder = Decoder.open(out)
+    assert manifest.passes == [] and manifest.lowering.options["passes"] == []
+    decoder = open_decoder(out)
     options = decoder.target._session.get_session_options()
     assert options.intra_op_num_threads == 1
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
@@ -163,26 +160,26 @@ def test_sessions_use_the_recorded_options(exported, tmp_path):
     assert draft_options.get_session_config_entry("session.force_spinning_stop") == "1"
     with pytest.raises(RuntimeError, match="does not have configuration"):  # the target's keep spinning
         options.get_session_config_entry("session.force_spinning_stop")
-    assert decoder.generate([4, 5, 6], 8).tokens == Decoder.open(exported("agree_b8").out).generate([4, 5, 6], 8).tokens
+    assert decoder.generate([4, 5, 6], 8).tokens == open_decoder(exported("agree_b8").out).generate([4, 5, 6], 8).tokens
 
 
 def test_refusals_leave_nothing_behind(exported, ort_lowered, tmp_path, monkeypatch):
     source = exported("agree_b8").out
     with pytest.raises(DFlashError, match="no CUDAExecutionProvider.*onnxruntime-gpu"):
-        lower_ort(source, tmp_path / "cuda", OrtOptions(provider="cuda"), progress=False)
+        lower_ort(source, tmp_path / "cuda", OrtOptions(provider="cuda"), QUIET)
     with pytest.raises(DFlashError, match="positive count"):
-        lower_ort(source, tmp_path / "threads", OrtOptions(draft_threads=-1), progress=False)
+        lower_ort(source, tmp_path / "threads", OrtOptions(draft_threads=-1), QUIET)
     with pytest.raises(DFlashError, match="keep ort-fusions"):
-        lower_ort(source, tmp_path / "nofusion", OrtOptions(passes=()), progress=False)
+        lower_ort(source, tmp_path / "nofusion", OrtOptions(passes=()), QUIET)
     with pytest.raises(DFlashError, match="below two blocks"):
-        lower_ort(source, tmp_path / "short", OrtOptions(ctx_len=8), progress=False)
+        lower_ort(source, tmp_path / "short", OrtOptions(ctx_len=8), QUIET)
     with pytest.raises(DFlashError, match="unknown provider"):
-        lower_ort(source, tmp_path / "x", OrtOptions(provider="tpu"), progress=False)
+        lower_ort(source, tmp_path / "x", OrtOptions(provider="tpu"), QUIET)
     with pytest.raises(DFlashError, match="already lowered"):
-        lower_ort(ort_lowered("agree_b8"), tmp_path / "again", progress=False)
-    monkeypatch.setitem(ort_target.LOWERING_TOLERANCE, "float32", -1.0)  # every output now "differs"
+        lower_ort(ort_lowered("agree_b8"), tmp_path / "again", request=QUIET)
+    monkeypatch.setitem(ort_check.LOWERING_TOLERANCE, "float32", -1.0)  # every output now "differs"
     with pytest.raises(DFlashError, match="changes draft output .* --passes none"):
-        lower_ort(source, tmp_path / "checked", progress=False)
+        lower_ort(source, tmp_path / "checked", request=QUIET)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -197,14 +194,14 @@ def test_buffer_form_rotation_holds_at_long_positions(exported, ort_lowered):
     """GroupQueryAttention's own RoPE (cos/sin cache) matches the export's rotation 500 positions in."""
     from dflash_onnx.runners import open_runners
 
-    lowered, export = Decoder.open(ort_lowered("agree_b8")), exported("agree_b8").decoder()
+    lowered, export = open_decoder(ort_lowered("agree_b8")), exported("agree_b8").decoder()
     ids = np.random.default_rng(5).integers(0, 96, size=500)
     runners = [open_runners(d.manifest, d.target, None, 256)[0] for d in (lowered, export)]
     for runner in runners:
-        runner.forward(ids, False)
+        runner.forward(ids)
         runner.commit(500)
     block = np.random.default_rng(6).integers(0, 96, size=8)
-    got, want = (runner.forward(block, True) for runner in runners)
+    got, want = (runner.forward(block, len(block)) for runner in runners)
     assert np.abs(got.logits - want.logits).max() <= 1e-4 * np.abs(want.logits).max()
     assert np.abs(got.context - want.context).max() <= 1e-4 * np.abs(want.context).max()
 
@@ -214,10 +211,11 @@ def test_a_quantized_export_lowers_and_decodes_its_own_greedy_tokens(exported, t
     from passes.pipeline import apply_pipeline
 
     quantized = tmp_path / "int4"
-    apply_pipeline(exported("agree_b8").out, ["int4"], quantized, {"*": {"block_size": "16"}}, progress=False)
-    lowered = lower_ort(quantized, tmp_path / "ort", OrtOptions(ctx_len=256), progress=False)
-    assert lowered.form == "buffer" and [p["name"] for p in lowered.passes] == ["int4", "rope-fusion", "ort-fusions"]
-    decoder, reference = Decoder.open(tmp_path / "ort"), Decoder.open(quantized)
+    apply_pipeline(exported("agree_b8").out, ["int4"], quantized, {"*": {"block_size": "16"}}, QUIET)
+    lowered = lower_ort(quantized, tmp_path / "ort", OrtOptions(ctx_len=256), QUIET)
+    assert lowered.form == "buffer"
+    assert [p["name"] for p in lowered.passes] == ["int4", "rope-fusion", "ort-fusions", *REWRITES]
+    decoder, reference = open_decoder(tmp_path / "ort"), open_decoder(quantized)
     for prompt in ([4, 5, 6], [9, 1, 2, 8, 3]):
         want = reference.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
         assert decoder.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == want
@@ -227,7 +225,8 @@ def _reshape_chain(final_shape: list[int]) -> onnx.ModelProto:
     """x [batch, seq, 8] -> Reshape [batch, seq, 2, 4] -> Reshape `final_shape` -> Relu."""
     from onnx import TensorProto, helper
 
-    nodes = [helper.make_node("Reshape", ["x", "heads"], ["split"]), helper.make_node("Reshape", ["split", "flat"], ["y"]),
+    nodes = [helper.make_node("Reshape", ["x", "heads"], ["split"]),
+             helper.make_node("Reshape", ["split", "flat"], ["y"]),
              helper.make_node("Relu", ["y"], ["out"])]
     final = ["batch", "seq", *final_shape]
     graph = helper.make_graph(
@@ -242,14 +241,37 @@ def _reshape_chain(final_shape: list[int]) -> onnx.ModelProto:
 
 def test_reshape_round_trips_are_removed_and_other_chains_kept():
     import onnxruntime as ort
+    from passtools import apply_pass
 
-    from targets.onnx_graph import tidied
+    from passes.tidy import run as tidy
 
     x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float32)
-    round_trip = tidied(_reshape_chain([8]))
+    round_trip, details = apply_pass(tidy, _reshape_chain([8]))
     assert [n.op_type for n in round_trip.graph.node] == ["Relu"] and round_trip.graph.node[0].input[0] == "x"
-    reshaped = tidied(_reshape_chain([4, 2]))  # ends in another shape: both reshapes stay
+    assert details["reshape_round_trips_removed"] == 1
+    reshaped, _ = apply_pass(tidy, _reshape_chain([4, 2]))  # ends in another shape: both reshapes stay
     assert [n.op_type for n in reshaped.graph.node] == ["Reshape", "Reshape", "Relu"]
     for model, shape in ((round_trip, (1, 3, 8)), (reshaped, (1, 3, 4, 2))):
         session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         np.testing.assert_array_equal(session.run(None, {"x": x})[0], np.maximum(x, 0).reshape(shape))
+
+
+def test_every_rewrite_reports_its_findings_per_graph(ort_lowered):
+    """The lowering's rewrites run as passes: each one's row per graph is in passes_report.json, and the
+    manifest keeps the same findings by pass and graph."""
+    import json
+
+    out = ort_lowered("agree_b8")
+    manifest = load_manifest(out)
+    rows = {(r["pass"], r["graph"]): r for r in json.loads((out / "passes_report.json").read_text())}
+    assert [p for p, g in rows if g == "target"] == ["rope-fusion", "ort-fusions", *REWRITES]
+    for name in REWRITES:
+        for graph in ("target", "draft"):
+            assert rows[(name, graph)]["details"] == manifest.lowering.rewrites[name][graph]
+    layers = manifest.target.num_layers
+    assert rows[("kv-buffer", "target")]["details"]["attentions"] == layers
+    assert rows[("kv-buffer", "target")]["nodes_after"] < rows[("kv-buffer", "target")]["nodes_before"]
+    assert "skipped" in rows[("kv-buffer", "draft")]["details"]
+    assert "skipped" in rows[("draft-rows", "target")]["details"]
+    assert rows[("draft-attention", "draft")]["details"]["attentions"] == manifest.draft.num_layers
+    assert rows[("tidy", "target")]["details"]["reshape_round_trips_removed"] > 0

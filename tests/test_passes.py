@@ -8,12 +8,14 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
+from passtools import apply_pass
 
 from dflash_onnx.decode import Decoder
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import load_manifest
 from passes import registry
 from passes.pipeline import apply_pipeline, parse_pass_options
+from targets import open_decoder
 
 PIPELINES = {"cleanup": ["cleanup"], "rope-fusion": ["rope-fusion"], "int8": ["int8"], "int4": ["int4"],
              "fp16": ["fp16"], "cleanup_rope_int4": ["cleanup", "rope-fusion", "int4"],
@@ -62,7 +64,7 @@ def test_pass_stays_within_its_bound_and_keeps_dflash_lossless(key, exported, de
     manifest = load_manifest(out)
     assert [p["name"] for p in manifest.passes] == PIPELINES[key]
     bound = max(registry()[name].bound for name in PIPELINES[key])
-    transformed, original = Decoder.open(out), decoders("agree_b8")
+    transformed, original = open_decoder(out), decoders("agree_b8")
     for prompt in _prompts(count=3):
         got, want = _graph_outputs(transformed, prompt), _graph_outputs(original, prompt)
         for name in got:
@@ -73,7 +75,7 @@ def test_pass_stays_within_its_bound_and_keeps_dflash_lossless(key, exported, de
 
 
 def test_cleanup_is_exact_enough_to_keep_the_original_tokens(decoders, optimized):
-    cleaned, original = Decoder.open(optimized("cleanup")), decoders("agree_b8")
+    cleaned, original = open_decoder(optimized("cleanup")), decoders("agree_b8")
     for prompt in _prompts(seed=2):
         assert cleaned.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == \
             original.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
@@ -93,7 +95,7 @@ def test_ort_fusions_fuse_norms_rotations_and_attention_and_keep_the_tokens(name
         assert counts["ReduceMean"] == 0 and counts["Pow"] == 0, (graph, counts)
     assert ops["target"]["MultiHeadAttention"] == layers["target"] and ops["target"]["Softmax"] == 0
     assert ops["target"]["RotaryEmbedding"] == 2 * layers["target"] and ops["target"]["GroupQueryAttention"] == 0
-    fused, original = Decoder.open(out), decoders(name)
+    fused, original = open_decoder(out), decoders(name)
     for prompt in _prompts(seed=4, count=3):
         assert fused.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == \
             original.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
@@ -118,7 +120,7 @@ def test_lm_head_can_be_quantized_on_request(optimized):
 
 
 def test_quantizing_only_the_draft_keeps_fp32_output_and_measures_tau(decoders, optimized):
-    draft_only = Decoder.open(optimized("int4@draft", {"*": {"block_size": "16"}, "int4": {"graphs": "draft"}}))
+    draft_only = open_decoder(optimized("int4@draft", {"*": {"block_size": "16"}, "int4": {"graphs": "draft"}}))
     original = decoders("agree_b8")
     taus = {"fp32": [], "int4 draft": []}
     for prompt in _prompts(seed=3, count=8):
@@ -140,6 +142,14 @@ def test_bad_pass_requests(exported, tmp_path):
         apply_pipeline(out, ["int4"], tmp_path / "b", {"int4": {"graphs": "both2"}}, progress=False)
     with pytest.raises(DFlashError, match="power of two"):
         apply_pipeline(out, ["int8"], tmp_path / "c", {"*": {"block_size": "24"}}, progress=False)
+    with pytest.raises(DFlashError, match="block_size='x'.*give an integer"):
+        apply_pipeline(out, ["int4"], tmp_path / "d", {"int4": {"block_size": "x"}}, progress=False)
+    # a lowering's own rewrites change the graph form the manifest describes: only that lowering applies them
+    with pytest.raises(DFlashError, match="kv-buffer: applied by 'dflash-onnx lower --target ort'"):
+        apply_pipeline(out, ["cleanup", "kv-buffer"], tmp_path / "e", progress=False)
+    with pytest.raises(DFlashError, match="ctx_len=None.*required"):
+        apply_pipeline(out, ["rope-fusion", "ort-fusions", "kv-buffer"], tmp_path / "f", progress=False,
+                       lowering="ort")
     with pytest.raises(DFlashError, match="NAME.KEY=VALUE"):
         parse_pass_options(["nonsense"])
     assert parse_pass_options(["int4.block_size=64", "symmetric=false"]) == {
@@ -208,7 +218,7 @@ def test_weight_transposes_are_folded_so_tied_heads_can_be_quantized():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     feeds = {"ids": np.array([[1, 5, 9]])}
     want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
-    out, details = int4(model, "target", {"block_size": "16", "lm_head": "true", "vocab_size": 40})
+    out, details = apply_pass(int4, model, options={"block_size": "16", "lm_head": "true"}, vocab_size=40)
     assert details["folded_weight_transposes"] == 1 and details["quantized_matmuls"] == 1
     assert not any(n.op_type == "Transpose" for n in out.graph.node)
     got = ort.InferenceSession(out.SerializeToString()).run(None, feeds)[0]
@@ -225,8 +235,8 @@ def test_a_weight_kept_in_float_is_not_folded_into_a_second_copy():
         [helper.make_node("Transpose", ["E"], ["ET"], perm=[1, 0]), helper.make_node("MatMul", ["h", "ET"], ["y"])],
         "tied", [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, 32])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 40])], [numpy_helper.from_array(embedding, "E")])
-    out, details = int4(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), "target",
-                        {"block_size": "16", "vocab_size": 40})
+    out, details = apply_pass(int4, helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
+                              options={"block_size": "16"}, vocab_size=40)
     assert details["folded_weight_transposes"] == 0 and len(out.graph.initializer) == 1
 
 
@@ -266,7 +276,7 @@ def test_fp16_prescales_the_draft_fc_so_its_output_fits_float16():
     model, feeds = _fc_then_norm_graph(fc_gain=3000.0)  # fc outputs reach ~1e5: beyond float16
     want = _run_graph(model, feeds[0])
     original_fc = onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "fc"))
-    scaled, details = fp16(model, "draft", {"calibration_feeds": feeds})
+    scaled, details = apply_pass(fp16, model, "draft", feeds=feeds)
     assert details["fc_output_peak"] > 65504 and details["fc_scale"] >= details["fc_output_peak"] / 128
     assert np.log2(details["fc_scale"]).is_integer() and not details["fp16_overflow"]
     fc = onnx.numpy_helper.to_array(next(t for t in scaled.graph.initializer if t.name == "fc"))
@@ -279,11 +289,11 @@ def test_fp16_reports_activations_beyond_float16(tmp_path):
     from passes.fp16 import run as fp16
 
     model, feeds = _fc_then_norm_graph(fc_gain=3000.0)
-    _, details = fp16(model, "target", {"calibration_feeds": feeds})  # only the draft's fc is pre-scaled
+    _, details = apply_pass(fp16, model, feeds=feeds)  # only the draft's fc is pre-scaled
     # float32 islands (the square) may exceed float16's range; fc's own output may not
     assert details["fp16_overflow"] and details["largest_activation_at"] == "fc_out"
     assert "exceeds float16's range" in details["warnings"][0]
-    _, quiet = fp16(_fc_then_norm_graph(fc_gain=1.0)[0], "target", {"calibration_feeds": feeds})
+    _, quiet = apply_pass(fp16, _fc_then_norm_graph(fc_gain=1.0)[0], feeds=feeds)
     assert not quiet["fp16_overflow"] and "warnings" not in quiet
 
 

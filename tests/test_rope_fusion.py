@@ -9,6 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from passtools import apply_pass
 
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import load_manifest
@@ -100,7 +101,7 @@ def _ops(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
 @pytest.mark.parametrize("layout, streams", [("bnsh", False), ("bsnh", True), ("bnsh", True), ("bsnh", False)])
 def test_each_rotation_becomes_one_op_with_cos_sin_once_per_stream(form, layout, streams):
     model = _rotation_graph(layout, streams)
-    fused, details = run(model, "draft", {"form": form})
+    fused, details = apply_pass(run, model, "draft", {"form": form})
     assert details["fused"] == details["rotations"] == 2 and details["unmatched"] in ([], 0)
     assert len(_ops(fused, "Cos")) == len(_ops(fused, "Sin")) == (2 if streams else 1)
     if form == "hoist":
@@ -119,7 +120,7 @@ def test_each_rotation_becomes_one_op_with_cos_sin_once_per_stream(form, layout,
 @pytest.mark.parametrize("form", FORMS)
 def test_float16_rotations_with_cast_cos_sin_are_fused(form):
     model = _rotation_graph("bsnh", True, half_precision=True)
-    fused, details = run(model, "draft", {"form": form})
+    fused, details = apply_pass(run, model, "draft", {"form": form})
     assert details["fused"] == 2 and len(_ops(fused, "Cos")) == 2
     feeds = _feeds("bsnh", True, half_precision=True)
     for got, want in zip(_run(fused, feeds), _run(model, feeds)):
@@ -129,18 +130,18 @@ def test_float16_rotations_with_cast_cos_sin_are_fused(form):
 
 def test_a_split_off_the_middle_is_not_a_rotation_and_is_reported():
     model = _rotation_graph("bnsh", False, split=HEAD_DIM // 2 - 1)
-    fused, details = run(model, "target", {"form": "com.microsoft"})
+    fused, details = apply_pass(run, model, "target", {"form": "com.microsoft"})
     assert details["fused"] == 0 and len(details["unmatched"]) == 2 and not _ops(fused, "RotaryEmbedding")
 
 
 def test_cos_and_sin_of_different_streams_are_left_alone():
-    fused, details = run(_rotation_graph("bsnh", True, sin_start="zero"), "draft", {"form": "onnx"})
+    fused, details = apply_pass(run, _rotation_graph("bsnh", True, sin_start="zero"), "draft", {"form": "onnx"})
     assert details["fused"] == 0 and not _ops(fused, "RotaryEmbedding")
 
 
 def test_unknown_form_is_refused():
     with pytest.raises(DFlashError, match="choose from com.microsoft, onnx, hoist"):
-        run(_rotation_graph("bnsh", False), "target", {"form": "mlx"})
+        apply_pass(run, _rotation_graph("bnsh", False), "target", {"form": "mlx"})
 
 
 @pytest.mark.parametrize("pair", ["agree_b8", "llama_sliding_b16", "agree_b4_fp16"])

@@ -50,7 +50,7 @@ class DraftSpec:
     final_logit_softcapping: float | None
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "DraftSpec":
+    def from_dict(cls, raw: dict) -> DraftSpec:
         dflash = dict(raw.get("dflash_config") or {})
         architectures = raw.get("architectures") or []
         if any("DFlash2" in a for a in architectures) or any(k in dflash or k in raw for k in DFLASH2_KEYS):
@@ -82,7 +82,7 @@ class DraftSpec:
         )
 
     @classmethod
-    def from_dir(cls, path: Path) -> "DraftSpec":
+    def from_dir(cls, path: Path) -> DraftSpec:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise DFlashError(f"draft directory {path} has no config.json")

@@ -97,3 +97,16 @@ def check_against_hf(tapped: TappedTarget, tolerance: float) -> None:
             f"target {text.model_type}: the exported wrapper's logits differ from the model's own by {diff:.3g} "
             "(an attention mask or logit post-processing this exporter does not reproduce): not supported yet"
         )
+
+
+def hf_greedy(lm: nn.Module, prompt_ids: list[int], max_new_tokens: int, stop_token_ids: list[int] | None,
+              streamer=None) -> list[int]:
+    """Hugging Face greedy `generate`, the oracle DFlash output is checked against: it stops at
+    `stop_token_ids` (HF's own eos when that is empty), or runs exactly `max_new_tokens` when it is None."""
+    ids = torch.tensor(list(prompt_ids))[None]
+    stops = stop_token_ids or []
+    with torch.inference_mode():
+        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                          min_new_tokens=max_new_tokens if stop_token_ids is None else 0, do_sample=False,
+                          eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0, streamer=streamer)
+    return out[0, ids.shape[1]:].tolist()

@@ -118,7 +118,7 @@ def held_out_tau(draft: DFlashDraft, examples: list[tuple[torch.Tensor, torch.Te
 
 
 def _save_draft(draft: DFlashDraft, config: dict, out: Path, report: dict) -> None:
-    from ..export import staged_directory
+    from ..publish import staged_directory
 
     with staged_directory(out) as tmp:
         state = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if k not in SAVED_AWAY}

@@ -94,7 +94,8 @@ class ExecObj:
         feeds = dict(self.state)
         for b in self.bindings:
             if b.dir == aicapi.BUFFER_IO_TYPE_INPUT and not b.name.startswith("past_"):
-                feeds[b.name] = np.frombuffer(bytes(self.buffers[b.index]), NUMPY[b.type]).reshape(self.dims[b.index][1])
+                data = np.frombuffer(bytes(self.buffers[b.index]), NUMPY[b.type])
+                feeds[b.name] = data.reshape(self.dims[b.index][1])
         names = [b.name for b in self.bindings if b.dir == aicapi.BUFFER_IO_TYPE_OUTPUT]
         values = dict(zip(names, self.session.run(names, feeds)))
         for name in self.state:

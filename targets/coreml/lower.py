@@ -1,59 +1,40 @@
-"""CoreML lowering and session: stateful mlprogram packages converted here, run on macOS.
+"""`lower --target coreml`: stateful mlprogram packages converted from the PyTorch modules.
 
-coremltools has no ONNX frontend since 6.0, so `lower_coreml` converts the PyTorch modules behind the
+coremltools has no ONNX frontend since 6.0, so the lowering converts the PyTorch modules behind the
 export (the checkpoints recorded in OUT's manifest, the same weights) with `torch.jit.trace` +
 `ct.convert`: mlprogram, float16 compute, K/V as `ct.StateType` (macOS 15 / iOS 18). The modules are
 the conversion-friendly forms in dflash_onnx/models/stateful.py (the same math as the HF model; tested
 against it). Sequence lengths are `ct.EnumeratedShapes`: the verify step specialized to block_size and
 one prefill chunk size; the retained runners pad a call up to one of them with consecutive positions.
-Prediction needs macOS 15+: elsewhere `CoremlSession` says so.
 """
 
 from __future__ import annotations
 
-import platform
-import sys
-from dataclasses import dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import GraphSpec, Manifest, TensorSpec, load_export
+from dflash_onnx.manifest import GraphSpec, Lowering, Manifest, TensorSpec
+from dflash_onnx.models.calibration import calibrate_for_fp16
+from dflash_onnx.models.stateful import StatefulDraft, StatefulTarget
+from dflash_onnx.pair import load_tapped_pair
+from dflash_onnx.progress import Stages
+from dflash_onnx.publish import copy_tokenizer_files, staged_directory
 
-COMPUTE_UNITS = ("all", "cpu_and_ne", "cpu_and_gpu", "cpu_only")
+from ..backend import LowerRequest
+from ..lowering import start_lowering
+from .options import CoremlOptions
+from .session import import_coremltools
+
 TESTED_WITH = ("coremltools 9.0 with torch 2.13.0 (TorchScript frontend; coremltools warns it was tested up to "
                "torch 2.7)")
 
 
-@dataclass(frozen=True)
-class CoremlOptions:
-    ctx_len: int = 4096
-    prefill_len: int = 64
-    compute_units: str = "all"
-
-    def validate(self, block_size: int) -> None:
-        if self.compute_units not in COMPUTE_UNITS:
-            raise DFlashError(f"--compute-units {self.compute_units}: choose from {', '.join(COMPUTE_UNITS)}")
-        if self.prefill_len < block_size or self.prefill_len % block_size:
-            raise DFlashError(f"--prefill-len {self.prefill_len} must be a multiple of the block size {block_size}")
-        if self.ctx_len < 2 * self.prefill_len:
-            raise DFlashError(f"--ctx-len {self.ctx_len} must hold at least two prefill chunks "
-                              f"({2 * self.prefill_len})")
-
-
-def _import_coremltools():
-    try:
-        import coremltools as ct
-    except ImportError as exc:
-        raise DFlashError(f"lowering for CoreML needs coremltools: pip install 'coremltools>=9,<10' ({exc})") from None
-    return ct
-
-
 def _convert(module, example: tuple, inputs: list, outputs: list[str], path: Path) -> None:
-    import torch
-
-    ct = _import_coremltools()
+    ct = import_coremltools()
     with torch.no_grad():
         traced = torch.jit.trace(module, example, check_trace=False)
     states = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(getattr(module, n).shape), dtype=np.float16),
@@ -74,38 +55,20 @@ def _spec(file: str, inputs: dict[str, tuple[str, list]], outputs: dict[str, tup
                      num_kv_heads=kv_heads, head_dim=head_dim, kv_inputs=[], kv_outputs=[])
 
 
-def lower_coreml(source: Path, out: Path, options: CoremlOptions, target_dir: Path | None = None,
-                 draft_dir: Path | None = None, progress: bool = True) -> Manifest:
+def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
+                 request: LowerRequest | None = None) -> Manifest:
     """Write COREML_DIR: target.mlpackage, draft.mlpackage (stateful, fp16) and the manifest."""
-    import torch
-
-    from dflash_onnx.export import check_out_dir, copy_tokenizer_files, staged_directory
-    from dflash_onnx.models.stateful import StatefulDraft, StatefulTarget
-    from dflash_onnx.models.target import TappedTarget
-    from dflash_onnx.pair import load_draft, load_target
-    from dflash_onnx.progress import Stages
-
-    from .ai100 import calibrate_fc_scale
-
-    ct = _import_coremltools()
-    manifest = load_export(source, "lower")
-    options.validate(manifest.block_size)
-    target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir, flag="--{kind}-dir")
-    out = Path(out)
-    check_out_dir(out, (target_dir, draft_dir, Path(source)), overwrite=False)
-    stages = Stages(4, enabled=progress)
+    options, request = options or CoremlOptions(), request or LowerRequest()
+    ct = import_coremltools()
+    manifest, (target_dir, draft_dir) = start_lowering(source, out, options, request, reexport=True)
+    stages = Stages(4, enabled=request.progress)
     block, chunk = manifest.block_size, options.prefill_len
     sizes = ct.EnumeratedShapes(shapes=[(1, block), (1, chunk)], default=(1, block))
     with staged_directory(out) as tmp:
-        with stages.stage("loading target and draft"), torch.no_grad():
-            lm = load_target(target_dir, "float32")
-            draft = load_draft(draft_dir, lm, "float32")
-            tapped = TappedTarget(lm, manifest.target_layer_ids).eval()
+        with stages.stage("loading target and draft"):
+            tapped, draft = load_tapped_pair(target_dir, draft_dir, manifest.target_layer_ids, "float32")
         with stages.stage("calibrating float16 range"):
-            calibration = calibrate_fc_scale(tapped, draft, manifest.vocab_size, manifest.mask_token_id, block)
-            if calibration["fp16_overflow"]:
-                print(f"warning: activation {calibration['largest_activation']:.3g} at "
-                      f"{calibration['largest_activation_at']} overflows float16", file=sys.stderr)
+            calibration = calibrate_for_fp16(tapped, draft, manifest)
         with stages.stage("converting the target (stateful mlprogram)"):
             target = StatefulTarget(tapped, draft, options.ctx_len, calibration["fc_scale"], torch.float32).eval()
             ids = torch.zeros(1, block, dtype=torch.int32)
@@ -143,43 +106,10 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions, target_dir: Pa
         lowered = replace(manifest, target=graphs["target"], draft=graphs["draft"], form="retained",
                           ctx_len=options.ctx_len, prefill_len=chunk, dtype="float16",
                           kv_layout="state: batch,kv_heads,ctx_len,head_dim",
-                          lowering={"target": "coreml", "options": options.__dict__, "calibration": calibration,
-                                    "padding": "consecutive", "states": {"target": target.state_names,
-                                                                         "draft": stateful_draft.state_names},
-                                    "converter": TESTED_WITH})
+                          lowering=Lowering(backend="coreml", options=asdict(options), padding="consecutive",
+                                            calibration=calibration, report={
+                                                "states": {"target": target.state_names,
+                                                           "draft": stateful_draft.state_names},
+                                                "converter": TESTED_WITH}))
         lowered.save(tmp)
     return lowered
-
-
-def macos_version() -> tuple[int, ...] | None:
-    if platform.system() != "Darwin":
-        return None
-    return tuple(int(p) for p in platform.mac_ver()[0].split(".") if p.isdigit())
-
-
-class CoremlSession:
-    """A stateful CoreML package: K/V live in the model's state object, kept for the session's life."""
-
-    retains_state = True
-
-    def __init__(self, package: Path, compute_units: str = "all"):
-        version = macos_version()
-        if version is None or version < (15,):
-            raise DFlashError(f"CoreML prediction needs macOS 15 or newer (this is {platform.system()} "
-                              f"{platform.release()}): copy {Path(package).parent} to a Mac and run "
-                              "'dflash-onnx generate COREML_DIR --backend coreml' there")
-        ct = _import_coremltools()
-        units = {"all": ct.ComputeUnit.ALL, "cpu_and_ne": ct.ComputeUnit.CPU_AND_NE,
-                 "cpu_and_gpu": ct.ComputeUnit.CPU_AND_GPU, "cpu_only": ct.ComputeUnit.CPU_ONLY}
-        self.model = ct.models.MLModel(str(package), compute_units=units[compute_units])
-        self.state = self.model.make_state()
-        spec = self.model.get_spec().description
-        self.input_names = [i.name for i in spec.input]
-        self.output_names = [o.name for o in spec.output]
-
-    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
-        inputs = {name: value.astype(np.int32) if value.dtype.kind == "i" else value.astype(np.float16)
-                  for name, value in feeds.items()}
-        out = self.model.predict(inputs, state=self.state)
-        names = output_names or self.output_names
-        return {n: np.asarray(out[n]).astype(np.int64) if n.endswith("_ids") else np.asarray(out[n]) for n in names}

@@ -1,0 +1,35 @@
+"""Sample inputs for single graph calls at a given context: what `steps`, `bench`'s cost curve and the
+lowering checks feed a target or draft session outside the decoding loop (numpy only)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .manifest import GraphSpec, Manifest
+
+
+def _kv(manifest: Manifest, graph: GraphSpec, context: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)  # random, not zeros: calloc'd zero pages would time page faults
+    return {n: rng.standard_normal((1, context, graph.num_kv_heads, graph.head_dim)).astype(manifest.numpy_dtype)
+            for n in graph.kv_inputs}
+
+
+def target_feeds(manifest: Manifest, context: int, count: int) -> dict[str, np.ndarray]:
+    """A target call on `count` new tokens after `context` tokens of K/V (concat form: the K/V are inputs;
+    buffer form: the session holds them, the call passes the lengths)."""
+    feeds = {"input_ids": np.full((1, count), 3, np.int64),
+             "position_ids": np.arange(context, context + count, dtype=np.int64)[None]}
+    if manifest.form == "buffer":
+        total = context + count
+        return {**feeds, "seqlens_k": np.array([total - 1], np.int32),
+                "total_sequence_length": np.array(total, np.int32)}
+    return {**feeds, **_kv(manifest, manifest.target, context)}
+
+
+def draft_feeds(manifest: Manifest, context: int) -> dict[str, np.ndarray]:
+    """A draft step with block_size new context rows after `context` cached ones (concat-form K/V inputs)."""
+    block, features = manifest.block_size, manifest.num_taps * manifest.target_hidden_size
+    rows = np.random.default_rng(1).standard_normal((1, block, features)).astype(manifest.numpy_dtype)
+    return {"input_ids": np.full((1, block), manifest.mask_token_id, np.int64), "target_hidden": rows,
+            "position_ids": np.arange(context, context + 2 * block, dtype=np.int64)[None],
+            **_kv(manifest, manifest.draft, context)}

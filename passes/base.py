@@ -1,0 +1,54 @@
+"""The pass interface: the one signature every pass has, what it is told, and how it is registered."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import Manifest
+
+
+@dataclass(frozen=True)
+class PassContext:
+    graph: str  # "target" or "draft"
+    manifest: Manifest  # the directory the pipeline reads: sizes, K/V names, block size
+    options: dict[str, str]  # this pass's options (--pass-option, or set by a lowering)
+    calibration_feeds: list[dict[str, np.ndarray]] | None = None  # recorded inputs of this graph (calibrated passes)
+
+    def option(self, key: str, default: str) -> str:
+        return str(self.options.get(key, default))
+
+    def int_option(self, key: str, default: int | None = None) -> int:
+        """An integer option; a missing one without a default, or one that is not an integer, is refused."""
+        value = self.options.get(key, default)
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            wanted = "an integer" if key in self.options else "an integer (required)"
+            raise DFlashError(f"pass option {key}={value!r} on the {self.graph}: give {wanted}") from None
+
+
+PassFunction = Callable[[ir.Model, PassContext], "tuple[ir.Model, dict]"]
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    name: str
+    run: PassFunction
+    bound: float
+    lossy: bool
+    help: str
+    calibrated: bool = False  # the pipeline records calibration feeds first (context.calibration_feeds)
+    loads_weights: bool = False  # built on protobuf tools: reads every weight into memory (loaded_proto)
+    lowering: str | None = None  # applied only by this backend's lowering
+
+
+def loaded_proto(model: ir.Model) -> onnx.ModelProto:
+    """`model` as a protobuf with every weight in memory, for the protobuf tools some passes build on."""
+    ir.external_data.load_to_model(model)
+    return ir.to_proto(model)

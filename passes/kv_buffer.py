@@ -1,0 +1,204 @@
+"""kv-buffer: the target's attention as GroupQueryAttention over preallocated K/V (the ORT buffer form).
+
+In the exported (concat) form every step transposes the past K/V, concatenates the new rows, transposes
+`present` back and repeats K/V per query head: five copies of the whole cache per layer, a cost that grows
+with the context. Here each layer's attention becomes one com.microsoft GroupQueryAttention whose
+`past_key`/`past_value` are [batch, kv_heads, ctx_len, head_dim] buffers the session binds as both input
+and output (ORT then writes the new rows in place), and whose `seqlens_k` / `total_sequence_length`
+inputs carry the committed length: rollback is a smaller length on the next call. Float32 graphs with
+head sizes that are multiples of 16 (ORT's requirement) also hand RoPE to GroupQueryAttention (do_rotary,
+with a ctx_len cos/sin cache computed as the graph computes its angles), which removes the rotations and
+their transposes.
+
+Input: a target graph after `rope-fusion` and `ort-fusions` (attention as MultiHeadAttention over
+`Concat(Transpose(past), new)`); option `ctx_len`. The causal mask comes from the lengths, so targets with
+sliding-window layers are refused by the ORT lowering's check. Applied by the ORT lowering only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from dflash_onnx.errors import DFlashError
+
+from .base import PassContext
+from .ir_graph import add_constant, attr, made_by, readers
+from .rope_cache import rope_tables
+
+SHAPE_ONLY = {"Unsqueeze", "Expand", "Reshape", "Transpose", "Squeeze", "Identity"}
+SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
+HEADS_FIRST = [0, 2, 1, 3]
+HINT = "lower with --kv-buffer off to keep the concat form"
+
+
+def _only_reader(value: ir.Value, op_type: str) -> ir.Node:
+    """The one `op_type` node reading `value`, besides Shape nodes (the mask's; checked dead afterwards)."""
+    users = [u for u in readers(value) if u.op_type != "Shape"]
+    if len(users) != 1 or users[0].op_type != op_type:
+        raise DFlashError(f"buffer form: expected {value.name} to feed one {op_type}, found "
+                          f"{[u.op_type for u in users]} ({HINT})")
+    return users[0]
+
+
+def _attention_reading(value: ir.Value) -> tuple[ir.Node, int]:
+    """The MultiHeadAttention that `value` reaches through shape-only ops, and the input slot it enters."""
+    frontier = [value]
+    while frontier:
+        current = frontier.pop()
+        for use in current.uses():
+            if use.node.op_type == "MultiHeadAttention":
+                return use.node, use.idx
+            if use.node.op_type in SHAPE_ONLY and use.idx == 0:
+                frontier.append(use.node.outputs[0])
+    raise DFlashError(f"buffer form: no MultiHeadAttention reads {value.name}: run the ort-fusions pass first "
+                      f"({HINT})")
+
+
+def _unrotated(value: ir.Value | None) -> ir.Value | None:
+    """The input of a heads-first Transpose producing `value`."""
+    node = made_by(value, "Transpose", perm=HEADS_FIRST)
+    return node.inputs[0] if node is not None else None
+
+
+def _rotary(attention: ir.Node, key_rows: ir.Value) -> tuple[ir.Value, ir.Value, np.ndarray] | None:
+    """When the layer's q and k rotations are whole-head, non-interleaved RotaryEmbeddings over
+    cos/sin(position * inv_freq): the unrotated q and k ([b, s, heads, hd]) and inv_freq, so that
+    GroupQueryAttention can rotate them itself (do_rotary). None when the graph looks any other way."""
+    query = made_by(attention.inputs[0], "Reshape")
+    query = query and made_by(query.inputs[0], "Transpose", perm=HEADS_FIRST)
+    rotations = [key_rows.producer(), query.inputs[0].producer() if query else None]
+    if any(r is None or r.op_type != "RotaryEmbedding" or attr(r, "interleaved", 0) != 0
+           or attr(r, "rotary_embedding_dim", 0) != 0 for r in rotations):
+        return None
+    k_rot, q_rot = rotations
+    if list(k_rot.inputs[2:4]) != list(q_rot.inputs[2:4]):
+        return None
+    unrotated_q, unrotated_k = _unrotated(q_rot.inputs[0]), _unrotated(k_rot.inputs[0])
+    cos, sin = made_by(k_rot.inputs[2], "Cos"), made_by(k_rot.inputs[3], "Sin")
+    if None in (unrotated_q, unrotated_k, cos, sin) or cos.inputs[0] is not sin.inputs[0]:
+        return None
+    angles = cos.inputs[0].producer()
+    if angles is not None and angles.op_type == "Reshape":
+        angles = angles.inputs[0].producer()
+    if angles is None or angles.op_type != "Mul":
+        return None
+    frequencies = [v.const_value for v in angles.inputs if v is not None and v.is_initializer()]
+    if len(frequencies) != 1:
+        return None
+    return unrotated_q, unrotated_k, frequencies[0].numpy().reshape(-1)
+
+
+class _Rewriter:
+    """Rewrites one target graph; holds what its layers share (shapes, the rotary cache, new inputs)."""
+
+    def __init__(self, model: ir.Model, ctx_len: int, spec):
+        self.graph, self.ctx_len, self.spec = model.graph, ctx_len, spec
+        self.inputs = {v.name: v for v in self.graph.inputs}
+        self.outputs = {v.name: v for v in self.graph.outputs}
+        self.kv_type = self.inputs[spec.kv_inputs[0]].type
+        batch, seq = self.inputs["input_ids"].shape
+        self.row_dims = [batch, seq]  # of every [batch, seq, width] value added
+        self.flat_shape = add_constant(self.graph, "kv_buffer_bsd_shape", np.array([0, 0, -1], np.int64))
+        self.seqlens = ir.Value(name=SEQLENS, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape([batch]))
+        self.total = ir.Value(name=TOTAL, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape([]))
+        self.cache: tuple[ir.Value, ir.Value] | None = None
+        self.rotary_layers = 0
+
+    def _rows(self, source: ir.Value, width: int, name: str) -> tuple[ir.Node, ir.Value]:
+        """Reshape [b, s, h, hd] -> [b, s, h * hd], with the shape declared (tidy reads it)."""
+        out = ir.Value(name=name, type=self.kv_type, shape=ir.Shape([*self.row_dims, width]))
+        return ir.node("Reshape", [source, self.flat_shape], outputs=[out]), out
+
+    def layer(self, layer: int) -> None:
+        spec = self.spec
+        k_in, v_in = (self.inputs[n] for n in spec.kv_inputs[2 * layer: 2 * layer + 2])
+        k_out, v_out = (self.outputs[n] for n in spec.kv_outputs[2 * layer: 2 * layer + 2])
+        rows, attention = {}, None
+        for role, past, present in (("key", k_in, k_out), ("value", v_in, v_out)):
+            to_heads_first = _only_reader(past, "Transpose")
+            concat = _only_reader(to_heads_first.outputs[0], "Concat")
+            if len(concat.inputs) != 2 or concat.inputs[0] is not to_heads_first.outputs[0]:
+                raise DFlashError(f"buffer form: {past.name} is not concatenated with the new rows in layer {layer}")
+            if made_by(present, "Transpose") is None or present.producer().inputs[0] is not concat.outputs[0]:
+                raise DFlashError(f"buffer form: {present.name} is not the transposed concatenation of layer {layer}")
+            found, slot = _attention_reading(concat.outputs[0])
+            if attention is not None and found is not attention:
+                raise DFlashError(f"buffer form: keys and values of layer {layer} reach different attentions")
+            if slot != (1 if role == "key" else 2):
+                raise DFlashError(f"buffer form: the {role}s of layer {layer} enter attention input {slot}")
+            attention, rows[role] = found, concat.inputs[1]
+        heads, kv_width = attr(attention, "num_heads"), spec.num_kv_heads * spec.head_dim
+        # ORT's GroupQueryAttention rotates only heads whose size is a multiple of 16
+        float32 = self.kv_type.dtype == ir.DataType.FLOAT
+        rotary = _rotary(attention, rows["key"]) if float32 and spec.head_dim % 16 == 0 else None
+        new_nodes, flat = [], {}
+        for role, value in rows.items():  # new rows [b, kv, t, hd] -> [b, t, kv*hd], as GQA takes them
+            seq_first = rotary[1] if role == "key" and rotary is not None else _unrotated(value)
+            if seq_first is None:  # the rows were not made heads-first by a Transpose: transpose them back
+                turn = ir.node("Transpose", [value], {"perm": HEADS_FIRST},
+                               outputs=[ir.Value(name=f"{value.name}_bsnh_l{layer}")])
+                new_nodes.append(turn)
+                seq_first = turn.outputs[0]
+            reshape, flat[role] = self._rows(seq_first, kv_width, f"{value.name}_bsd_l{layer}")
+            new_nodes.append(reshape)
+        options = {"num_heads": heads, "kv_num_heads": spec.num_kv_heads}
+        if "scale" in attention.attributes:
+            options["scale"] = attr(attention, "scale")
+        query, extra = attention.inputs[0], []
+        if rotary is not None:
+            reshape, query = self._rows(rotary[0], heads * spec.head_dim, f"gqa_query_l{layer}")
+            new_nodes.append(reshape)
+            if self.cache is None:
+                cos, sin = rope_tables(self.ctx_len, rotary[2])
+                self.cache = (add_constant(self.graph, "kv_buffer_cache_cos", cos),
+                              add_constant(self.graph, "kv_buffer_cache_sin", sin))
+            extra = list(self.cache)
+            options.update(do_rotary=1, rotary_interleaved=0)
+            self.rotary_layers += 1
+        gqa = ir.node("GroupQueryAttention", [query, flat["key"], flat["value"], k_in, v_in, self.seqlens, self.total,
+                                              *extra], options, domain="com.microsoft", num_outputs=3,
+                      name=f"gqa_buffer_{layer}")
+        gqa.outputs[0].type = attention.outputs[0].type or self.kv_type
+        gqa.outputs[0].shape = ir.Shape([*self.row_dims, heads * spec.head_dim])
+        for old, new in ((k_out, gqa.outputs[1]), (v_out, gqa.outputs[2])):  # GQA writes `present` now
+            name = old.name
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+            old.name, new.name, new.type = f"{name}_concat_form", name, old.type
+        ir.convenience.replace_all_uses_with(attention.outputs[0], gqa.outputs[0])
+        gqa.outputs[0].name, attention.outputs[0].name = attention.outputs[0].name, None
+        self.graph.insert_before(attention, [*new_nodes, gqa])
+        self.graph.remove(attention, safe=True)
+
+    def finish(self) -> None:
+        """Declare the buffers and the length inputs; refuse a graph whose K/V inputs something else reads."""
+        spec = self.spec
+        buffer = ir.Shape(["batch", spec.num_kv_heads, self.ctx_len, spec.head_dim])
+        for name in [*spec.kv_inputs, *spec.kv_outputs]:
+            (self.inputs.get(name) or {v.name: v for v in self.graph.outputs}[name]).shape = buffer
+        self.graph.inputs.extend([self.seqlens, self.total])
+
+
+def _reads_batch_only(node: ir.Node) -> bool:
+    """Shape(x)[0:1]: the batch size, the same in both layouts (the exporter reads it from a K/V input)."""
+    return node.op_type == "Shape" and attr(node, "start", 0) == 0 and attr(node, "end") == 1
+
+
+def run(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
+    """Rewrite every layer's attention of the target graph to the buffer form."""
+    if context.graph != "target":
+        return model, {"skipped": "the target's attention only"}
+    ctx_len = context.int_option("ctx_len")  # rows of each K/V buffer (the ORT lowering sets it)
+    spec = context.manifest.target
+    rewriter = _Rewriter(model, ctx_len, spec)
+    for layer in range(spec.num_layers):
+        rewriter.layer(layer)
+    rewriter.finish()
+    model.opset_imports.setdefault("com.microsoft", 1)
+    RemoveUnusedNodesPass()(model)
+    others = sorted({(u.op_type, u.name) for name in spec.kv_inputs for u in readers(rewriter.inputs[name])
+                     if u.op_type != "GroupQueryAttention" and not _reads_batch_only(u)})
+    if others:
+        raise DFlashError(f"buffer form: K/V inputs still read by {others} ({HINT})")
+    return model, {"attentions": spec.num_layers, "ctx_len": ctx_len, "rotary_in_attention": rewriter.rotary_layers}

@@ -1,0 +1,32 @@
+"""Qualcomm Cloud AI 100: retained-state graphs and the compiler's inputs (lower.py, compiler.py), compiled
+QPCs run through qaicrt (session.py). The same graphs run on ONNX Runtime without the hardware."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_onnx.manifest import Manifest
+
+from ..backend import Backend, LowerRequest, own_lowerings_only
+from .options import FLAGS, Ai100Options
+from .session import open_session
+
+
+def _lower(source: Path, out: Path, options: Ai100Options, request: LowerRequest) -> Manifest:
+    from .lower import lower_ai100
+
+    return lower_ai100(source, out, options, request)
+
+
+def _summary(manifest: Manifest, out: Path) -> str:
+    options, calibration = Ai100Options(**manifest.lowering.options), manifest.lowering.calibration
+    compiled = "compiled: qpc/" if manifest.lowering.compiled else \
+        f"not compiled: run {out}/compile.sh where the Cloud AI 100 SDK is installed"
+    return (f"lowered to {out} for AI 100 (ctx_len {options.ctx_len}, prefill {options.prefill_len}, block "
+            f"{manifest.block_size}); fc scale {calibration['fc_scale']:g}, largest activation "
+            f"{calibration['largest_activation']:.3g} at {calibration['largest_activation_at']}\n{compiled}")
+
+
+BACKEND = Backend(name="ai100", title="Cloud AI 100", options_type=Ai100Options, flags=FLAGS, reexports=True,
+                  lower=_lower, summary=_summary, can_open=own_lowerings_only("ai100", "Cloud AI 100"),
+                  open_session=open_session)

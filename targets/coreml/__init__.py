@@ -1,0 +1,29 @@
+"""CoreML (macOS 15+ / iOS 18): stateful mlprogram packages converted from the PyTorch pair (lower.py), run
+with the model's own K/V state (session.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_onnx.manifest import Manifest
+
+from ..backend import Backend, LowerRequest, own_lowerings_only
+from .options import FLAGS, CoremlOptions
+from .session import open_session
+
+
+def _lower(source: Path, out: Path, options: CoremlOptions, request: LowerRequest) -> Manifest:
+    from .lower import lower_coreml
+
+    return lower_coreml(source, out, options, request)
+
+
+def _summary(manifest: Manifest, out: Path) -> str:
+    options = CoremlOptions(**manifest.lowering.options)
+    return (f"lowered to {out} for CoreML (stateful mlprogram, float16, ctx_len {options.ctx_len}, seq_len "
+            f"{manifest.block_size} or {options.prefill_len}); run it on macOS 15+ with --backend coreml")
+
+
+BACKEND = Backend(name="coreml", title="CoreML", options_type=CoremlOptions, flags=FLAGS, reexports=True,
+                  lower=_lower, summary=_summary, can_open=own_lowerings_only("coreml", "CoreML"),
+                  open_session=open_session)

@@ -1,0 +1,29 @@
+"""MLX (Apple silicon; `mlx[cpu]` on Linux): the exported graphs executed op by op in MLX (session.py,
+ops.py) on weights converted, optionally quantized, by `lower --target mlx` (lower.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_onnx.manifest import Manifest
+
+from ..backend import Backend, LowerRequest, own_lowerings_only
+from .options import FLAGS, MlxOptions
+from .session import open_session
+
+
+def _lower(source: Path, out: Path, options: MlxOptions, request: LowerRequest) -> Manifest:
+    from .lower import lower_mlx
+
+    return lower_mlx(source, out, options, request)
+
+
+def _summary(manifest: Manifest, out: Path) -> str:
+    options, weights = MlxOptions(**manifest.lowering.options), manifest.lowering.report["weights"]
+    precision = f"{options.bits}-bit, group {options.group_size}" if options.bits else "float"
+    return (f"lowered to {out} for MLX ({precision}; {sum(w['quantized'] for w in weights.values())} quantized "
+            f"MatMul weights, {len(manifest.lowering.shared_with_target)} draft tensors shared with the target)")
+
+
+BACKEND = Backend(name="mlx", title="MLX", options_type=MlxOptions, flags=FLAGS, reexports=False, lower=_lower,
+                  summary=_summary, can_open=own_lowerings_only("mlx", "MLX"), open_session=open_session)

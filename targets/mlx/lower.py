@@ -1,0 +1,145 @@
+"""`lower --target mlx`: each graph's structure (the ONNX file without its weights: the graph stays the
+source of truth) and its weights as MLX safetensors, optionally with MatMul weights quantized by
+`mx.quantize` (4 or 8 bits, per-group scales and biases) for `mx.quantized_matmul`. The draft's embedding
+and lm_head are not written twice: the manifest maps them to the target's tensors.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import Lowering, Manifest
+from dflash_onnx.publish import copy_tokenizer_files, staged_directory
+
+from ..backend import LowerRequest
+from ..lowering import start_lowering
+from .options import MlxOptions
+from .session import import_mlx
+
+
+def weight_uses(graph: onnx.GraphProto) -> dict[str, set[str]]:
+    """How each initializer is read: "direct" (x @ W), "transposed" (x @ Transpose(W)), "float" (anything else)."""
+    initializers = {t.name for t in graph.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    def transposes_into_matmuls(node: onnx.NodeProto) -> bool:
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
+        return node.op_type == "Transpose" and perm == [1, 0] and all(
+            c.op_type == "MatMul" and c.input[1] == node.output[0] for c in consumers.get(node.output[0], []))
+
+    uses: dict[str, set[str]] = {}
+    for name in initializers:
+        for node in consumers.get(name, []):
+            if node.op_type == "MatMul" and node.input[1] == name:
+                kind = "direct"
+            elif transposes_into_matmuls(node):
+                kind = "transposed"
+            else:
+                kind = "float"
+            uses.setdefault(name, set()).add(kind)
+    return uses
+
+
+def _quantizable(array: np.ndarray, group_size: int) -> bool:
+    return array.ndim == 2 and array.dtype.kind == "f" and min(array.shape) >= group_size and \
+        all(d % group_size == 0 for d in array.shape)
+
+
+def _convert_weights(model: onnx.ModelProto, bits: int | None, group_size: int,
+                     skip: set[str]) -> tuple[dict, dict]:
+    """MLX arrays per initializer: the float tensor where something reads it as such, and for MatMul weights
+    (with `bits`) `NAME.q.*` (quantized for x @ W) and/or `NAME.qt.*` (for x @ W^T)."""
+    mx = import_mlx()
+    uses = weight_uses(model.graph)
+    arrays, report = {}, {"quantized": 0, "kept_float": []}
+    for tensor in model.graph.initializer:
+        if tensor.name in skip or tensor.name not in uses:
+            continue
+        value = numpy_helper.to_array(tensor)
+        kinds = uses[tensor.name]
+        if bits and kinds & {"direct", "transposed"}:
+            if _quantizable(value, group_size):
+                for kind, suffix, rows in (("direct", "q", value.T), ("transposed", "qt", value)):
+                    if kind in kinds:  # mx.quantize takes the [N, K] layout quantized_matmul(transpose=True) reads
+                        w, scales, biases = mx.quantize(mx.array(np.ascontiguousarray(rows)), group_size=group_size,
+                                                        bits=bits)
+                        arrays.update({f"{tensor.name}.{suffix}.w": w, f"{tensor.name}.{suffix}.scales": scales,
+                                       f"{tensor.name}.{suffix}.biases": biases})
+                report["quantized"] += 1
+                if "float" not in kinds:
+                    continue
+            else:
+                report["kept_float"].append(tensor.name)
+        arrays[tensor.name] = mx.array(value)
+    return arrays, report
+
+
+def _shared_with_target(draft: onnx.ModelProto, target: onnx.ModelProto) -> dict[str, str]:
+    """Draft initializers stored in the target's data file at the bytes of a target initializer that the
+    target reads the same ways (so every stored variant the draft needs exists once, in the target's file)."""
+    def location(tensor):
+        info = {e.key: e.value for e in tensor.external_data}
+        return info.get("location"), info.get("offset", "0"), info.get("length")
+
+    target_at = {location(t): t.name for t in target.graph.initializer if t.external_data}
+    target_uses, draft_uses = weight_uses(target.graph), weight_uses(draft.graph)
+    return {t.name: target_at[location(t)] for t in draft.graph.initializer
+            if t.external_data and location(t) in target_at
+            and draft_uses.get(t.name, set()) <= target_uses.get(target_at[location(t)], set())}
+
+
+def _strip_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+    structure = onnx.ModelProto()
+    structure.CopyFrom(model)
+    del structure.graph.initializer[:]
+    return structure
+
+
+def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
+              request: LowerRequest | None = None) -> Manifest:
+    """Write MLX_DIR: graph structures, MLX safetensors weights (optionally quantized), manifest."""
+    options, request = options or MlxOptions(), request or LowerRequest()
+    mx = import_mlx()
+    manifest, _ = start_lowering(source, out, options, request)
+    bits = options.bits
+    with staged_directory(out) as tmp:
+        structures = {g: onnx.load(str(Path(source) / getattr(manifest, g).file), load_external_data=False)
+                      for g in ("target", "draft")}
+        unsupported = _unsupported_ops(structures)
+        if unsupported:
+            raise DFlashError(f"{source} uses ops the MLX backend does not run: {', '.join(unsupported)} "
+                              "(lower an fp32/fp16 export, optionally after cleanup or rope-fusion; "
+                              "quantize with --bits)")
+        shared = _shared_with_target(structures["draft"], structures["target"])
+        report = {}
+        for graph in ("target", "draft"):
+            if request.progress:
+                print(f"lowering {graph} to MLX{f' ({bits}-bit)' if bits else ''}", file=sys.stderr)
+            model = onnx.load(str(Path(source) / getattr(manifest, graph).file))
+            skip = set(shared) if graph == "draft" else set()
+            arrays, report[graph] = _convert_weights(model, bits, options.group_size, skip)
+            mx.save_safetensors(str(tmp / f"{graph}.safetensors"), arrays)
+            onnx.save_model(_strip_weights(model), str(tmp / getattr(manifest, graph).file))
+            del arrays, model
+        copy_tokenizer_files(source, tmp)
+        lowered = replace(manifest, lowering=Lowering(backend="mlx", options=asdict(options),
+                                                      shared_with_target=shared, report={"weights": report}))
+        lowered.save(tmp)
+    return lowered
+
+
+def _unsupported_ops(structures: dict[str, onnx.ModelProto]) -> list[str]:
+    from .ops import OPS
+
+    return sorted({f"{n.domain + '.' if n.domain else ''}{n.op_type}" for m in structures.values()
+                   for n in m.graph.node if (n.domain if n.domain != "ai.onnx" else "", n.op_type) not in OPS})

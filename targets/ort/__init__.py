@@ -1,0 +1,37 @@
+"""ONNX Runtime: runs exports, ORT lowerings and AI 100 lowerings' graphs; `lower --target ort` fuses and
+rewrites the graphs for it (lower.py). The session (session.py) needs only numpy and onnxruntime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_onnx.manifest import Manifest
+
+from ..backend import Backend, LowerRequest
+from .options import FLAGS, OrtOptions
+from .session import open_session
+
+
+def _lower(source: Path, out: Path, options: OrtOptions, request: LowerRequest) -> Manifest:
+    from .lower import lower_ort
+
+    return lower_ort(source, out, options, request)
+
+
+def _summary(manifest: Manifest, out: Path) -> str:
+    options = OrtOptions(**manifest.lowering.options)
+    kv = f"K/V buffers of {manifest.ctx_len} rows" if manifest.form == "buffer" else "concat K/V"
+    return (f"lowered to {out} for ONNX Runtime ({options.provider}; {kv}; passes "
+            f"{', '.join(options.passes) or 'none'}; ORT optimizations '{options.optimization_level}' saved; "
+            f"{len(manifest.lowering.shared_with_target)} draft tensors shared with the target; largest difference "
+            f"to the export {manifest.lowering.max_relative_difference:.1g} of scale)")
+
+
+def _can_open(directory: Path, manifest: Manifest) -> str | None:
+    if manifest.backend in (None, "ort", "ai100"):  # ONNX graphs with their weights
+        return None
+    return f"{directory} was lowered for {manifest.backend}: run it with --backend {manifest.backend}"
+
+
+BACKEND = Backend(name="ort", title="ONNX Runtime", options_type=OrtOptions, flags=FLAGS, reexports=False,
+                  lower=_lower, summary=_summary, can_open=_can_open, open_session=open_session)

@@ -1,0 +1,104 @@
+"""`lower --target ort`: the passes that pay off on ONNX Runtime, ORT's own optimizations saved, checked.
+
+The lowering runs one pass pipeline (passes/): the chosen passes (default rope-fusion, ort-fusions), then
+its own rewrites: the draft's attention as ONNX Attention, and in the buffer form the draft's rotations
+over a constant cos/sin cache, the target's attention over in-place K/V buffers and the draft's K/V
+outputs as new rows; then `tidy`. ORT then optimizes each graph once and saves the result (sessions start
+from it), the draft's embedding / lm_head are stored once again (ORT's save writes one data file per
+graph), the lowered graphs are checked against the export, and provider and session options are recorded
+in the manifest for `generate`, `bench` and `steps`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import onnxruntime as ort
+
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.graph_files import share_initializers
+from dflash_onnx.manifest import Lowering, Manifest
+from dflash_onnx.publish import copy_tokenizer_files, staged_directory
+from passes.pipeline import apply_pipeline
+
+from ..backend import LowerRequest
+from ..lowering import start_lowering
+from .check import check_lowering
+from .options import OrtOptions
+from .session import ort_level, provider_name
+
+
+def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None:
+    """Let ORT optimize `source` for `provider` at `level` and write the optimized graph to `dest`."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort_level(level)
+    options.optimized_model_filepath = str(dest)
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{dest.name}.data")
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    try:
+        ort.InferenceSession(str(source), sess_options=options, providers=[provider])
+    except Exception as exc:
+        raise DFlashError(f"ONNX Runtime cannot optimize {source.name}: {str(exc).splitlines()[0]}") from None
+
+
+def pipeline(options: OrtOptions, block_size: int) -> tuple[list[str], dict[str, dict]]:
+    """The passes the lowering runs, in order, and their options."""
+    names = list(options.passes)
+    rewrites = []
+    if "ort-fusions" in names:  # it fuses the MultiHeadAttention draft-attention rewrites
+        rewrites.append("draft-attention")
+    if options.kv_buffer:
+        # a cos/sin cache needs a bound on positions: the buffer form's capacity (a draft block runs past it)
+        rewrites += ["rope-cache"] if "rope-fusion" in names else []
+        rewrites += ["kv-buffer", "draft-rows"]
+    names += [*rewrites, "tidy"] if rewrites else []
+    return names, {"kv-buffer": {"ctx_len": str(options.ctx_len)},
+                   "rope-cache": {"rows": str(options.ctx_len + block_size)}}
+
+
+def _by_pass(report: list[dict]) -> dict[str, dict[str, dict]]:
+    rewrites: dict[str, dict[str, dict]] = {}
+    for row in report:
+        rewrites.setdefault(row["pass"], {})[row["graph"]] = row["details"]
+    return rewrites
+
+
+def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
+              request: LowerRequest | None = None) -> Manifest:
+    """Write ORT_DIR: ORT-optimized target and draft graphs, the draft's vocab tensors shared, the manifest."""
+    options, request = options or OrtOptions(), request or LowerRequest()
+    manifest, _ = start_lowering(source, out, options, request)
+    provider = provider_name(options.provider)
+    with staged_directory(out) as tmp:
+        names, pass_options = pipeline(options, manifest.block_size)
+        fused_dir, fused, rewrites = tmp / "fused", manifest, {}
+        if names:
+            fused, report = apply_pipeline(Path(source), names, fused_dir, pass_options, progress=request.progress,
+                                           lowering="ort")
+            shutil.move(str(fused_dir / "passes_report.json"), tmp / "passes_report.json")
+            rewrites = _by_pass(report)
+        if options.kv_buffer:
+            fused = replace(fused, form="buffer", ctx_len=options.ctx_len, kv_layout="batch,kv_heads,seq,head_dim")
+        origin = fused_dir if names else Path(source)
+        for graph in ("target", "draft"):
+            if request.progress:
+                print(f"ONNX Runtime optimizes {graph} ({options.optimization_level}, {provider})", file=sys.stderr)
+            file = getattr(manifest, graph).file
+            _save_optimized(origin / file, tmp / file, provider, options.optimization_level)
+        shutil.rmtree(fused_dir, ignore_errors=True)
+        shared, unshared = share_initializers(tmp, manifest.draft.file, manifest.target.file, manifest.vocab_size)
+        rows = rewrites.get("draft-rows", {}).get("draft", {}).get("outputs", 0) > 0
+        lowered = replace(fused, lowering=Lowering(
+            backend="ort", options={**asdict(options), "passes": list(options.passes)}, provider=options.provider,
+            draft_kv="rows" if rows else "concat", shared_with_target=shared, rewrites=rewrites))
+        lowered.lowering.max_relative_difference = check_lowering(Path(source), manifest, tmp, lowered)
+        if unshared:
+            print(f"warning: draft tensors {unshared} are stored twice (no identical target tensor after ORT's "
+                  "optimizations)", file=sys.stderr)
+        copy_tokenizer_files(source, tmp)
+        lowered.save(tmp)
+    return lowered

@@ -1,0 +1,65 @@
+"""`lower --target ort` options: the record the lowering writes into the manifest and the sessions read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_onnx.errors import DFlashError
+
+from ..backend import Flag
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider",
+             "dml": "DmlExecutionProvider", "openvino": "OpenVINOExecutionProvider",
+             "coreml": "CoreMLExecutionProvider", "qnn": "QNNExecutionProvider"}
+LEVELS = ("disabled", "basic", "extended", "all")
+DEFAULT_PASSES = ("rope-fusion", "ort-fusions")
+
+
+@dataclass(frozen=True)
+class OrtOptions:
+    provider: str = "cpu"
+    passes: tuple[str, ...] = DEFAULT_PASSES
+    optimization_level: str = "extended"  # saved into the model files; "all" adds hardware-specific layouts
+    intra_op_threads: int = 0  # 0: ORT's default (one per physical core)
+    draft_threads: int = 0  # the draft session's intra-op threads (0: as intra_op_threads)
+    allow_spinning: bool = True
+    kv_buffer: bool = True  # the target's attention as GroupQueryAttention over preallocated K/V (passes/kv_buffer.py)
+    ctx_len: int = 4096  # rows of each K/V buffer: prompt + new tokens must fit
+
+    def validate(self, block_size: int) -> None:
+        if self.provider not in PROVIDERS:
+            raise DFlashError(f"unknown provider {self.provider!r}: choose one of {', '.join(PROVIDERS)}")
+        if self.optimization_level not in LEVELS:
+            raise DFlashError(f"optimization level {self.optimization_level!r}: choose one of {', '.join(LEVELS)}")
+        if min(self.intra_op_threads, self.draft_threads) < 0:
+            raise DFlashError("--threads and --draft-threads take 0 (ONNX Runtime's default) or a positive count")
+        if self.kv_buffer and "ort-fusions" not in self.passes:
+            raise DFlashError("the buffer form rewrites the attention the ort-fusions pass fuses: keep ort-fusions "
+                              "in --passes, or lower with --kv-buffer off")
+        if self.kv_buffer and self.ctx_len < 2 * block_size:
+            raise DFlashError(f"--ctx-len {self.ctx_len} is below two blocks ({2 * block_size})")
+
+
+def _pass_list(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip() and p.strip() != "none")
+
+
+def _on(value: str) -> bool:
+    return value == "on"
+
+
+FLAGS = (
+    Flag("--provider", "provider", f"execution provider ({', '.join(PROVIDERS)}); must exist in the installed "
+         "onnxruntime"),
+    Flag("--passes", "passes", "passes applied first, comma-separated, or 'none'", parse=_pass_list),
+    Flag("--optimization-level", "optimization_level", "graph optimizations ORT saves into the model files",
+         choices=LEVELS),
+    Flag("--threads", "intra_op_threads", "intra-op threads (0: ORT's default)", type=int),
+    Flag("--draft-threads", "draft_threads", "the draft session's intra-op threads (0: as --threads); 1 suits "
+         "drafts of a few MB, whose calls are too short to split", type=int),
+    Flag("--spinning", "allow_spinning", "let idle intra-op threads spin between calls", choices=("on", "off"),
+         parse=_on),
+    Flag("--kv-buffer", "kv_buffer", "target attention as GroupQueryAttention over preallocated --ctx-len K/V "
+         "buffers updated in place; off keeps the concat form", choices=("on", "off"), parse=_on),
+    Flag("--ctx-len", "ctx_len", "positions the K/V buffers hold: prompt + new tokens must fit", type=int),
+)

@@ -1,0 +1,153 @@
+"""ONNX Runtime sessions: the plain one every export and AI 100 graph runs on, and the buffer-form target
+whose K/V buffers ORT updates in place (IOBinding). numpy and onnxruntime only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import Manifest
+
+from .options import LEVELS, PROVIDERS, OrtOptions
+
+INSTALL_HINTS = {"cuda": "pip install onnxruntime-gpu", "tensorrt": "pip install onnxruntime-gpu (and TensorRT)",
+                 "dml": "pip install onnxruntime-directml", "openvino": "pip install onnxruntime-openvino",
+                 "qnn": "pip install onnxruntime-qnn"}
+
+
+def ort_level(name: str) -> ort.GraphOptimizationLevel:
+    levels = dict(zip(LEVELS, (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                               ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                               ort.GraphOptimizationLevel.ORT_ENABLE_ALL)))
+    if name not in levels:
+        raise DFlashError(f"optimization level {name!r}: choose one of {', '.join(LEVELS)}")
+    return levels[name]
+
+
+def provider_name(provider: str) -> str:
+    """ORT's name for a provider, checked against this onnxruntime build."""
+    if provider not in PROVIDERS:
+        raise DFlashError(f"unknown provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
+    name = PROVIDERS[provider]
+    if name not in ort.get_available_providers():
+        hint = INSTALL_HINTS.get(provider, "use an onnxruntime build that has it")
+        raise DFlashError(f"this onnxruntime ({ort.__version__}) has no {name} (available: "
+                          f"{', '.join(ort.get_available_providers())}): {hint}")
+    return name
+
+
+class OrtSession:
+    """Runs one ONNX graph on ONNX Runtime (CPU unless other providers are named)."""
+
+    retains_state = False
+
+    def __init__(self, path: Path, providers: list[str] | None = None, intra_op_threads: int | None = None,
+                 allow_spinning: bool = True, optimization_level: str = "all", stop_spinning_after_run: bool = False):
+        options = ort.SessionOptions()
+        options.log_severity_level = 4  # failures reach the user as one DFlashError line, not ORT's log
+        options.graph_optimization_level = ort_level(optimization_level)
+        if intra_op_threads:
+            options.intra_op_num_threads = intra_op_threads
+        if not allow_spinning:  # idle pool threads stop spinning: the other session of the pair gets the cores
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if stop_spinning_after_run:  # spin within a call, not after it: the next call is the other session's
+            options.add_session_config_entry("session.force_spinning_stop", "1")
+        try:
+            self._session = ort.InferenceSession(
+                str(path), sess_options=options, providers=providers or ["CPUExecutionProvider"]
+            )
+        except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
+            raise DFlashError(f"ONNX Runtime cannot load {path}: {str(exc).splitlines()[0]}") from None
+        self.path = Path(path)
+        self.input_names = [i.name for i in self._session.get_inputs()]
+        self.output_names = [o.name for o in self._session.get_outputs()]
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
+        names = output_names or self.output_names
+        missing = sorted(set(self.input_names) - feeds.keys())
+        if missing:
+            raise DFlashError(f"{self.path.name}: missing inputs {missing}")
+        try:
+            values = self._session.run(names, feeds)
+        except Exception as exc:
+            raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+        return dict(zip(names, values))
+
+
+class OrtBufferSession(OrtSession):
+    """The buffer-form target: K/V live in preallocated arrays bound (IOBinding) as both the input and
+    the output of every GroupQueryAttention, so ORT updates them in place and no call copies the cache.
+    The other outputs are bound to arrays kept per row count, so a run of same-sized calls (decode steps,
+    verify steps) binds nothing but its small inputs."""
+
+    retains_state = True
+
+    def __init__(self, path: Path, manifest: Manifest, **settings):
+        super().__init__(path, **settings)
+        graph = manifest.target
+        shape = (1, graph.num_kv_heads, int(manifest.ctx_len), graph.head_dim)
+        self.buffers = {name: np.zeros(shape, manifest.numpy_dtype) for name in graph.kv_inputs}
+        self._values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.buffers.items()}
+        self._pairs = list(zip(graph.kv_inputs, graph.kv_outputs))
+        self._specs = {t.name: t for t in graph.outputs if t.name not in set(graph.kv_outputs)}
+        self._binding = self._session.io_binding()
+        for past, _ in self._pairs:
+            self._binding.bind_ortvalue_input(past, self._values[past])
+        self._outputs: dict[tuple[str, int], tuple[np.ndarray, object]] = {}
+        self._bound: tuple | None = None
+        self._inputs: dict[str, tuple[np.ndarray, object]] = {}  # per input: the array bound last, refilled
+
+    def _output(self, name: str, rows: int) -> tuple[np.ndarray, object]:
+        """The array (and its OrtValue) that output `name` of a `rows`-token call is written into."""
+        if (name, rows) not in self._outputs:
+            spec = self._specs[name]
+            shape = [1 if dim == "batch" else rows if isinstance(dim, str) else dim for dim in spec.shape]
+            array = np.empty(shape, np.dtype(spec.dtype))
+            self._outputs[(name, rows)] = (array, ort.OrtValue.ortvalue_from_numpy(array))
+        return self._outputs[(name, rows)]
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
+        names = tuple(n for n in (output_names or self.output_names) if n in self._specs)
+        rows = int(feeds["input_ids"].shape[1])
+        binding = self._binding
+        for name, value in feeds.items():  # same shape as last call (every decode or verify step): copy, no bind
+            kept = self._inputs.get(name)
+            if kept is None or kept[0].shape != value.shape or kept[0].dtype != value.dtype:
+                array = np.empty(value.shape, value.dtype)
+                kept = self._inputs[name] = (array, ort.OrtValue.ortvalue_from_numpy(array))
+                binding.bind_ortvalue_input(name, kept[1])
+            np.copyto(kept[0], value)
+        if self._bound != (names, rows):  # only outputs asked for are bound: ORT keeps the rest internal
+            binding.clear_binding_outputs()
+            for name in names:
+                binding.bind_ortvalue_output(name, self._output(name, rows)[1])
+            for past, present in self._pairs:
+                binding.bind_ortvalue_output(present, self._values[past])
+            self._bound = (names, rows)
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as exc:
+            raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+        return {name: self._output(name, rows)[0].copy() for name in names}
+
+
+def open_session(directory: Path, manifest: Manifest, graph: str, **overrides) -> OrtSession:
+    """A session on one graph of an export, an ORT lowering (with its recorded options) or an AI 100
+    lowering's retained-state graphs (the host feeds each retained output back)."""
+    settings: dict = {}
+    if manifest.backend == "ort":
+        options = OrtOptions(**manifest.lowering.options)
+        threads = options.draft_threads if graph == "draft" and options.draft_threads else options.intra_op_threads
+        settings = {"intra_op_threads": threads, "allow_spinning": options.allow_spinning,
+                    "optimization_level": options.optimization_level,
+                    "providers": [provider_name(manifest.lowering.provider)]}
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    path = Path(directory) / getattr(manifest, graph).file
+    if manifest.form == "buffer" and graph == "target":
+        return OrtBufferSession(path, manifest, **settings)
+    # the draft's calls alternate with the target's: its threads spinning on after each call take the
+    # cores the target's verify needs (measured on the demo pair: DFlash 948 -> 1262 tok/s side by side)
+    return OrtSession(path, stop_spinning_after_run=graph == "draft", **settings)

@@ -1,0 +1,18 @@
+"""Running one pass on a hand-made protobuf graph, as the pipeline runs it on an exported one."""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+from fakes import make_manifest
+
+from passes import PassContext
+
+
+def apply_pass(run, model: onnx.ModelProto, graph: str = "target", options: dict | None = None,
+               feeds: list | None = None, vocab_size: int = 32) -> tuple[onnx.ModelProto, dict]:
+    """`run` (a pass function) on `model` as graph `graph`; the model comes back as a protobuf."""
+    context = PassContext(graph=graph, manifest=make_manifest(vocab_size=vocab_size), options=options or {},
+                          calibration_feeds=feeds)
+    result, details = run(ir.from_proto(model), context)
+    return ir.to_proto(result), details

@@ -1,0 +1,167 @@
+"""The layering the code promises (README, Architecture), checked on the source: every import, at module
+level or inside a function, is an edge. The runtime imports nothing above it; a backend's session imports
+the runtime and its own runtime library only; commands reach backends through the `targets` registry;
+and no module imports itself through others."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("dflash_onnx", "passes", "targets")
+RUNTIME = {f"dflash_onnx.{name}" for name in ("errors", "manifest", "session", "runners", "sampling", "decode",
+                                               "feeds", "tokenizer")}
+# third-party libraries each layer may use (besides the standard library)
+RUNTIME_LIBRARIES = {"numpy", "tokenizers"}
+SESSION_LIBRARIES = {"ort": {"onnxruntime"}, "ai100": {"QAicApi_pb2", "qaicrt"}, "mlx": {"mlx", "onnx"},
+                     "coreml": {"coremltools"}}
+HEAVY = {"torch", "transformers", "safetensors", "onnx", "onnxruntime", "onnx_ir", "onnxscript", "mlx", "coremltools"}
+THIRD_PARTY = HEAVY | RUNTIME_LIBRARIES | {"tqdm", "matplotlib", "onnxruntime_genai", "dflash", "scipy", "optimum",
+                                          "QAicApi_pb2", "qaicrt"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module `name` imports, project modules resolved to the module (not the names in it)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in MODULES else base)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _project(imports: set[str]) -> set[str]:
+    return {m for m in imports if m in MODULES}
+
+
+def _libraries(imports: set[str]) -> set[str]:
+    return {_top(m) for m in imports if _top(m) in THIRD_PARTY}
+
+
+def test_the_walk_sees_the_code():
+    assert RUNTIME <= set(MODULES) and "targets.ort.session" in MODULES and "passes.kv_buffer" in MODULES
+    assert "dflash_onnx.manifest" in GRAPH["dflash_onnx.decode"]
+    assert "targets.ort.lower" in GRAPH["targets.ort"]  # imports inside functions count
+    assert {"torch"} <= _libraries(GRAPH["dflash_onnx.export"])
+
+
+def test_no_import_cycle():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for imported in sorted(_project(GRAPH[module])):
+            if state.get(imported) == 1:
+                cycle = path[path.index(imported):] + [imported]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if imported not in state:
+                visit(imported)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module)
+
+
+@pytest.mark.parametrize("module", sorted(RUNTIME))
+def test_the_runtime_imports_nothing_above_it(module):
+    assert _project(GRAPH[module]) <= RUNTIME, f"{module} imports {sorted(_project(GRAPH[module]) - RUNTIME)}"
+    assert _libraries(GRAPH[module]) <= RUNTIME_LIBRARIES, f"{module} imports {_libraries(GRAPH[module])}"
+
+
+@pytest.mark.parametrize("backend", sorted(SESSION_LIBRARIES))
+def test_a_session_imports_the_runtime_and_its_own_library_only(backend):
+    module = f"targets.{backend}.session"
+    own = {m for m in MODULES if m.startswith(f"targets.{backend}.")} - {f"targets.{backend}.lower"}
+    allowed = RUNTIME | own | {"targets.backend"}
+    reached, pending = set(), [module]
+    while pending:  # everything the session needs loaded, transitively (within its own package)
+        current = pending.pop()
+        for imported in _project(GRAPH[current]) - reached:
+            assert imported in allowed, f"{current} (needed by {module}) imports {imported}"
+            reached.add(imported)
+            pending.append(imported)
+    libraries = set().union(*(_libraries(GRAPH[m]) for m in reached | {module}))
+    assert libraries <= RUNTIME_LIBRARIES | SESSION_LIBRARIES[backend], f"{module} needs {libraries}"
+
+
+def _top_level_imports(module: str) -> set[str]:
+    """What importing `module` imports right away (not inside functions), project modules resolved."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            anchor = package.split(".")[: len(package.split(".")) - max(node.level - 1, 0)] if node.level else []
+            base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return found
+
+
+def test_loading_the_registry_needs_only_the_core_runtime():
+    """Every command imports `targets`; that must not pull in torch, the lowerings' tools or an optional
+    backend's runtime (MLX, coremltools and the AI 100 SDK load when their session opens)."""
+    loaded, pending = set(), ["targets"]
+    while pending:
+        module = pending.pop()
+        imports = _top_level_imports(module)
+        assert _libraries(imports) <= RUNTIME_LIBRARIES | {"onnx", "onnxruntime"}, f"{module}: {_libraries(imports)}"
+        for imported in _project(imports) - loaded:
+            loaded.add(imported)
+            pending.append(imported)
+    assert {"targets.ort.session", "targets.mlx.session"} <= loaded and "targets.ort.lower" not in loaded
+
+
+def test_commands_reach_backends_through_the_registry():
+    for module, imports in GRAPH.items():
+        if module.startswith(("targets", "passes")):
+            continue
+        direct = {m for m in _project(imports) if m.startswith("targets.")}
+        assert not direct, f"{module} imports {sorted(direct)}: go through the targets registry"
+
+
+def test_passes_use_no_lowering_export_or_torch():
+    for module, imports in GRAPH.items():
+        if not module.startswith("passes"):
+            continue
+        lowerings = {m for m in _project(imports) if m.startswith("targets") and not m.endswith(".session")}
+        assert not lowerings, f"{module} imports {lowerings}"
+        assert not {"dflash_onnx.export", "dflash_onnx.pair"} & imports
+        assert not {"torch", "transformers"} & _libraries(imports), module
