@@ -107,8 +107,11 @@ def _lower(args) -> int:
     from targets import BACKENDS, LowerRequest, get_backend
 
     backend = get_backend(args.backend)
-    given = {flag.name: getattr(args, flag.dest) for b in BACKENDS.values() for flag in b.flags
-             if getattr(args, flag.dest) not in (None, False)}
+    given = {}  # flags on the command line: values other than argparse's None (a switch: set)
+    for flag in (flag for b in BACKENDS.values() for flag in b.flags):
+        value = getattr(args, flag.dest)
+        if value is not None and value is not False:
+            given[flag.name] = value
     foreign = sorted(set(given) - {flag.name for flag in backend.flags})
     if foreign:
         owners = {f: [b.name for b in BACKENDS.values() if f in {flag.name for flag in b.flags}] for f in foreign}

@@ -71,6 +71,10 @@ class Decoder:
     def __init__(self, manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int = 256):
         if prefill_chunk < 1:
             raise DFlashError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+        for role, session in (("target", target), ("draft", draft)):
+            if session is not None and not isinstance(session, Session):
+                raise DFlashError(f"the {role} session {type(session).__name__} does not implement the Session "
+                                  "protocol (input_names, output_names, retains_state, run)")
         self.manifest = manifest
         self.target = target
         self.draft = draft

@@ -139,9 +139,9 @@ def run_parity(out_dir: Path, target_dir: Path | None = None, draft_dir: Path | 
     """Compare the exported graphs in `out_dir` with the PyTorch pair they were exported from."""
     decoder = decoder or open_decoder(Path(out_dir))
     manifest = decoder.manifest
-    if manifest.form != "concat":
-        raise DFlashError(f"{out_dir} is a lowered ({manifest.form}) directory: run parity on the export it came "
-                          "from, and compare 'generate --backend ort' of both")
+    if manifest.backend is not None or manifest.form != "concat":
+        raise DFlashError(f"{out_dir} is lowered (for {manifest.backend}, {manifest.form} form): run parity on the "
+                          "export it came from, and compare 'dflash-onnx generate' on both")
     target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir)
     lm = load_target(target_dir, manifest.dtype)
     draft = load_draft(draft_dir, lm, manifest.dtype)

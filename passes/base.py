@@ -15,6 +15,7 @@ from dflash_onnx.manifest import Manifest
 
 @dataclass(frozen=True)
 class PassContext:
+    pass_name: str  # the registered name of the pass it is given to
     graph: str  # "target" or "draft"
     manifest: Manifest  # the directory the pipeline reads: sizes, K/V names, block size
     options: dict[str, str]  # this pass's options (--pass-option, or set by a lowering)
@@ -30,7 +31,7 @@ class PassContext:
             return int(value)
         except (TypeError, ValueError):
             wanted = "an integer" if key in self.options else "an integer (required)"
-            raise DFlashError(f"pass option {key}={value!r} on the {self.graph}: give {wanted}") from None
+            raise DFlashError(f"--pass-option {self.pass_name}.{key}={value!r}: give {wanted}") from None
 
 
 PassFunction = Callable[[ir.Model, PassContext], "tuple[ir.Model, dict]"]
@@ -49,6 +50,11 @@ class GraphPass:
 
 
 def loaded_proto(model: ir.Model) -> onnx.ModelProto:
-    """`model` as a protobuf with every weight in memory, for the protobuf tools some passes build on."""
-    ir.external_data.load_to_model(model)
-    return ir.to_proto(model)
+    """`model` as a protobuf with every weight in memory, for the protobuf tools some passes build on. The
+    weights are read once, straight into the protobuf (the IR model keeps its memory-mapped ones)."""
+    proto = ir.to_proto(model)
+    base_dirs = {v.const_value.base_dir for v in model.graph.initializers.values()
+                 if isinstance(v.const_value, ir.ExternalTensor)}
+    if base_dirs:
+        onnx.external_data_helper.load_external_data_for_model(proto, str(base_dirs.pop()))
+    return proto

@@ -39,9 +39,13 @@ def readers(value: ir.Value) -> list[ir.Node]:
 
 
 def add_constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    """An initializer named `name` holding `array` (the existing one when the graph has it already)."""
+    """An initializer named `name` holding `array` (the existing one when the graph has it already, which must
+    hold the same values: a rewrite never silently reads another one's constant)."""
     if name in graph.initializers:
-        return graph.initializers[name]
+        existing = graph.initializers[name]
+        if not np.array_equal(existing.const_value.numpy(), array):
+            raise ValueError(f"initializer {name} exists with other values")
+        return existing
     value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
                      const_value=ir.tensor(array, name=name))
     graph.register_initializer(value)

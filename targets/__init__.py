@@ -47,7 +47,8 @@ def backend_for(directory: Path, manifest: Manifest, requested: str | None = Non
     for backend in BACKENDS.values():
         if backend.can_open(Path(directory), manifest) is None:
             return backend
-    raise DFlashError(f"{directory}: no backend opens a {manifest.backend} lowering")
+    raise DFlashError(f"{directory} was lowered for {manifest.backend!r}, which this dflash-onnx does not have (it has "
+                      f"{', '.join(BACKENDS)}): lower the export again with this version")
 
 
 def open_session(directory: Path, manifest: Manifest, graph: str, backend: str | None = None,
@@ -55,7 +56,12 @@ def open_session(directory: Path, manifest: Manifest, graph: str, backend: str |
     """Open the `graph` ("target" or "draft") of a directory on `backend` (default: the directory's)."""
     if graph not in ("target", "draft"):
         raise ValueError(f"graph must be 'target' or 'draft', not {graph!r}")
-    return backend_for(directory, manifest, backend).open_session(Path(directory), manifest, graph, **overrides)
+    chosen = backend_for(directory, manifest, backend)
+    unknown = sorted(set(overrides) - set(chosen.session_options))
+    if unknown:
+        takes = ", ".join(chosen.session_options) or "none"
+        raise DFlashError(f"{chosen.name} sessions take no option {', '.join(unknown)} (they take: {takes})")
+    return chosen.open_session(Path(directory), manifest, graph, **overrides)
 
 
 def open_decoder(directory: Path, backend: str | None = None, prefill_chunk: int = 256, **overrides) -> Decoder:

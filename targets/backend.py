@@ -42,6 +42,16 @@ class LowerRequest:
     draft_dir: Path | None = None
 
 
+def recorded_options(options_type: type, manifest: Manifest) -> Any:
+    """The options record a lowering wrote into the manifest, as `options_type` (refused in one line when this
+    dflash-onnx's backend does not know them: a directory from another version)."""
+    try:
+        return options_type(**manifest.lowering.options)
+    except TypeError as exc:
+        raise DFlashError(f"the manifest's {manifest.backend} options do not match this dflash-onnx ({exc}): re-run "
+                          "'dflash-onnx lower' on the export") from None
+
+
 def own_lowerings_only(name: str, title: str) -> Callable[[Path, Manifest], str | None]:
     """`can_open` of a backend that runs only directories lowered for it."""
     def can_open(directory: Path, manifest: Manifest) -> str | None:
@@ -65,6 +75,7 @@ class Backend:
     # None when this backend can run `manifest`'s directory here, else why not and what to do
     can_open: Callable[[Path, Manifest], str | None]
     open_session: Callable[..., Session]  # (directory, manifest, "target" | "draft", **overrides)
+    session_options: tuple[str, ...] = ()  # the overrides open_session takes (open_decoder's keywords)
 
     def default(self, flag: Flag) -> Any:
         """The field default a flag stands for (what the options record holds when the flag is not given)."""

@@ -12,7 +12,7 @@ from passes import PassContext
 def apply_pass(run, model: onnx.ModelProto, graph: str = "target", options: dict | None = None,
                feeds: list | None = None, vocab_size: int = 32) -> tuple[onnx.ModelProto, dict]:
     """`run` (a pass function) on `model` as graph `graph`; the model comes back as a protobuf."""
-    context = PassContext(graph=graph, manifest=make_manifest(vocab_size=vocab_size), options=options or {},
-                          calibration_feeds=feeds)
+    context = PassContext(pass_name=run.__module__, graph=graph, manifest=make_manifest(vocab_size=vocab_size),
+                          options=options or {}, calibration_feeds=feeds)
     result, details = run(ir.from_proto(model), context)
     return ir.to_proto(result), details

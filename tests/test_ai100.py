@@ -253,5 +253,5 @@ def test_parity_refuses_a_lowered_directory(exported, lowered):
     from dflash_onnx.parity import run_parity
 
     pair = exported("agree_b8")
-    with pytest.raises(DFlashError, match="lowered \\(retained\\) directory"):
+    with pytest.raises(DFlashError, match="lowered \\(for ai100, retained form\\): run parity on the export"):
         run_parity(lowered("agree_b8")[0], pair.target_dir, pair.draft_dir, num_prompts=1)

@@ -62,6 +62,20 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, ids_only_out, capsys):
     assert "has no config.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--target", "ai100", "--num-cores", "0", "--dry-run"], "--num-cores 0 must be in 1..16"),
+    (["--target", "ort", "--ctx-len", "0"], "--ctx-len 0 is below two blocks"),
+    (["--target", "ort", "--dry-run"], "--dry-run is an option of --target ai100, not of --target ort"),
+    (["--target", "mlx", "--target-dir", "x"], "--target-dir and --draft-dir are for lowerings that convert"),
+    (["--target", "ort", "--passes", "kv-buffer"], "the ORT lowering applies its own rewrites"),
+])
+def test_lower_flags_are_checked_against_the_backend(flags, message, ids_only_out, tmp_path, capsys):
+    assert main(["lower", str(ids_only_out), "--out", str(tmp_path / "o"), "--quiet", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
 def test_parity_passes_on_an_exported_pair(exported, capsys):
     pair = exported("causal_gqa4_b4")
     code = main(["parity", str(pair.out), "--target", str(pair.target_dir), "--draft", str(pair.draft_dir),

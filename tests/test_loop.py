@@ -507,5 +507,7 @@ def test_bad_decoder_setup_raises_dflash_error():
     target = ConcatTargetSession(manifest, TokenModel(VOCAB))
     with pytest.raises(DFlashError, match="prefill_chunk"):
         Decoder(manifest, target, None, prefill_chunk=0)
+    with pytest.raises(DFlashError, match="draft session object does not implement the Session protocol"):
+        Decoder(manifest, target, object())
     with pytest.raises(DFlashError, match="form"):
         Decoder(make_manifest(form="ring"), target, None).generate(PROMPT, 4, "greedy")

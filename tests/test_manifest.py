@@ -68,6 +68,15 @@ def test_damaged_manifests_are_refused_in_one_line(tmp_path, damage, message):
         load_manifest(tmp_path)
 
 
+def test_options_another_version_wrote_are_refused_when_a_session_opens(tmp_path):
+    from targets import open_session
+
+    manifest = make_manifest(lowering=Lowering(backend="ort", options={"colour": "blue"}, provider="cpu"))
+    _written(tmp_path, manifest)
+    with pytest.raises(DFlashError, match="ort options do not match this dflash-onnx .*re-run 'dflash-onnx lower'"):
+        open_session(tmp_path, load_manifest(tmp_path), "target")
+
+
 def test_every_field_is_written(tmp_path):
     manifest = make_manifest(lowering=Lowering(backend="coreml", options={"ctx_len": 96}, padding="consecutive"))
     assert _written(tmp_path, manifest)["lowering"] == asdict(manifest.lowering)

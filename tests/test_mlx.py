@@ -107,6 +107,8 @@ def test_backend_and_lowering_must_agree(exported, mlx_lowered, tmp_path):
         open_decoder(mlx_lowered("agree_b8"), backend="ort")
     with pytest.raises(DFlashError, match="lower OUT --target mlx"):
         open_decoder(exported("agree_b8").out, backend="mlx")
+    with pytest.raises(DFlashError, match="mlx sessions take no option intra_op_threads"):
+        open_decoder(mlx_lowered("agree_b8"), intra_op_threads=1)
     with pytest.raises(DFlashError, match="already lowered"):
         lower_mlx(mlx_lowered("agree_b8"), tmp_path / "again", request=LowerRequest(progress=False))
     from passes.pipeline import apply_pipeline
@@ -137,3 +139,6 @@ def test_lower_and_generate_commands(exported, tmp_path, capsys):
     assert main(["lower", str(exported("agree_b2").out), "--target", "ort", "--out", str(tmp_path / "o"),
                  "--bits", "4"]) == 2
     assert "--bits is an option of --target mlx" in capsys.readouterr().err
+    assert main(["lower", str(exported("agree_b2").out), "--target", "mlx", "--out", str(tmp_path / "o"),
+                 "--threads", "0"]) == 2  # a zero is given as much as any other value
+    assert "--threads is an option of --target ort" in capsys.readouterr().err

@@ -110,7 +110,8 @@ def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
     options = manifest.lowering.options
     assert (options["intra_op_threads"], options["draft_threads"], options["allow_spinning"],
             options["optimization_level"]) == (0, 0, True, "extended")
-    assert [p["name"] for p in manifest.passes] == ["rope-fusion", "ort-fusions", *REWRITES]
+    assert [p["name"] for p in manifest.passes] == ["rope-fusion", "ort-fusions"]
+    assert list(manifest.lowering.rewrites) == ["rope-fusion", "ort-fusions", *REWRITES]
     assert 0 <= manifest.lowering.max_relative_difference <= ort_check.LOWERING_TOLERANCE["float32"]
     assert _rewrote(manifest, "kv-buffer", "target", "attentions") == manifest.target.num_layers
     assert {"seqlens_k", "total_sequence_length"} <= set(manifest.target.input_names())
@@ -173,8 +174,11 @@ def test_refusals_leave_nothing_behind(exported, ort_lowered, tmp_path, monkeypa
         lower_ort(source, tmp_path / "nofusion", OrtOptions(passes=()), QUIET)
     with pytest.raises(DFlashError, match="below two blocks"):
         lower_ort(source, tmp_path / "short", OrtOptions(ctx_len=8), QUIET)
-    with pytest.raises(DFlashError, match="unknown provider"):
+    with pytest.raises(DFlashError, match="--provider tpu: choose one of cpu, cuda"):
         lower_ort(source, tmp_path / "x", OrtOptions(provider="tpu"), QUIET)
+    with pytest.raises(DFlashError, match="--passes draft-rows,kv-buffer: the ORT lowering applies its own"):
+        lower_ort(source, tmp_path / "own", OrtOptions(passes=("rope-fusion", "ort-fusions", "kv-buffer",
+                                                               "draft-rows")), QUIET)
     with pytest.raises(DFlashError, match="already lowered"):
         lower_ort(ort_lowered("agree_b8"), tmp_path / "again", request=QUIET)
     monkeypatch.setitem(ort_check.LOWERING_TOLERANCE, "float32", -1.0)  # every output now "differs"
@@ -214,7 +218,7 @@ def test_a_quantized_export_lowers_and_decodes_its_own_greedy_tokens(exported, t
     apply_pipeline(exported("agree_b8").out, ["int4"], quantized, {"*": {"block_size": "16"}}, QUIET)
     lowered = lower_ort(quantized, tmp_path / "ort", OrtOptions(ctx_len=256), QUIET)
     assert lowered.form == "buffer"
-    assert [p["name"] for p in lowered.passes] == ["int4", "rope-fusion", "ort-fusions", *REWRITES]
+    assert [p["name"] for p in lowered.passes] == ["int4", "rope-fusion", "ort-fusions"]
     decoder, reference = open_decoder(tmp_path / "ort"), open_decoder(quantized)
     for prompt in ([4, 5, 6], [9, 1, 2, 8, 3]):
         want = reference.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dflash_onnx.manifest import Manifest
 
-from ..backend import Backend, LowerRequest, own_lowerings_only
+from ..backend import Backend, LowerRequest, own_lowerings_only, recorded_options
 from .options import FLAGS, Ai100Options
 from .session import open_session
 
@@ -19,7 +19,7 @@ def _lower(source: Path, out: Path, options: Ai100Options, request: LowerRequest
 
 
 def _summary(manifest: Manifest, out: Path) -> str:
-    options, calibration = Ai100Options(**manifest.lowering.options), manifest.lowering.calibration
+    options, calibration = recorded_options(Ai100Options, manifest), manifest.lowering.calibration
     compiled = "compiled: qpc/" if manifest.lowering.compiled else \
         f"not compiled: run {out}/compile.sh where the Cloud AI 100 SDK is installed"
     return (f"lowered to {out} for AI 100 (ctx_len {options.ctx_len}, prefill {options.prefill_len}, block "
@@ -29,4 +29,5 @@ def _summary(manifest: Manifest, out: Path) -> str:
 
 BACKEND = Backend(name="ai100", title="Cloud AI 100", options_type=Ai100Options, flags=FLAGS, reexports=True,
                   lower=_lower, summary=_summary, can_open=own_lowerings_only("ai100", "Cloud AI 100"),
-                  open_session=open_session)
+                  open_session=open_session,
+                  session_options=("device_id",))

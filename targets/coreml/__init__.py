@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dflash_onnx.manifest import Manifest
 
-from ..backend import Backend, LowerRequest, own_lowerings_only
+from ..backend import Backend, LowerRequest, own_lowerings_only, recorded_options
 from .options import FLAGS, CoremlOptions
 from .session import open_session
 
@@ -19,11 +19,12 @@ def _lower(source: Path, out: Path, options: CoremlOptions, request: LowerReques
 
 
 def _summary(manifest: Manifest, out: Path) -> str:
-    options = CoremlOptions(**manifest.lowering.options)
+    options = recorded_options(CoremlOptions, manifest)
     return (f"lowered to {out} for CoreML (stateful mlprogram, float16, ctx_len {options.ctx_len}, seq_len "
             f"{manifest.block_size} or {options.prefill_len}); run it on macOS 15+ with --backend coreml")
 
 
 BACKEND = Backend(name="coreml", title="CoreML", options_type=CoremlOptions, flags=FLAGS, reexports=True,
                   lower=_lower, summary=_summary, can_open=own_lowerings_only("coreml", "CoreML"),
-                  open_session=open_session)
+                  open_session=open_session,
+                  session_options=("compute_units",))

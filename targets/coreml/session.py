@@ -11,6 +11,7 @@ import numpy as np
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest
 
+from ..backend import recorded_options
 from .options import CoremlOptions
 
 
@@ -58,5 +59,5 @@ class CoremlSession:
 
 def open_session(directory: Path, manifest: Manifest, graph: str, compute_units: str | None = None) -> CoremlSession:
     """The package of `graph`, on the compute units recorded at lowering unless others are given."""
-    units = compute_units or CoremlOptions(**manifest.lowering.options).compute_units
+    units = compute_units or recorded_options(CoremlOptions, manifest).compute_units
     return CoremlSession(Path(directory) / getattr(manifest, graph).file, units)

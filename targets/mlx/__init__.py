@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dflash_onnx.manifest import Manifest
 
-from ..backend import Backend, LowerRequest, own_lowerings_only
+from ..backend import Backend, LowerRequest, own_lowerings_only, recorded_options
 from .options import FLAGS, MlxOptions
 from .session import open_session
 
@@ -19,11 +19,12 @@ def _lower(source: Path, out: Path, options: MlxOptions, request: LowerRequest) 
 
 
 def _summary(manifest: Manifest, out: Path) -> str:
-    options, weights = MlxOptions(**manifest.lowering.options), manifest.lowering.report["weights"]
+    options, weights = recorded_options(MlxOptions, manifest), manifest.lowering.report["weights"]
     precision = f"{options.bits}-bit, group {options.group_size}" if options.bits else "float"
     return (f"lowered to {out} for MLX ({precision}; {sum(w['quantized'] for w in weights.values())} quantized "
             f"MatMul weights, {len(manifest.lowering.shared_with_target)} draft tensors shared with the target)")
 
 
 BACKEND = Backend(name="mlx", title="MLX", options_type=MlxOptions, flags=FLAGS, reexports=False, lower=_lower,
-                  summary=_summary, can_open=own_lowerings_only("mlx", "MLX"), open_session=open_session)
+                  summary=_summary, can_open=own_lowerings_only("mlx", "MLX"), open_session=open_session,
+                  session_options=())

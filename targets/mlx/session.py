@@ -19,6 +19,7 @@ from onnx import numpy_helper
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest
 
+from ..backend import recorded_options
 from .options import MlxOptions
 
 
@@ -75,7 +76,7 @@ class MlxSession:
         own = _load(directory / f"{graph}.safetensors")
         target = _load(directory / "target.safetensors") if graph == "draft" else own
         shared = manifest.lowering.shared_with_target if graph == "draft" else {}
-        options = MlxOptions(**manifest.lowering.options)
+        options = recorded_options(MlxOptions, manifest)
         bits, group_size = options.bits, options.group_size
 
         def stored(name: str, suffix: str = ""):

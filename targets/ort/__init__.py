@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dflash_onnx.manifest import Manifest
 
-from ..backend import Backend, LowerRequest
+from ..backend import Backend, LowerRequest, recorded_options
 from .options import FLAGS, OrtOptions
 from .session import open_session
 
@@ -19,7 +19,7 @@ def _lower(source: Path, out: Path, options: OrtOptions, request: LowerRequest) 
 
 
 def _summary(manifest: Manifest, out: Path) -> str:
-    options = OrtOptions(**manifest.lowering.options)
+    options = recorded_options(OrtOptions, manifest)
     kv = f"K/V buffers of {manifest.ctx_len} rows" if manifest.form == "buffer" else "concat K/V"
     return (f"lowered to {out} for ONNX Runtime ({options.provider}; {kv}; passes "
             f"{', '.join(options.passes) or 'none'}; ORT optimizations '{options.optimization_level}' saved; "
@@ -34,4 +34,5 @@ def _can_open(directory: Path, manifest: Manifest) -> str | None:
 
 
 BACKEND = Backend(name="ort", title="ONNX Runtime", options_type=OrtOptions, flags=FLAGS, reexports=False,
-                  lower=_lower, summary=_summary, can_open=_can_open, open_session=open_session)
+                  lower=_lower, summary=_summary, can_open=_can_open, open_session=open_session,
+                  session_options=("providers", "intra_op_threads", "allow_spinning", "optimization_level"))

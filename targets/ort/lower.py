@@ -22,6 +22,7 @@ from dflash_onnx.errors import DFlashError
 from dflash_onnx.graph_files import share_initializers
 from dflash_onnx.manifest import Lowering, Manifest
 from dflash_onnx.publish import copy_tokenizer_files, staged_directory
+from passes import registry
 from passes.pipeline import apply_pipeline
 
 from ..backend import LowerRequest
@@ -43,6 +44,13 @@ def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None
         ort.InferenceSession(str(source), sess_options=options, providers=[provider])
     except Exception as exc:
         raise DFlashError(f"ONNX Runtime cannot optimize {source.name}: {str(exc).splitlines()[0]}") from None
+
+
+def _refuse_own_rewrites(passes: tuple[str, ...]) -> None:
+    own = sorted({n for n in passes if n in registry() and registry()[n].lowering == "ort"})
+    if own:
+        raise DFlashError(f"--passes {','.join(own)}: the ORT lowering applies its own rewrites itself (see "
+                          "--kv-buffer); --passes takes the portable passes, e.g. rope-fusion,ort-fusions")
 
 
 def pipeline(options: OrtOptions, block_size: int) -> tuple[list[str], dict[str, dict]]:
@@ -71,6 +79,7 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
               request: LowerRequest | None = None) -> Manifest:
     """Write ORT_DIR: ORT-optimized target and draft graphs, the draft's vocab tensors shared, the manifest."""
     options, request = options or OrtOptions(), request or LowerRequest()
+    _refuse_own_rewrites(options.passes)
     manifest, _ = start_lowering(source, out, options, request)
     provider = provider_name(options.provider)
     with staged_directory(out) as tmp:
@@ -81,6 +90,8 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
                                            lowering="ort")
             shutil.move(str(fused_dir / "passes_report.json"), tmp / "passes_report.json")
             rewrites = _by_pass(report)
+            # the manifest lists the passes chosen; what the lowering's own rewrites did is in lowering.rewrites
+            fused = replace(fused, passes=fused.passes[: len(manifest.passes) + len(options.passes)])
         if options.kv_buffer:
             fused = replace(fused, form="buffer", ctx_len=options.ctx_len, kv_layout="batch,kv_heads,seq,head_dim")
         origin = fused_dir if names else Path(source)

@@ -28,9 +28,9 @@ class OrtOptions:
 
     def validate(self, block_size: int) -> None:
         if self.provider not in PROVIDERS:
-            raise DFlashError(f"unknown provider {self.provider!r}: choose one of {', '.join(PROVIDERS)}")
+            raise DFlashError(f"--provider {self.provider}: choose one of {', '.join(PROVIDERS)}")
         if self.optimization_level not in LEVELS:
-            raise DFlashError(f"optimization level {self.optimization_level!r}: choose one of {', '.join(LEVELS)}")
+            raise DFlashError(f"--optimization-level {self.optimization_level}: choose one of {', '.join(LEVELS)}")
         if min(self.intra_op_threads, self.draft_threads) < 0:
             raise DFlashError("--threads and --draft-threads take 0 (ONNX Runtime's default) or a positive count")
         if self.kv_buffer and "ort-fusions" not in self.passes:

@@ -11,6 +11,7 @@ import onnxruntime as ort
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest
 
+from ..backend import recorded_options
 from .options import LEVELS, PROVIDERS, OrtOptions
 
 INSTALL_HINTS = {"cuda": "pip install onnxruntime-gpu", "tensorrt": "pip install onnxruntime-gpu (and TensorRT)",
@@ -30,7 +31,7 @@ def ort_level(name: str) -> ort.GraphOptimizationLevel:
 def provider_name(provider: str) -> str:
     """ORT's name for a provider, checked against this onnxruntime build."""
     if provider not in PROVIDERS:
-        raise DFlashError(f"unknown provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
+        raise DFlashError(f"--provider {provider}: choose one of {', '.join(PROVIDERS)}")
     name = PROVIDERS[provider]
     if name not in ort.get_available_providers():
         hint = INSTALL_HINTS.get(provider, "use an onnxruntime build that has it")
@@ -139,7 +140,7 @@ def open_session(directory: Path, manifest: Manifest, graph: str, **overrides) -
     lowering's retained-state graphs (the host feeds each retained output back)."""
     settings: dict = {}
     if manifest.backend == "ort":
-        options = OrtOptions(**manifest.lowering.options)
+        options = recorded_options(OrtOptions, manifest)
         threads = options.draft_threads if graph == "draft" and options.draft_threads else options.intra_op_threads
         settings = {"intra_op_threads": threads, "allow_spinning": options.allow_spinning,
                     "optimization_level": options.optimization_level,
