@@ -78,7 +78,7 @@ def train_target(files: list[Path], out: Path, work: Path, minutes: float, seed:
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
     state_path, step, log = work / "target_state.pt", 0, []
     if state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=True)  # tensors and plain data only: no code runs
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, log = state["step"], state["log"]

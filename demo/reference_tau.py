@@ -24,7 +24,7 @@ dflash_model._cuda_time = time.perf_counter  # the reference times itself with C
 
 def main() -> None:
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 4
-    codec = TextCodec(PAIR_DIR / "target")
+    codec = TextCodec(PAIR_DIR / "target", artifact=False)
     target = AutoModelForCausalLM.from_pretrained(str(PAIR_DIR / "target"), dtype=torch.float32,
                                                   attn_implementation="sdpa").eval()
     draft = dflash_model.DFlashDraftModel.from_pretrained(str(PAIR_DIR / "draft"), dtype=torch.float32).eval()

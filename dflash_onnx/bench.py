@@ -71,28 +71,15 @@ def load_prompts(path: Path | None, codec: TextCodec | None, count: int, vocab_s
     if path is not None:
         if not Path(path).is_file():
             raise DFlashError(f"--prompts {path}: no such file")
+        try:
+            lines = Path(path).read_bytes().decode("utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise DFlashError(f"--prompts {path} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
         prompts = []
-        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            if Path(path).suffix == ".jsonl":
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:
-                    raise DFlashError(f"{path}:{number}: not a JSON object") from None
-                text, ids = entry.get("prompt"), entry.get("ids")
-            else:
-                text, ids = line.replace("\\n", "\n"), None
-            if ids is None:
-                if text is None:
-                    raise DFlashError(f"{path}:{number}: give \"prompt\" (text) or \"ids\"")
-                if codec is None:
-                    raise DFlashError(f"{path}:{number}: text prompts need tokenizer.json in the directory; "
-                                      "give token ids in a .jsonl file instead")
-                ids = codec.encode(text)
-            if not ids or min(ids) < 0 or max(ids) >= vocab_size:
-                raise DFlashError(f"{path}:{number}: prompt ids must be non-empty and lie in 0..{vocab_size - 1}")
-            prompts.append({"text": text, "ids": list(map(int, ids))})
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                prompts.append(_prompt_line(line, f"{path}:{number}", Path(path).suffix == ".jsonl", codec,
+                                            vocab_size))
         if not prompts:
             raise DFlashError(f"--prompts {path} holds no prompts")
         return prompts
@@ -100,6 +87,33 @@ def load_prompts(path: Path | None, codec: TextCodec | None, count: int, vocab_s
         return [{"text": text, "ids": codec.encode(text)} for text in held_out_prompts(count)]
     rng = np.random.default_rng(0)
     return [{"text": None, "ids": rng.integers(2, vocab_size - 1, size=16).tolist()} for _ in range(count)]
+
+
+def _prompt_line(line: str, where: str, jsonl: bool, codec: TextCodec | None, vocab_size: int) -> dict:
+    """One prompt file line: text, or in a .jsonl file an object with "prompt" (text) or "ids" (integers)."""
+    text, ids = line.replace("\\n", "\n"), None
+    if jsonl:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            entry = None
+        if not isinstance(entry, dict):
+            raise DFlashError(f'{where}: not a JSON object: write {{"prompt": "text"}} or {{"ids": [1, 2, 3]}}')
+        text, ids = entry.get("prompt"), entry.get("ids")
+        if text is not None and not isinstance(text, str):
+            raise DFlashError(f'{where}: "prompt" must be a string')
+        if ids is not None and (not isinstance(ids, list) or not all(type(i) is int for i in ids)):
+            raise DFlashError(f'{where}: "ids" must be a list of integers, like [785, 3974]')
+    if ids is None:
+        if text is None:
+            raise DFlashError(f'{where}: give "prompt" (text) or "ids"')
+        if codec is None:
+            raise DFlashError(f"{where}: text prompts need tokenizer.json in the directory; "
+                              "give token ids in a .jsonl file instead")
+        ids = codec.encode(text)
+    if not ids or min(ids) < 0 or max(ids) >= vocab_size:
+        raise DFlashError(f"{where}: prompt ids must be non-empty and lie in 0..{vocab_size - 1}")
+    return {"text": text, "ids": list(map(int, ids))}
 
 
 def _timed_run(decoder: Decoder, clocks: list[ClockedSession], ids: list[int], max_new_tokens: int, mode: str):

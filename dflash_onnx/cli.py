@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import warnings
@@ -27,10 +28,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args) -> int:
-    import tempfile
-
     from .export import export_pair
-    from .publish import check_out_dir
+    from .publish import check_out_dir, lock_out, scratch_directory
 
     passes = [n.strip() for n in (getattr(args, "passes", None) or "").split(",") if n.strip()]
     if not passes:
@@ -42,11 +41,10 @@ def run_export(args) -> int:
         from passes.pipeline import apply_pipeline, parse_pass_options
 
         check_out_dir(Path(args.out), (args.target, args.draft), args.overwrite)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=f".{Path(args.out).name}.export.", dir=Path(args.out).parent) as raw:
-            export_pair(args.target, args.draft, Path(raw) / "raw", block_size=args.block_size, dtype=args.dtype,
+        with lock_out(Path(args.out)), scratch_directory(Path(args.out)) as raw:  # OUT is ours for the whole run
+            export_pair(args.target, args.draft, raw / "raw", block_size=args.block_size, dtype=args.dtype,
                         opset=args.opset, allow_longer_block=args.allow_longer_block, progress=not args.quiet)
-            manifest, _ = apply_pipeline(Path(raw) / "raw", passes, args.out, parse_pass_options(args.pass_option),
+            manifest, _ = apply_pipeline(raw / "raw", passes, args.out, parse_pass_options(args.pass_option),
                                          overwrite=args.overwrite, progress=not args.quiet)
     sizes = {p.name: p.stat().st_size for p in Path(args.out).iterdir() if p.suffix in (".onnx", ".data")}
     print(f"exported to {args.out}: block size {manifest.block_size}, dtype {manifest.dtype}, opset {manifest.opset}")
@@ -68,6 +66,11 @@ def _generate(args) -> int:
     from .sampling import SamplingParams
     from .tokenizer import TextCodec, TextStream, has_tokenizer
 
+    if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable bytes on the command line arrive as lone surrogates
+            raise DFlashError("--prompt is not valid UTF-8 text: pass UTF-8, or --prompt-ids") from None
     decoder = open_decoder(args.out, backend=args.backend)
     codec = TextCodec(args.out) if (args.prompt is not None or has_tokenizer(args.out)) else None
     prompt = codec.encode(args.prompt) if args.prompt is not None else _parse_ids(args.prompt_ids)
@@ -143,6 +146,10 @@ def _optimize(args) -> int:
 
 def _steps(args) -> int:
     from .steps import measure, table
+
+    if args.repeats < 1 or args.context < 0:
+        raise DFlashError(f"--repeats must be at least 1 and --context at least 0, got {args.repeats} and "
+                          f"{args.context}")
 
     rows = measure(args.dirs, context=args.context, repeats=args.repeats)
     print(json.dumps(rows, indent=2) if args.json else table(rows))
@@ -387,6 +394,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except DFlashError as exc:
         print(f"dflash-onnx {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the machine, not the program: a full disk, a read-only or missing place
+        where = f" ({exc.filename})" if exc.filename else ""
+        hint = {errno.ENOSPC: "free some space or choose another --out", errno.EROFS: "choose a writable --out",
+                errno.EACCES: "check the permissions or choose another --out"}.get(exc.errno, "check the path")
+        print(f"dflash-onnx {args.command}: error: {exc.strerror or exc}{where}: {hint}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:  # the runtime needs neither; export, conversion and the torch peers do
         if exc.name is None or exc.name.split(".")[0] not in ("torch", "transformers", "safetensors"):

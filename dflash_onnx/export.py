@@ -20,6 +20,7 @@ from . import __version__
 from .errors import DFlashError
 from .graph_files import graph_spec, share_initializers
 from .manifest import GraphSpec, Manifest
+from .model_dirs import export_bytes
 from .models.draft import DFlashDraft, DraftSpec
 from .models.target import TappedTarget, check_against_hf
 from .pair import LOGIT_TOLERANCE, TargetInfo, load_draft, load_target, validate_pair
@@ -122,7 +123,8 @@ def export_pair(
     block = validate_pair(info, spec, block_size, allow_longer_block, dtype)
     torch_dtype = torch.float16 if dtype == "float16" else torch.float32
     stages = Stages(6, enabled=progress)
-    with staged_directory(out) as tmp:
+    need = int(1.05 * export_bytes([target_dir, draft_dir], torch_dtype.itemsize))  # every weight once
+    with staged_directory(out, (target_dir, draft_dir), overwrite, need) as tmp:
         with stages.stage("loading target and draft"), torch.no_grad():
             lm = load_target(target_dir, dtype)
             draft = load_draft(draft_dir, lm, dtype)

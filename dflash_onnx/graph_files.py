@@ -12,10 +12,29 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from .errors import DFlashError
 from .manifest import GraphSpec, TensorSpec
+from .paths import member
 
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
                onnx.TensorProto.INT32: "int32"}
+
+
+def checked_graph(path: Path) -> onnx.ModelProto:
+    """The structure of the graph file `path` (weights not loaded), every external-data location in it checked
+    to be a plain name beside it: call before anything loads the graph's weights."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises DecodeError and others for a damaged file
+        raise DFlashError(f"{path} is not a readable ONNX graph ({str(exc).splitlines()[0] if str(exc) else exc!r}): "
+                          "re-run the command that wrote it") from None
+    tensors = list(model.graph.initializer)
+    tensors += [a.t for n in model.graph.node for a in n.attribute if a.HasField("t")]
+    for tensor in tensors:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = {e.key: e.value for e in tensor.external_data}.get("location", "")
+            member(Path(path).parent, location, f"{Path(path).name}'s external data for {tensor.name}")
+    return model
 
 
 def _point_to(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
@@ -32,7 +51,7 @@ def _external_bytes(tensor: onnx.TensorProto) -> tuple[str, int, int]:
 
 def _read(out: Path, tensor: onnx.TensorProto) -> bytes:
     location, offset, length = _external_bytes(tensor)
-    with open(out / location, "rb") as handle:
+    with open(member(out, location, "a graph's external data"), "rb") as handle:
         handle.seek(offset)
         return handle.read(length)
 

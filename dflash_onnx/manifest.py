@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import DFlashError
+from .paths import member
 
 FORMAT_VERSION = 2  # 2: `lowering` is the typed Lowering record (format 1 held a free-form dict)
 MANIFEST_NAME = "dflash.json"
@@ -174,9 +175,9 @@ def load_manifest(directory: Path) -> Manifest:
         raise DFlashError(f"{directory} has no {MANIFEST_NAME}: it is not an exported dflash-onnx directory")
     try:
         manifest = Manifest.from_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError, KeyError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, AttributeError, ValueError) as exc:
         raise DFlashError(f"{path} is corrupt ({exc}): re-run the command that wrote it") from None
     for graph in (manifest.target, manifest.draft):
-        if not (directory / graph.file).exists():  # a file, or a package directory (CoreML)
+        if not member(directory, graph.file, f"{MANIFEST_NAME}'s graph file").exists():  # a file, or a package
             raise DFlashError(f"{directory} lacks {graph.file}, named in {MANIFEST_NAME}: re-run the export")
     return manifest

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .errors import DFlashError
+from .model_dirs import read_config, weight_files
 from .models.draft import DFlashDraft, DraftSpec
 from .models.target import TappedTarget
 
@@ -35,26 +36,36 @@ class TargetInfo:
 
     @classmethod
     def from_dir(cls, path: Path) -> TargetInfo:
+        """Read and check the target directory: a JSON config without custom code, whole safetensors weights,
+        a decoder-only LLM."""
         from transformers import AutoConfig
 
         path = Path(path)
-        if not (path / "config.json").is_file():
-            raise DFlashError(f"target directory {path} has no config.json")
+        read_config(path, "target")
+        weight_files(path, "target")
+        from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
         try:
-            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        except (ValueError, OSError, json.JSONDecodeError) as exc:
-            raise DFlashError(f"cannot read target config in {path}: {exc}") from None
-        text = config.get_text_config(decoder=True)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        return cls(
-            model_type=config.model_type,
-            vocab_size=text.vocab_size,
-            hidden_size=text.hidden_size,
-            num_layers=text.num_hidden_layers,
-            num_kv_heads=text.num_key_value_heads,
-            head_dim=head_dim,
-            stop_token_ids=_stop_token_ids(path, config),
-        )
+            config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        except Exception as exc:  # transformers raises ValueError, OSError, KeyError ... for unusable configs
+            raise DFlashError(f"cannot read target config in {path}: {_first_line(exc)}") from None
+        if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or config.is_encoder_decoder:
+            raise DFlashError(f"target {path / 'config.json'} is a {config.model_type} model, an encoder: DFlash "
+                              "targets are decoder-only causal LMs such as Qwen3, Llama, Mistral")
+        try:
+            text = config.get_text_config(decoder=True)
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            return cls(model_type=config.model_type, vocab_size=text.vocab_size, hidden_size=text.hidden_size,
+                       num_layers=text.num_hidden_layers, num_kv_heads=text.num_key_value_heads, head_dim=head_dim,
+                       stop_token_ids=_stop_token_ids(path, config))
+        except AttributeError as exc:
+            raise DFlashError(f"target {path / 'config.json'} ({config.model_type}) is not a decoder-only LLM with "
+                              f"grouped-query attention ({exc}): DFlash targets are causal LMs such as Qwen3, Llama, "
+                              "Mistral") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _stop_token_ids(path: Path, config) -> list[int]:
@@ -121,15 +132,15 @@ def load_target(path: Path, dtype: str = "float32") -> nn.Module:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    files = list(Path(path).glob("*.safetensors")) + list(Path(path).glob("*.bin"))
-    if not files:
-        raise DFlashError(f"target directory {path} has no weights (*.safetensors or *.bin)")
+    read_config(path, "target")
+    weight_files(path, "target")
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=DTYPES[dtype], local_files_only=True, attn_implementation="sdpa"
+            str(path), dtype=DTYPES[dtype], local_files_only=True, attn_implementation="sdpa",
+            trust_remote_code=False, use_safetensors=True,
         )
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise DFlashError(f"cannot load target from {path}: {exc}") from None
+    except Exception as exc:  # the loader raises many types; the checks above caught what a user can fix
+        raise DFlashError(f"cannot load target from {path}: {_first_line(exc)}") from None
     return model.eval()
 
 
@@ -153,3 +164,17 @@ def load_tapped_pair(target_dir: Path, draft_dir: Path, target_layer_ids: list[i
         lm = load_target(target_dir, dtype)
         draft = load_draft(draft_dir, lm, dtype)
     return TappedTarget(lm, target_layer_ids).eval(), draft
+
+
+def load_reference_draft(draft_dir: Path, dtype: str = "float32") -> nn.Module | None:
+    """The reference `dflash` package's draft on the same checkpoint (an oracle: parity, bench peers), from
+    safetensors only; None when the package is not installed."""
+    try:
+        from dflash import DFlashDraftModel
+    except ImportError:
+        return None
+    read_config(draft_dir, "draft")
+    weight_files(draft_dir, "draft")
+    model = DFlashDraftModel.from_pretrained(str(draft_dir), dtype=DTYPES[dtype], local_files_only=True,
+                                             use_safetensors=True, trust_remote_code=False)
+    return model.eval()

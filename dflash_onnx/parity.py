@@ -20,7 +20,7 @@ from .errors import DFlashError
 from .manifest import Manifest
 from .models.draft import DFlashDraft
 from .models.target import TappedTarget, hf_greedy
-from .pair import LOGIT_TOLERANCE, load_draft, load_target
+from .pair import LOGIT_TOLERANCE, load_draft, load_reference_draft, load_target
 
 
 @dataclass
@@ -64,15 +64,6 @@ def _scale(b: torch.Tensor) -> float:
 
 def _kv_feeds(names: list[str], tensors) -> dict[str, np.ndarray]:
     return {name: t.detach().numpy() for name, t in zip(names, tensors)}
-
-
-def _reference_model(draft_dir: Path, dtype: torch.dtype):
-    """The reference package's draft on the same checkpoint, or None when `dflash` is not installed."""
-    try:
-        from dflash import DFlashDraftModel
-    except ImportError:
-        return None
-    return DFlashDraftModel.from_pretrained(str(draft_dir), dtype=dtype).eval()
 
 
 def _reference_tokens(model, lm, prompt: np.ndarray, max_new_tokens: int, stops: list[int],
@@ -149,7 +140,7 @@ def run_parity(out_dir: Path, target_dir: Path | None = None, draft_dir: Path | 
     report = ParityReport(tolerance=LOGIT_TOLERANCE[manifest.dtype])
     lossy = [p for p in manifest.passes if p.get("lossy")]
     relative = max((float(p["bound"]) for p in lossy), default=0.0)  # graph passes state their own bounds
-    reference_model = _reference_model(draft_dir, lm.dtype)
+    reference_model = load_reference_draft(draft_dir, manifest.dtype)
     report.reference_available = reference_model is not None
     rng = np.random.default_rng(seed)
     stops = list(manifest.stop_token_ids)

@@ -22,6 +22,7 @@ import numpy as np
 
 from .errors import DFlashError
 from .manifest import Manifest
+from .model_dirs import read_config, weight_files
 
 PEERS = ("hf", "reference", "ort-genai")
 
@@ -86,6 +87,8 @@ def _genai_model_dir(target_dir: Path, dtype: str) -> Path:
     out = cache_root() / "ort-genai" / f"{digest.hexdigest()[:12]}-{dtype}"
     if (out / "genai_config.json").is_file():
         return out
+    read_config(target_dir, "target")  # the builder loads the checkpoint: no custom code, no pickle
+    weight_files(target_dir, "target")
     precision = {"float32": "fp32", "float16": "fp16"}[dtype]
     command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(target_dir), "-o", str(out),
                "-p", precision, "-e", "cpu", "-c", str(out.parent / "build-cache")]
@@ -177,7 +180,7 @@ def check_peer_names(names: list[str]) -> None:
 def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str], target_dir: Path | None,
               draft_dir: Path | None, ours: dict, our_tokens: list[list[int]], progress: bool = True) -> dict:
     """Each named peer's aggregate figures, ours beside them, and the ratios the bench reports."""
-    from .pair import load_target
+    from .pair import load_reference_draft, load_target
 
     check_peer_names(names)
     lossy = [p["name"] for p in manifest.passes if p.get("lossy")]
@@ -193,14 +196,9 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
             print("peers: hf greedy ...", file=sys.stderr, flush=True)
         rows.append(_hf_greedy(lm, prompts, options.max_new_tokens, options.repeats))
     if "reference" in names:
-        try:
-            from dflash import DFlashDraftModel
-        except ImportError:
-            raise DFlashError("peer 'reference' needs the reference package: pip install --no-deps dflash==0.1.0") \
-                from None
-        import torch
-
-        draft = DFlashDraftModel.from_pretrained(str(draft_dir), dtype=getattr(torch, dtype)).eval()
+        draft = load_reference_draft(draft_dir, dtype)
+        if draft is None:
+            raise DFlashError("peer 'reference' needs the reference package: pip install --no-deps dflash==0.1.0")
         for block in (1, manifest.block_size):
             if progress:
                 print(f"peers: reference block {block} ...", file=sys.stderr, flush=True)

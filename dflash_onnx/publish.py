@@ -1,14 +1,21 @@
-"""Writing an output directory: every writer (export, optimize, each lowering, distill) publishes through here.
+"""Writing an output directory: every writer (export, optimize, each lowering, distill) publishes here.
 
-A directory is built in a temporary sibling and renamed into place only when complete, so a failed or
-interrupted run never leaves a half-written directory, and an existing one is replaced only on success.
+A directory is built in a staging sibling `.NAME.staging-PID` and published whole: on Linux with one
+atomic exchange (`renameat2(RENAME_EXCHANGE)`), so OUT names a complete directory at every instant, the old
+one until the exchange and the new one after it; elsewhere (or on a filesystem without the call) with two
+renames. While a writer runs, OUT is locked (`.NAME.lock`, flock): a second writer fails at once. Staging
+and scratch directories of runs that died (their process is gone) are removed by the next writer of the same
+OUT; free space is compared with what the writer says it needs before anything is written.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import re
 import shutil
-import tempfile
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,47 +26,185 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
     "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json",
 )
+AT_FDCWD, RENAME_NOREPLACE, RENAME_EXCHANGE = -100, 1, 2
+_HELD: set[Path] = set()  # outputs this process holds the lock of (a writer inside a writer re-enters)
 
 
 def check_out_dir(out: Path, sources: tuple[Path, ...], overwrite: bool) -> None:
-    """Refuse an --out that exists (unless `overwrite`), is a file, or would replace one of `sources`."""
+    """Refuse an --out that exists (unless `overwrite`), is a file, sits below a file, or would replace one
+    of `sources`. Cheap: writers call it before any work, and again under the lock."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise DFlashError(f"{out} exists and is not a directory: choose another --out")
-    if out.exists() and not overwrite:
-        raise DFlashError(f"{out} already exists: choose another --out or pass --overwrite")
     resolved = out.resolve()
     for source in sources:
         if resolved == Path(source).resolve() or resolved in Path(source).resolve().parents:
             raise DFlashError(f"--out {out} would replace the model directory {source}: choose another --out")
+    if out.exists() and not out.is_dir():
+        raise DFlashError(f"{out} exists and is not a directory: choose another --out")
+    if out.exists() and not overwrite:
+        raise DFlashError(f"{out} already exists: choose another --out or pass --overwrite")
+    for ancestor in out.absolute().parents:
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise DFlashError(f"--out {out}: {ancestor} is a file, not a directory: choose another --out")
+            break
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _clean_stale(out: Path) -> list[Path]:
+    """Remove the staging, scratch and set-aside directories of earlier writers of `out` whose process is gone."""
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(staging|scratch|old)-(\d+)(-\d+)?$")
+    removed = []
+    for entry in out.parent.iterdir() if out.parent.is_dir() else []:
+        match = pattern.match(entry.name)
+        if match and int(match.group(2)) != os.getpid() and not _alive(int(match.group(2))):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 @contextmanager
-def staged_directory(out: Path) -> Iterator[Path]:
-    """A temporary sibling of `out` to write into: published as `out` on success, removed on any error."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+def lock_out(out: Path) -> Iterator[None]:
+    """Hold the lock of `out` for the block: a second writer of the same OUT fails at once, in one line.
+    Re-entrant within a process; a no-op where flock does not exist."""
+    out = Path(out).absolute()
     try:
-        yield tmp
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        import fcntl
+    except ImportError:
+        yield
+        return
+    if out in _HELD:
+        yield
+        return
+    path = out.parent / f".{out.name}.lock"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise DFlashError(f"--out {out}: cannot write in {out.parent} ({exc.strerror})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            raise DFlashError(f"another dflash-onnx (pid {holder}) is writing {out}: wait for it to finish, or "
+                              "choose another --out") from None
+        if not path.exists() or os.stat(path).st_ino != os.fstat(fd).st_ino:  # unlinked by a finishing writer
+            raise DFlashError(f"{out} was being published by another dflash-onnx: run again")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        _HELD.add(out)
+        try:
+            yield
+        finally:
+            _HELD.discard(out)
+            path.unlink(missing_ok=True)  # while still holding it: a waiter then sees a stale inode
+    finally:
+        os.close(fd)
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished directory into place; an old `out` is set aside first and removed only after."""
+def _side_directory(out: Path, kind: str) -> Path:
+    """A new `.NAME.<kind>-PID` directory beside `out`."""
+    for attempt in range(1000):
+        path = out.parent / f".{out.name}.{kind}-{os.getpid()}{f'-{attempt}' if attempt else ''}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise DFlashError(f"--out {out}: cannot write in {out.parent} ({exc.strerror})") from None
+    raise DFlashError(f"--out {out}: cannot create a staging directory in {out.parent}")
+
+
+def _check_space(out: Path, need_bytes: int) -> None:
+    free = shutil.disk_usage(out.parent).free
+    if need_bytes > free:
+        raise DFlashError(f"--out {out}: this needs about {need_bytes / 2**30:.2f} GiB and {out.parent} has "
+                          f"{free / 2**30:.2f} GiB free: free some space or choose another --out")
+
+
+@contextmanager
+def staged_directory(out: Path, sources: tuple[Path, ...] = (), overwrite: bool = False,
+                     need_bytes: int = 0) -> Iterator[Path]:
+    """A staging directory to write `out` into, published whole on success and removed on any error. Under
+    the lock of `out`: the --out checks again, stale staging of dead runs removed, free space checked."""
+    out = Path(out)
+    with lock_out(out):
+        check_out_dir(out, sources, overwrite)
+        _clean_stale(out)
+        _check_space(out, need_bytes)
+        staging = _side_directory(out, "staging")
+        try:
+            yield staging
+            _publish(staging, out, overwrite)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+@contextmanager
+def scratch_directory(out: Path) -> Iterator[Path]:
+    """A scratch directory beside `out` for intermediate files, removed afterwards (or by the next writer of
+    `out` when this process is killed)."""
+    scratch = _side_directory(Path(out), "scratch")
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _renameat2(source: Path, dest: Path, flags: int) -> bool:
+    """Linux renameat2; False where the platform or the filesystem lacks it (the caller falls back)."""
+    call = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform.startswith("linux") else None
+    if call is None:
+        return False
+    if call(AT_FDCWD, os.fsencode(source), AT_FDCWD, os.fsencode(dest), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(dest))
+
+
+def _exchange(staging: Path, out: Path) -> bool:
+    """Swap `staging` and `out` in one step; False where that cannot be done here."""
+    return _renameat2(staging, out, RENAME_EXCHANGE)
+
+
+def _publish(staging: Path, out: Path, overwrite: bool) -> None:
     umask = os.umask(0)
     os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
-    old = None
+    staging.chmod(0o777 & ~umask)
     if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
+        if not overwrite:
+            raise DFlashError(f"{out} appeared while this ran: choose another --out or pass --overwrite")
+        if _exchange(staging, out):  # `staging` now holds the old directory
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        old = _side_directory(out, "old")
+        os.replace(out, old / out.name)
+        os.replace(staging, out)
         shutil.rmtree(old, ignore_errors=True)
+        return
+    try:
+        if not _renameat2(staging, out, RENAME_NOREPLACE):
+            os.rename(staging, out)
+    except FileExistsError:
+        raise DFlashError(f"{out} appeared while this ran: choose another --out or pass --overwrite") from None
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of the files in `path` (what writing a directory like it takes)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 def copy_tokenizer_files(source: Path, dest: Path) -> list[str]:

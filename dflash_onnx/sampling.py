@@ -6,6 +6,7 @@ DFlash output has exactly the target's distribution.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,8 +22,12 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise DFlashError("temperature and top_k must be non-negative, and top_p in (0, 1]")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise DFlashError(f"--temperature must be 0 (greedy) or more, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # NaN fails this too
+            raise DFlashError(f"--top-p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise DFlashError(f"--top-k must be 0 (no top-k) or more, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:

@@ -5,18 +5,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import DFlashError
+from .paths import member
 
 
 class TextCodec:
     """Encodes prompts and decodes growing id lists into text deltas for streaming."""
 
-    def __init__(self, directory: Path):
-        path = Path(directory) / "tokenizer.json"
+    def __init__(self, directory: Path, artifact: bool = True):
+        """`artifact`: a directory dflash-onnx wrote (its tokenizer.json must not lead outside it); a model
+        checkpoint's may be a symlink (the Hugging Face cache links its files to blobs)."""
+        path = member(Path(directory), "tokenizer.json", "the tokenizer file") if artifact \
+            else Path(directory) / "tokenizer.json"
         if not path.is_file():
             raise DFlashError(f"{directory} has no tokenizer.json: pass --prompt-ids instead of --prompt")
         from tokenizers import Tokenizer
 
-        self._tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises its own Exception for a file it cannot parse
+            raise DFlashError(f"{path} is not a tokenizer.json the tokenizers library reads ({exc})") from None
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).ids

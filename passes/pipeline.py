@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from dflash_onnx.errors import DFlashError
-from dflash_onnx.graph_files import graph_spec, share_initializers
+from dflash_onnx.graph_files import checked_graph, graph_spec, share_initializers
 from dflash_onnx.manifest import GraphSpec, Manifest, load_export
 from dflash_onnx.publish import check_out_dir, copy_tokenizer_files, staged_directory
 
@@ -55,6 +55,7 @@ def select_passes(names: list[str], lowering: str | None) -> list[GraphPass]:
 def _run_graph(path: Path, spec: GraphSpec, context: dict, chosen: list[GraphPass], pass_options: dict,
                progress: bool) -> tuple[ir.Model, list[dict]]:
     """Every pass on one graph, loaded with its weights memory-mapped; returns the model and report rows."""
+    checked_graph(path)  # its external data stays beside it, before onnx-ir maps it
     model, rows = ir.load(str(path)), []
     for graph_pass in chosen:
         options = {**pass_options.get("*", {}), **pass_options.get(graph_pass.name, {})}
@@ -87,7 +88,8 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
     check_out_dir(out, (Path(source),), overwrite)
     pass_options = pass_options or {}
     report: list[dict] = []
-    with staged_directory(out) as tmp:
+    need = int(1.1 * sum(p.stat().st_size for p in Path(source).glob("*.onnx*")))  # about the source's size
+    with staged_directory(out, (Path(source),), overwrite, need) as tmp:
         feeds = {}
         if any(p.calibrated for p in chosen):
             if progress:

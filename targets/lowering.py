@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 from dflash_onnx.manifest import Manifest, load_export
-from dflash_onnx.publish import check_out_dir
+from dflash_onnx.publish import check_out_dir, directory_bytes, staged_directory
 
 from .backend import LowerRequest
 
@@ -22,3 +23,11 @@ def start_lowering(source: Path, out: Path, options: Any, request: LowerRequest,
         else None
     check_out_dir(Path(out), (Path(source), *(checkpoints or ())), request.overwrite)
     return manifest, checkpoints
+
+
+def lowered_output(source: Path, out: Path, request: LowerRequest, checkpoints: tuple[Path, Path] | None = None,
+                   size_factor: float = 1.1) -> AbstractContextManager[Path]:
+    """The staging directory a lowering writes OUT into (published whole, OUT locked meanwhile), with the
+    free space it needs taken as `size_factor` times the export's size."""
+    return staged_directory(Path(out), (Path(source), *(checkpoints or ())), request.overwrite,
+                            int(size_factor * directory_bytes(Path(source))))

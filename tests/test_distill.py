@@ -84,7 +84,8 @@ def test_resume_continues_an_interrupted_run(tiny_target, tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         distill(target_dir, tmp_path / "draft", DistillOptions(**options, checkpoint_every=25),
                 prompts_file=root / "prompts.txt", progress=False)
-    assert (tmp_path / "draft.ckpt" / "state.pt").is_file() and not (tmp_path / "draft").exists()
+    assert (tmp_path / "draft.ckpt" / "state.safetensors").is_file() and not (tmp_path / "draft").exists()
+    assert not any(p.suffix == ".pt" for p in (root / "cache").rglob("*"))  # no pickle in the training cache
     with pytest.raises(DFlashError, match="--resume"):
         distill(target_dir, tmp_path / "draft", DistillOptions(**options), prompts_file=root / "prompts.txt",
                 progress=False)

@@ -81,10 +81,10 @@ def test_missing_and_corrupt_draft_weights(tmp_path):
 
     target = AutoModelForCausalLM.from_pretrained(str(target_dir))
     (draft_dir / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(DFlashError, match="cannot read draft weights"):
+    with pytest.raises(DFlashError, match="damaged or truncated .*no readable header"):
         load_draft(draft_dir, target)
     (draft_dir / "model.safetensors").unlink()
-    with pytest.raises(DFlashError, match="no \\*.safetensors"):
+    with pytest.raises(DFlashError, match="no weights \\(\\*.safetensors\\)"):
         load_draft(draft_dir, target)
     (draft_dir / "config.json").write_text("{oops")
     with pytest.raises(DFlashError, match="not valid JSON"):

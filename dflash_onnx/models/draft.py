@@ -7,7 +7,6 @@ parameters of this module so that the exported draft graph is self-contained.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from ..errors import DFlashError
+from ..model_dirs import read_config, weight_files
 
 DFLASH2_KEYS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
 
@@ -60,37 +60,33 @@ class DraftSpec:
             )
         if "num_target_layers" not in raw:
             raise DFlashError("draft config.json has no 'num_target_layers': is this a DFlash draft directory?")
-        config = Qwen3Config(**{k: v for k, v in raw.items() if k != "dflash_config"})
+        try:
+            config = Qwen3Config(**{k: v for k, v in raw.items() if k != "dflash_config"})
 
-        def value(name, default=None):
-            return dflash.get(name, raw.get(name, default))
+            def value(name, default=None):
+                return dflash.get(name, raw.get(name, default))
 
-        layer_ids = value("target_layer_ids") or build_target_layer_ids(
-            int(raw["num_target_layers"]), config.num_hidden_layers
-        )
-        softcap = value("final_logit_softcapping")
-        mask = value("mask_token_id")
-        return cls(
-            config=config,
-            target_layer_ids=[int(i) for i in layer_ids],
-            block_size=int(value("block_size", 16)),
-            mask_token_id=None if mask is None else int(mask),
-            num_target_layers=int(raw["num_target_layers"]),
-            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
-            output_multiplier=float(value("output_multiplier", 1.0)),
-            final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
-        )
+            layer_ids = value("target_layer_ids") or build_target_layer_ids(
+                int(raw["num_target_layers"]), config.num_hidden_layers
+            )
+            softcap = value("final_logit_softcapping")
+            mask = value("mask_token_id")
+            return cls(
+                config=config,
+                target_layer_ids=[int(i) for i in layer_ids],
+                block_size=int(value("block_size", 16)),
+                mask_token_id=None if mask is None else int(mask),
+                num_target_layers=int(raw["num_target_layers"]),
+                input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+                output_multiplier=float(value("output_multiplier", 1.0)),
+                final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+            )
+        except (TypeError, ValueError) as exc:  # a field of the wrong type or shape
+            raise DFlashError(f"draft config.json cannot describe a DFlash draft: {exc}") from None
 
     @classmethod
     def from_dir(cls, path: Path) -> DraftSpec:
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise DFlashError(f"draft directory {path} has no config.json")
-        try:
-            raw = json.loads(config_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise DFlashError(f"draft {config_path} is not valid JSON: {exc}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(read_config(Path(path), "draft"))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -218,9 +214,7 @@ class DFlashDraft(nn.Module):
 
     def load_checkpoint(self, draft_dir: Path) -> None:
         """Load a published draft's safetensors (keys without prefix), strictly."""
-        files = sorted(Path(draft_dir).glob("*.safetensors"))
-        if not files:
-            raise DFlashError(f"draft directory {draft_dir} has no *.safetensors weights")
+        files = weight_files(Path(draft_dir), "draft")
         state: dict[str, torch.Tensor] = {}
         for file in files:
             try:

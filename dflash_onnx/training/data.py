@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from ..errors import DFlashError
 from ..tokenizer import TextCodec
@@ -70,9 +71,13 @@ def continuations(target, target_dir: Path, prompts: list[list[int]], new_tokens
     for file in sorted(Path(target_dir).glob("*.safetensors")):
         digest.update(file.name.encode() + str(file.stat().st_size).encode() + str(file.stat().st_mtime_ns).encode())
     digest.update(repr((prompts, new_tokens)).encode())
-    path = cache_dir() / f"{digest.hexdigest()[:24]}.pt"
+    path = cache_dir() / f"{digest.hexdigest()[:24]}.safetensors"
     if path.is_file():
-        return torch.load(path)
+        try:
+            cached = load_file(str(path))
+            return [cached[f"sequence.{i}"] for i in range(len(cached))]
+        except Exception:  # a damaged or foreign cache file is regenerated, never trusted
+            path.unlink(missing_ok=True)
     sequences = []
     with torch.no_grad():
         for index, prompt in enumerate(prompts):
@@ -86,7 +91,7 @@ def continuations(target, target_dir: Path, prompts: list[list[int]], new_tokens
     if progress:
         print(file=sys.stderr)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    torch.save(sequences, partial)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    save_file({f"sequence.{i}": s.contiguous() for i, s in enumerate(sequences)}, str(partial))
     partial.replace(path)
     return sequences

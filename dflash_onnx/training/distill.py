@@ -3,8 +3,9 @@
 The draft shares the target's embedding and lm_head (not trained, not saved). Its layers start from the
 target's last layers, fc from an average of the tapped features. Training text is the target's own greedy
 continuations (training/data.py); blocks are packed per sequence (training/blocks.py). AdamW with linear
-warmup, cosine decay and gradient clipping; checkpoints in OUT.ckpt/ let `--resume` continue; tau on
-held-out sequences is measured as decoding would (acceptance of the target's greedy continuation).
+warmup, cosine decay and gradient clipping; checkpoints in OUT.ckpt/ (safetensors + JSON,
+training/checkpoint.py) let `--resume` continue; tau on held-out sequences is measured as decoding would
+(acceptance of the target's greedy continuation).
 The result is a draft directory in the published layout (config.json with dflash_config, model.safetensors).
 """
 
@@ -23,7 +24,7 @@ from safetensors.torch import save_file
 from ..errors import DFlashError
 from ..models.draft import DFlashDraft, DraftSpec, build_target_layer_ids
 from ..tokenizer import TextCodec
-from . import blocks, data
+from . import blocks, checkpoint, data
 
 SAVED_AWAY = ("embed_tokens", "lm_head")
 
@@ -136,11 +137,11 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
 
     options.validate()
     target_dir, out = Path(target_dir), Path(out)
-    checkpoint = out.with_name(out.name + ".ckpt") / "state.pt"
+    checkpoint_dir = out.with_name(out.name + ".ckpt")
     if out.exists() and not resume:
         raise DFlashError(f"{out} exists: choose a new --out (or --resume an interrupted run)")
-    if checkpoint.exists() and not resume:
-        raise DFlashError(f"{checkpoint} holds an interrupted run: pass --resume, or delete it")
+    if checkpoint.exists(checkpoint_dir) and not resume:
+        raise DFlashError(f"{checkpoint_dir} holds an interrupted run: pass --resume, or delete it")
     if not data_paths and not prompts_file:
         raise DFlashError("give training text: --data FILES_OR_DIRS or --prompts FILE")
     torch.manual_seed(options.seed)
@@ -148,7 +149,7 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
     lm = load_target(target_dir, "float32")
     for parameter in lm.parameters():
         parameter.requires_grad_(False)
-    codec = TextCodec(target_dir)
+    codec = TextCodec(target_dir, artifact=False)
     vocab = lm.config.get_text_config(decoder=True).vocab_size
     mask_id = options.mask_token_id if options.mask_token_id is not None else codec.token_id("<mask>", vocab - 1)
     if prompts_file:
@@ -170,12 +171,9 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
     report = {"options": asdict(options), "mask_token_id": mask_id, "target_layer_ids": tapped,
               "tau_before": held_out_tau(draft, held_out, block, mask_id), "history": []}
     step, total = 0, options.steps or 10**9
-    if resume and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
-        draft.load_state_dict(state["draft"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-        step, total, report = state["step"], state["total"], state["report"]
-        generator.set_state(state["generator"])
+    if resume and checkpoint.exists(checkpoint_dir):
+        meta = checkpoint.load(checkpoint_dir, draft, optimizer, generator)
+        step, total, report = meta["step"], meta["total"], meta["report"]
     started = time.perf_counter()
     bar = tqdm(total=options.steps, initial=step, disable=not progress, desc="distill", unit="step", file=sys.stderr)
     draft.train()
@@ -210,15 +208,12 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
             total = max(10, int(options.time_budget_min * 60 / per_step))  # the schedule spans the budget
             bar.total = total
         if step % options.checkpoint_every == 0 and step < total:
-            checkpoint.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"draft": {k: v for k, v in draft.state_dict().items() if k not in SAVED_AWAY},
-                        "optimizer": optimizer.state_dict(), "step": step, "total": total, "report": report,
-                        "generator": generator.get_state()}, checkpoint.with_suffix(".partial"))
-            checkpoint.with_suffix(".partial").replace(checkpoint)
+            checkpoint.save(checkpoint_dir, {k: v for k, v in draft.state_dict().items() if k not in SAVED_AWAY},
+                            optimizer, generator, {"step": step, "total": total, "report": report})
     bar.close()
     draft.eval()
     report.update(steps=step, seconds=round(time.perf_counter() - started, 1),
                   tau_after=held_out_tau(draft, held_out, block, mask_id))
     _save_draft(draft, config, out, report)
-    shutil.rmtree(checkpoint.parent, ignore_errors=True)
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)
     return report

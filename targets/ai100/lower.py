@@ -25,11 +25,11 @@ from dflash_onnx.models.calibration import calibrate_for_fp16
 from dflash_onnx.models.retained import RetainedDraft, RetainedTarget
 from dflash_onnx.pair import load_tapped_pair
 from dflash_onnx.progress import Stages
-from dflash_onnx.publish import copy_tokenizer_files, staged_directory
+from dflash_onnx.publish import copy_tokenizer_files
 from passes.rope_fusion import fuse
 
 from ..backend import LowerRequest
-from ..lowering import start_lowering
+from ..lowering import lowered_output, start_lowering
 from .compiler import check_graph, compile_commands, compile_script, custom_io_yaml, specializations
 from .options import Ai100Options
 from .sdk import SDK_DIR, find_compiler
@@ -113,7 +113,7 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options | None = None,
     out = Path(out)
     stages = Stages(5, enabled=request.progress)
     compiler = find_compiler()
-    with staged_directory(out) as tmp:
+    with lowered_output(source, out, request, (target_dir, draft_dir)) as tmp:
         with stages.stage("loading target and draft"):
             tapped, draft = load_tapped_pair(target_dir, draft_dir, manifest.target_layer_ids, manifest.dtype)
         with stages.stage("calibrating float16 range"):

@@ -22,10 +22,10 @@ from dflash_onnx.models.calibration import calibrate_for_fp16
 from dflash_onnx.models.stateful import StatefulDraft, StatefulTarget
 from dflash_onnx.pair import load_tapped_pair
 from dflash_onnx.progress import Stages
-from dflash_onnx.publish import copy_tokenizer_files, staged_directory
+from dflash_onnx.publish import copy_tokenizer_files
 
 from ..backend import LowerRequest
-from ..lowering import start_lowering
+from ..lowering import lowered_output, start_lowering
 from .options import CoremlOptions
 from .session import import_coremltools
 
@@ -64,7 +64,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     stages = Stages(4, enabled=request.progress)
     block, chunk = manifest.block_size, options.prefill_len
     sizes = ct.EnumeratedShapes(shapes=[(1, block), (1, chunk)], default=(1, block))
-    with staged_directory(out) as tmp:
+    with lowered_output(source, out, request, (target_dir, draft_dir)) as tmp:
         with stages.stage("loading target and draft"):
             tapped, draft = load_tapped_pair(target_dir, draft_dir, manifest.target_layer_ids, "float32")
         with stages.stage("calibrating float16 range"):

@@ -15,11 +15,12 @@ import onnx
 from onnx import numpy_helper
 
 from dflash_onnx.errors import DFlashError
+from dflash_onnx.graph_files import checked_graph
 from dflash_onnx.manifest import Lowering, Manifest
-from dflash_onnx.publish import copy_tokenizer_files, staged_directory
+from dflash_onnx.publish import copy_tokenizer_files
 
 from ..backend import LowerRequest
-from ..lowering import start_lowering
+from ..lowering import lowered_output, start_lowering
 from .options import MlxOptions
 from .session import import_mlx
 
@@ -112,9 +113,8 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
     mx = import_mlx()
     manifest, _ = start_lowering(source, out, options, request)
     bits = options.bits
-    with staged_directory(out) as tmp:
-        structures = {g: onnx.load(str(Path(source) / getattr(manifest, g).file), load_external_data=False)
-                      for g in ("target", "draft")}
+    with lowered_output(source, out, request) as tmp:
+        structures = {g: checked_graph(Path(source) / getattr(manifest, g).file) for g in ("target", "draft")}
         unsupported = _unsupported_ops(structures)
         if unsupported:
             raise DFlashError(f"{source} uses ops the MLX backend does not run: {', '.join(unsupported)} "

@@ -21,12 +21,12 @@ import onnxruntime as ort
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.graph_files import share_initializers
 from dflash_onnx.manifest import Lowering, Manifest
-from dflash_onnx.publish import copy_tokenizer_files, staged_directory
+from dflash_onnx.publish import copy_tokenizer_files
 from passes import registry
 from passes.pipeline import apply_pipeline
 
 from ..backend import LowerRequest
-from ..lowering import start_lowering
+from ..lowering import lowered_output, start_lowering
 from .check import check_lowering
 from .options import OrtOptions
 from .session import ort_level, provider_name
@@ -82,7 +82,7 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
     _refuse_own_rewrites(options.passes)
     manifest, _ = start_lowering(source, out, options, request)
     provider = provider_name(options.provider)
-    with staged_directory(out) as tmp:
+    with lowered_output(source, out, request, size_factor=2.2) as tmp:  # the pipeline's copy, then ORT's
         names, pass_options = pipeline(options, manifest.block_size)
         fused_dir, fused, rewrites = tmp / "fused", manifest, {}
         if names:

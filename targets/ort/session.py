@@ -9,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from dflash_onnx.errors import DFlashError
+from dflash_onnx.graph_files import checked_graph
 from dflash_onnx.manifest import Manifest
 
 from ..backend import recorded_options
@@ -56,6 +57,7 @@ class OrtSession:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if stop_spinning_after_run:  # spin within a call, not after it: the next call is the other session's
             options.add_session_config_entry("session.force_spinning_stop", "1")
+        checked_graph(Path(path))  # before ORT opens the weights it names
         try:
             self._session = ort.InferenceSession(
                 str(path), sess_options=options, providers=providers or ["CPUExecutionProvider"]
