@@ -174,7 +174,10 @@ def load_manifest(directory: Path) -> Manifest:
     if not path.is_file():
         raise DFlashError(f"{directory} has no {MANIFEST_NAME}: it is not an exported dflash-onnx directory")
     try:
-        manifest = Manifest.from_dict(json.loads(path.read_text()))
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict):
+            raise TypeError("not a JSON object")
+        manifest = Manifest.from_dict(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, AttributeError, ValueError) as exc:
         raise DFlashError(f"{path} is corrupt ({exc}): re-run the command that wrote it") from None
     for graph in (manifest.target, manifest.draft):

@@ -125,11 +125,15 @@ def _side_directory(out: Path, kind: str) -> Path:
     raise DFlashError(f"--out {out}: cannot create a staging directory in {out.parent}")
 
 
+def _size(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
 def _check_space(out: Path, need_bytes: int) -> None:
     free = shutil.disk_usage(out.parent).free
     if need_bytes > free:
-        raise DFlashError(f"--out {out}: this needs about {need_bytes / 2**30:.2f} GiB and {out.parent} has "
-                          f"{free / 2**30:.2f} GiB free: free some space or choose another --out")
+        raise DFlashError(f"--out {out}: this needs about {_size(need_bytes)} and {out.parent} has {_size(free)} "
+                          "free: free some space or choose another --out")
 
 
 @contextmanager

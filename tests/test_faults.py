@@ -151,7 +151,7 @@ def _cases(w: World) -> list[Case]:
     cases[-1].inputs.append(existing)
     cases[-1].out = None
     export("read_only_parent", "cannot write in .* \\(Permission denied\\)", out=r / "ro_out", inject=READ_ONLY)
-    export("not_enough_space", "this needs about .* GiB and .* has 0.00 GiB free", inject=NO_SPACE)
+    export("not_enough_space", "this needs about .* MiB and .* has 0.0 MiB free", inject=NO_SPACE)
     export("disk_fills_up", "No space left on device .*: free some space or choose another --out", inject=FULL_DISK)
     # --- tampered artifacts: nothing outside the directory is opened
     e = w.copy("export", "e_escape")
@@ -189,7 +189,8 @@ def _cases(w: World) -> list[Case]:
     run("graph_truncated", "draft.onnx is not a readable ONNX graph", ["generate", e, "--prompt-ids", "3,4"], [e])
     e = w.copy("export", "e_bad_manifest")
     (e / "dflash.json").write_text("[1, 2]")
-    run("manifest_not_an_object", "dflash.json is corrupt", ["generate", e, "--prompt-ids", "3,4"], [e])
+    run("manifest_not_an_object", "dflash.json is corrupt \\(not a JSON object\\)",
+        ["generate", e, "--prompt-ids", "3,4"], [e])
     e = w.copy("export", "e_old_lowering")
     manifest = json.loads((e / "dflash.json").read_text())
     manifest.update(format_version=1, lowering={"target": "ort"})
