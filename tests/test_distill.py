@@ -103,3 +103,31 @@ def test_distill_needs_text_and_a_fresh_out(tiny_target, tmp_path):
         distill(target_dir, tmp_path / "d", DistillOptions(steps=1, target_layer_ids=[7]),
                 prompts_file=tiny_target[0] / "prompts.txt", progress=False)
     assert np.all([not p.name.startswith(".") for p in tmp_path.iterdir()])
+
+
+class _Planted:
+    """Unpickling this writes a marker file: what a planted checkpoint could do instead."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_resume_never_unpickles_a_planted_checkpoint(tiny_target, tmp_path, monkeypatch):
+    import pickle
+
+    root, target_dir = tiny_target
+    monkeypatch.setenv("DFLASH_ONNX_CACHE", str(tmp_path / "cache"))
+    marker = tmp_path / "code_ran"
+    (tmp_path / "draft.ckpt").mkdir()
+    (tmp_path / "draft.ckpt" / "state.pt").write_bytes(pickle.dumps(_Planted(marker)))  # the old format's name
+    cache = tmp_path / "cache" / "distill"
+    cache.mkdir(parents=True)
+    (cache / "planted.pt").write_bytes(pickle.dumps(_Planted(marker)))
+    report = distill(target_dir, tmp_path / "draft", DistillOptions(**{**OPTIONS, "steps": 2, "eval_every": 2}),
+                     prompts_file=root / "prompts.txt", resume=True, progress=False)
+    assert report["steps"] == 2 and not marker.exists()  # trained from scratch; nothing was unpickled
+    pickle.loads(pickle.dumps(_Planted(tmp_path / "proof")))
+    assert (tmp_path / "proof").exists()  # the payload does run when something unpickles it
