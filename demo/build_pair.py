@@ -133,6 +133,10 @@ def main() -> None:
     parser.add_argument("--target-minutes", type=float, default=35)
     parser.add_argument("--draft-minutes", type=float, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-prompts", type=int, default=512, help="distillation prompts (64 bytes each)")
+    parser.add_argument("--new-tokens", type=int, default=160, help="target continuation per prompt")
+    parser.add_argument("--redistill", action="store_true",
+                        help="keep the shipped target (OUT/target) and distill a new draft for it")
     args = parser.parse_args()
     from dflash_onnx.training.distill import DistillOptions, distill
 
@@ -140,6 +144,8 @@ def main() -> None:
     work = args.out.parent / "demo_work"
     work.mkdir(parents=True, exist_ok=True)
     target_dir, draft_dir = work / "target", work / "draft"
+    if args.redistill and not (target_dir / "model.safetensors").is_file():
+        shutil.copytree(args.out / "target", target_dir)
     began = time.perf_counter()
     if not (target_dir / "model.safetensors").is_file():
         report = train_target(train, target_dir, work, args.target_minutes, args.seed)
@@ -151,8 +157,9 @@ def main() -> None:
     print(f"target held-out loss {held_out_loss(target_dir, held):.3f} nats/byte", file=sys.stderr)
     if not (draft_dir / "model.safetensors").is_file():
         options = DistillOptions(block_size=16, draft_layers=1, target_layer_ids=[1, 3],
-                                 time_budget_min=args.draft_minutes, seed=args.seed, lr=1e-3, num_prompts=512,
-                                 prompt_tokens=64, new_tokens=160, held_out=24, eval_every=50,
+                                 time_budget_min=args.draft_minutes, seed=args.seed, lr=1e-3,
+                                 num_prompts=args.num_prompts, prompt_tokens=64, new_tokens=args.new_tokens,
+                                 held_out=24, eval_every=50,
                                  mask_token_id=256 + SPECIALS.index("<mask>"))
         distill(target_dir, draft_dir, options, data_paths=train, resume=(work / "draft.ckpt").exists())
         weights = load_file(str(draft_dir / "model.safetensors"))
@@ -161,6 +168,9 @@ def main() -> None:
         shutil.rmtree(args.out)
     shutil.copytree(target_dir, args.out / "target")
     shutil.copytree(draft_dir, args.out / "draft")
+    (args.out / "draft" / "build.json").write_text(json.dumps(
+        {"num_prompts": args.num_prompts, "new_tokens": args.new_tokens, "draft_minutes": args.draft_minutes,
+         "redistill": args.redistill}, indent=1) + "\n")
     (args.out / "held_out_files.json").write_text(json.dumps(
         [str(p.relative_to(Path(sysconfig.get_paths()["stdlib"]))) for p in held], indent=1))
     size = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file()) / 2**20

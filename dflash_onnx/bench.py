@@ -13,17 +13,18 @@ import json
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from targets import backend_for, open_decoder
 
+from .costs import DRAFT_OUTPUTS, TARGET_OUTPUTS, call_ms, measurable
 from .decode import Decoder
 from .errors import DFlashError
 from .feeds import draft_feeds, target_feeds
-from .manifest import Manifest, load_manifest
+from .manifest import CostModel, Manifest, load_manifest
 from .tokenizer import TextCodec, has_tokenizer
 
 
@@ -35,6 +36,7 @@ class BenchOptions:
     verify_lengths: list[int] | None = None  # None: 1, 2, 4, ... up to and including block_size
     contexts: list[int] = field(default_factory=lambda: [256, 1024])
     curve_repeats: int = 10
+    verify: str | int = "auto"  # the DFlash runs' verify policy; with auto, full blocks are measured beside it
 
 
 class ClockedSession:
@@ -116,9 +118,10 @@ def _prompt_line(line: str, where: str, jsonl: bool, codec: TextCodec | None, vo
     return {"text": text, "ids": list(map(int, ids))}
 
 
-def _timed_run(decoder: Decoder, clocks: list[ClockedSession], ids: list[int], max_new_tokens: int, mode: str):
+def _timed_run(decoder: Decoder, clocks: list[ClockedSession], ids: list[int], max_new_tokens: int, mode: str,
+               verify: str | int):
     """One generation; returns (result, seconds spent in backend calls during decode, prefill excluded)."""
-    steps = decoder.stream(ids, max_new_tokens, mode, stop_token_ids=[])
+    steps = decoder.stream(ids, max_new_tokens, mode, stop_token_ids=[], verify=verify)
     next(steps)  # prefill and the first token
     in_backend = -sum(c.seconds for c in clocks)
     while True:
@@ -128,19 +131,31 @@ def _timed_run(decoder: Decoder, clocks: list[ClockedSession], ids: list[int], m
             return done.value, in_backend + sum(c.seconds for c in clocks)
 
 
+def bench_modes(decoder: Decoder, options: BenchOptions) -> dict[str, tuple[str, str | int]]:
+    """What each measured mode runs: greedy, DFlash with the chosen verify policy, and full blocks beside an
+    adaptive policy (to show what it buys)."""
+    modes = {"greedy": ("greedy", "full"), "dflash": ("dflash", options.verify)}
+    if options.verify != "full" and decoder.costs is not None:
+        modes["full"] = ("dflash", "full")
+    return modes
+
+
 def measure_generation(decoder: Decoder, prompts: list[dict], options: BenchOptions, bar=None) -> list[dict]:
-    """Greedy and DFlash per prompt, alternating, `repeats` times; medians of the timings."""
+    """Greedy and DFlash per prompt, in rotating order, `repeats` times; medians of the timings."""
     clocks = [ClockedSession(decoder.target), ClockedSession(decoder.draft)]
     decoder.target, decoder.draft = clocks
     block = decoder.manifest.block_size
+    modes = bench_modes(decoder, options)
     rows = []
     try:
         decoder.generate(prompts[0]["ids"], min(8, options.max_new_tokens), "dflash", stop_token_ids=[])  # warm-up
         for prompt in prompts:
-            runs: dict[str, list] = {"greedy": [], "dflash": []}
+            runs: dict[str, list] = {mode: [] for mode in modes}
             for repeat in range(options.repeats):
-                for mode in (("greedy", "dflash") if repeat % 2 == 0 else ("dflash", "greedy")):
-                    runs[mode].append(_timed_run(decoder, clocks, prompt["ids"], options.max_new_tokens, mode))
+                order = list(modes)[repeat % len(modes):] + list(modes)[: repeat % len(modes)]
+                for mode in order:
+                    runs[mode].append(_timed_run(decoder, clocks, prompt["ids"], options.max_new_tokens,
+                                                 *modes[mode]))
                     if bar is not None:
                         bar.update(1)
             rows.append(_prompt_row(prompt, runs, block))
@@ -163,18 +178,23 @@ def _prompt_row(prompt: dict, runs: dict[str, list], block: int) -> dict:
             "end_to_end_tokens_per_second": len(first.tokens) / (decode_s + ttft_s),
             "loop_overhead": max(0.0, 1 - in_backend / decode_s),
             "acceptance_lengths": first.acceptance_lengths, "tau": first.tau,
-            "acceptance_histogram": first.acceptance_histogram(block if mode == "dflash" else 1),
+            "acceptance_histogram": first.acceptance_histogram(1 if mode == "greedy" else block),
+            "drafted_steps": sum(1 for v in first.verified if v),
+            "verified_mean": float(np.mean(first.verified or [0])),
         }
         row[f"{mode}_token_ids"] = first.tokens
-    row["identical_to_greedy"] = row.pop("dflash_token_ids") == row["greedy_token_ids"]
-    row["tokens"] = row.pop("greedy_token_ids")
+    greedy = row.pop("greedy_token_ids")
+    row["identical_to_greedy"] = all(row.pop(f"{mode}_token_ids") == greedy for mode in runs if mode != "greedy")
+    row["tokens"] = greedy
     row["speedup"] = row["dflash"]["tokens_per_second"] / row["greedy"]["tokens_per_second"]
+    if "full" in row:
+        row["full_speedup"] = row["full"]["tokens_per_second"] / row["greedy"]["tokens_per_second"]
     return row
 
 
 def aggregate(rows: list[dict], block: int) -> dict:
     summary: dict = {}
-    for mode in ("greedy", "dflash"):
+    for mode in [m for m in ("greedy", "dflash", "full") if m in rows[0]]:
         tokens = sum(r[mode]["tokens"] for r in rows)
         decode_s = sum(r[mode]["decode_s"] for r in rows)
         ttft_s = sum(r[mode]["ttft_s"] for r in rows)
@@ -190,6 +210,9 @@ def aggregate(rows: list[dict], block: int) -> dict:
     summary["speedup"] = summary["dflash"]["tokens_per_second"] / summary["greedy"]["tokens_per_second"]
     summary["end_to_end_speedup"] = (summary["dflash"]["end_to_end_tokens_per_second"]
                                      / summary["greedy"]["end_to_end_tokens_per_second"])
+    if "full" in summary:
+        summary["full_speedup"] = summary["full"]["tokens_per_second"] / summary["greedy"]["tokens_per_second"]
+        summary["full_tau"] = float(np.mean([n for r in rows for n in r["full"]["acceptance_lengths"]]))
     summary["all_identical_to_greedy"] = all(r["identical_to_greedy"] for r in rows)
     return summary
 
@@ -199,26 +222,20 @@ def measure_curve(decoder: Decoder, options: BenchOptions, bar=None) -> dict:
     back to back (as greedy decoding's steps do), so the curve is each call's warm cost; in a DFlash round
     the draft and verify calls alternate and cost somewhat more, which the measured speedup includes."""
     manifest: Manifest = decoder.manifest
-    if manifest.form not in ("concat", "buffer"):
-        return {"skipped": f"{manifest.form}-form graphs run at their compiled sizes only; the curve needs an "
-                           "export or an MLX lowering"}
+    reason = measurable(manifest)
+    if reason is not None:
+        return {"skipped": reason}
     lengths = options.verify_lengths or default_verify_lengths(manifest.block_size)
     calls = []
     for context in options.contexts:
         calls += [(context, t, decoder.target, target_feeds(manifest, context, t)) for t in lengths]
         calls.append((context, "draft", decoder.draft, draft_feeds(manifest, context)))
-    times: dict = {}
-    for context, kind, session, feeds in calls:  # each call repeated back to back, the first run dropped
-        names = ["draft_ids"] if kind == "draft" else ["greedy_ids", "target_hidden"]
-        runs = []
-        for _ in range(options.curve_repeats + 1):
-            started = time.perf_counter()
-            session.run(feeds, names)
-            runs.append(time.perf_counter() - started)
-        times[(context, kind)] = runs[1:]
+    median: dict = {}
+    for context, kind, session, feeds in calls:
+        names = DRAFT_OUTPUTS if kind == "draft" else TARGET_OUTPUTS
+        median[(context, kind)] = call_ms(session, feeds, names, options.curve_repeats)
         if bar is not None:
             bar.update(1)
-    median = {key: 1000 * float(np.median(values)) for key, values in times.items()}
     return {"verify_lengths": lengths, "contexts": options.contexts,
             "target_ms": {str(c): [median[(c, t)] for t in lengths] for c in options.contexts},
             "draft_ms": {str(c): median[(c, "draft")] for c in options.contexts}}
@@ -238,7 +255,9 @@ def implied_speedups(curve: dict, tau: float, block: int) -> dict:
 
 
 def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, options: BenchOptions,
-              peers: list[str], checkpoints: tuple[Path | None, Path | None], progress: bool = True) -> dict:
+              peers: list[str], checkpoints: tuple[Path | None, Path | None], progress: bool = True,
+              costs: CostModel | None = None) -> dict:
+    """Every figure of `dflash-onnx bench`; `costs` replaces the directory's recorded cost curve."""
     from tqdm import tqdm
 
     manifest = load_manifest(directory)
@@ -251,11 +270,12 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
         check_peer_names(peers)
     backend = backend_for(directory, manifest, backend).name
     decoder = open_decoder(directory, backend=backend)
+    decoder.costs = costs or decoder.costs
     codec = TextCodec(directory) if has_tokenizer(directory) else None
     prompts = load_prompts(prompts_file, codec, options.num_prompts, manifest.vocab_size)
     lengths = options.verify_lengths or default_verify_lengths(manifest.block_size)
     curve_calls = len(options.contexts) * (len(lengths) + 1) if manifest.form in ("concat", "buffer") else 0
-    total = 2 * options.repeats * len(prompts) + curve_calls
+    total = len(bench_modes(decoder, options)) * options.repeats * len(prompts) + curve_calls
     with tqdm(total=total, disable=not progress, desc="bench", unit="run", file=sys.stderr) as bar:
         rows = measure_generation(decoder, prompts, options, bar)
         curve = measure_curve(decoder, options, bar)
@@ -263,11 +283,12 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
     report = {
         "directory": str(directory), "backend": backend, "block_size": manifest.block_size,
         "passes": [p["name"] for p in manifest.passes], "lowering": manifest.backend,
-        "max_new_tokens": options.max_new_tokens, "repeats": options.repeats,
+        "max_new_tokens": options.max_new_tokens, "repeats": options.repeats, "verify": options.verify,
+        "costs": asdict(decoder.costs) if decoder.costs else None,
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "python": platform.python_version(), **_library_versions()},
         "aggregate": summary, "prompts": rows, "curve": curve,
-        "implied": implied_speedups(curve, summary["tau"], manifest.block_size),
+        "implied": implied_speedups(curve, summary.get("full_tau", summary["tau"]), manifest.block_size),
     }
     if peers:
         from .peers import run_peers
@@ -286,7 +307,7 @@ def _library_versions() -> dict:
 def format_report(report: dict) -> str:
     agg, block = report["aggregate"], report["block_size"]
     lines = [f"{report['directory']} on {report['backend']} (block {block}, {report['max_new_tokens']} new tokens, "
-             f"median of {report['repeats']} runs)", "",
+             f"median of {report['repeats']} runs, DFlash verify {report.get('verify', 'full')})", "",
              f"{'prompt':<7} {'tokens':>6} {'greedy tok/s':>13} {'dflash tok/s':>13} {'speedup':>8} {'tau':>6} "
              f"{'ttft ms':>8} {'identical':>9}"]
     for index, row in enumerate(report["prompts"], 1):
@@ -305,6 +326,15 @@ def format_report(report: dict) -> str:
         f"DFlash {100 * d['loop_overhead']:.1f} %",
         f"acceptance histogram 1..{block}: {agg['acceptance_histogram']}",
     ]
+    if "full" in agg:
+        drafted = sum(r["dflash"]["drafted_steps"] for r in report["prompts"])
+        steps = sum(len(r["dflash"]["acceptance_lengths"]) for r in report["prompts"])
+        costs = report["costs"]
+        lines += [f"full blocks: DFlash {agg['full']['tokens_per_second']:.1f} tok/s, speedup "
+                  f"{agg['full_speedup']:.2f}x, tau {agg['full_tau']:.2f}; {report['verify']}: drafted in {drafted} of "
+                  f"{steps} steps, speedup {agg['speedup']:.2f}x",
+                  f"cost curve ({costs['source'] or 'given'}, context {costs['context']}): t(T) ms "
+                  + " ".join(f"{t:.3g}" for t in costs["verify_ms"]) + f", draft {costs['draft_ms']:.3g} ms"]
     curve = report["curve"]
     if "skipped" in curve:
         lines.append(f"verify-cost curve skipped: {curve['skipped']}")

@@ -60,9 +60,19 @@ def _parse_ids(text: str) -> list[int]:
         raise DFlashError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
+def _cost_model(args, manifest):
+    """--cost-model FILE: a cost curve measured elsewhere, replayed instead of the directory's."""
+    if args.cost_model is None:
+        return None
+    from .costs import read_costs
+
+    return read_costs(args.cost_model, manifest.block_size)
+
+
 def _generate(args) -> int:
     from targets import open_decoder
 
+    from .policy import parse_verify
     from .sampling import SamplingParams
     from .tokenizer import TextCodec, TextStream, has_tokenizer
 
@@ -71,9 +81,11 @@ def _generate(args) -> int:
             args.prompt.encode("utf-8")
         except UnicodeEncodeError:  # undecodable bytes on the command line arrive as lone surrogates
             raise DFlashError("--prompt is not valid UTF-8 text: pass UTF-8, or --prompt-ids") from None
+    verify = parse_verify(args.verify)
     decoder = open_decoder(args.out, backend=args.backend)
+    decoder.costs = _cost_model(args, decoder.manifest) or decoder.costs
     codec = TextCodec(args.out) if (args.prompt is not None or has_tokenizer(args.out)) else None
-    prompt = codec.encode(args.prompt) if args.prompt is not None else _parse_ids(args.prompt_ids)
+    prompt = codec.prompt_ids(args.prompt, raw=args.raw) if args.prompt is not None else _parse_ids(args.prompt_ids)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     stream = TextStream(codec) if codec is not None else None
 
@@ -85,7 +97,7 @@ def _generate(args) -> int:
         else:
             print(stream.delta(chunk), end="", flush=True)
 
-    result = decoder.generate(prompt, args.max_new_tokens, args.mode, sampling, on_tokens=show)
+    result = decoder.generate(prompt, args.max_new_tokens, args.mode, sampling, on_tokens=show, verify=verify)
     block = decoder.manifest.block_size if args.mode == "dflash" else 1
     if args.json:
         payload = {
@@ -95,6 +107,7 @@ def _generate(args) -> int:
             "tokens_per_second": result.tokens_per_second,
             "end_to_end_tokens_per_second": result.end_to_end_tokens_per_second,
             "ttft_s": result.ttft_s, "decode_s": result.decode_s, "stopped": result.stopped,
+            "verified": result.verified,
         }
         if codec is not None:
             payload["text"] = codec.decode(result.tokens)
@@ -156,6 +169,33 @@ def _steps(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    from targets import backend_for, open_session
+
+    from .costs import measure_costs, read_costs
+    from .manifest import load_manifest
+    from .publish import lock_out
+
+    if args.repeats < 1 or args.context < 0:
+        raise DFlashError(f"--repeats must be at least 1 and --context at least 0, got {args.repeats} and "
+                          f"{args.context}")
+    with lock_out(args.dir):
+        manifest = load_manifest(args.dir)
+        if args.from_file is not None:
+            costs = read_costs(args.from_file, manifest.block_size)
+        else:
+            backend = backend_for(args.dir, manifest, args.backend).name
+            sessions = [open_session(args.dir, manifest, g, backend) for g in ("target", "draft")]
+            costs = measure_costs(manifest, *sessions, context=args.context, repeats=args.repeats,
+                                  source="calibrate")
+        manifest.costs = costs
+        manifest.save(args.dir)
+    print(f"recorded in {args.dir}/dflash.json: t(T) ms for T = 1..{len(costs.verify_ms)} "
+          + " ".join(f"{t:.3g}" for t in costs.verify_ms) + f"; draft {costs.draft_ms:.3g} ms "
+          f"(context {costs.context}, {costs.source})")
+    return 0
+
+
 def _parity(args) -> int:
     from .parity import run_parity
 
@@ -192,6 +232,8 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 def _bench(args) -> int:
     from .bench import BenchOptions, format_report, run_bench
+    from .manifest import load_manifest
+    from .policy import parse_verify
 
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
                         ("--num-prompts", args.num_prompts), ("--curve-repeats", args.curve_repeats)):
@@ -200,10 +242,12 @@ def _bench(args) -> int:
     options = BenchOptions(
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_prompts=args.num_prompts,
         verify_lengths=_int_list(args.block_sizes, "--block-sizes") if args.block_sizes else None,
-        contexts=_int_list(args.contexts, "--contexts"), curve_repeats=args.curve_repeats)
+        contexts=_int_list(args.contexts, "--contexts"), curve_repeats=args.curve_repeats,
+        verify=parse_verify(args.verify))
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
+    costs = _cost_model(args, load_manifest(args.dir)) if args.cost_model else None
     report = run_bench(args.dir, args.backend, args.prompts, options, peers, (args.target, args.draft),
-                       progress=not args.quiet)
+                       progress=not args.quiet, costs=costs)
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
@@ -220,6 +264,16 @@ def _demo(args) -> int:
     from .demo import run_demo
 
     return run_demo(as_json=args.json, max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
+
+
+def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verify", default="auto", metavar="auto|full|N",
+                        help="drafted tokens each DFlash step verifies: auto (chosen per step from the draft's "
+                             "confidence and the directory's cost curve; full when none is recorded), full (the "
+                             "whole block), or N")
+    parser.add_argument("--cost-model", type=Path, metavar="FILE",
+                        help="a cost curve to use instead of the recorded one: JSON with verify_ms (t(1)..t(B)) "
+                             "and draft_ms, e.g. measured on another machine")
 
 
 BACKEND_HELP = ("backend to run on; default: the directory's own (ort for exports and for ORT and AI 100 "
@@ -291,8 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate from an exported directory")
     generate.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
     prompt = generate.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json)")
-    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json); sent as a user turn in "
+                        "the tokenizer's chat template when it has one (Qwen3: thinking off)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (never templated)")
+    generate.add_argument("--raw", action="store_true",
+                          help="send --prompt as it is, not as a user turn in the tokenizer's chat template")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--mode", choices=("dflash", "greedy"), default="dflash")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
@@ -301,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, help="sampling seed")
     generate.add_argument("--backend", choices=backends, help=BACKEND_HELP)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    _add_verify_arguments(generate)
     generate.set_defaults(func=_generate)
 
     optimize = commands.add_parser("optimize", help="apply graph passes to an exported directory")
@@ -345,9 +403,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, help="write every figure to this JSON file")
     bench.add_argument("--plot", type=Path, help="write the curve and histogram to this PNG (needs matplotlib)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_verify_arguments(bench)
     bench.set_defaults(func=_bench)
 
     _add_lower(commands)
+
+    calibrate = commands.add_parser(
+        "calibrate", help="measure (or replay) the cost curve the auto verify policy uses, into dflash.json",
+        description="Measures the target's step for T = 1..block new tokens and the draft's step on the "
+                    "directory's backend and records them in its dflash.json (lower --target ort and mlx do this "
+                    "already); --from replays a curve measured elsewhere, e.g. on the device of an AI 100 or "
+                    "CoreML lowering.")
+    calibrate.add_argument("dir", type=Path, help="an exported or lowered directory")
+    calibrate.add_argument("--from", dest="from_file", type=Path, metavar="FILE",
+                           help="JSON with verify_ms (t(1)..t(B)) and draft_ms, instead of measuring here")
+    calibrate.add_argument("--context", type=int, default=256, help="K/V length the steps run at")
+    calibrate.add_argument("--repeats", type=int, default=10)
+    calibrate.add_argument("--backend", choices=backends, help=BACKEND_HELP)
+    calibrate.set_defaults(func=_calibrate)
 
     parity = commands.add_parser("parity", help="check exported graphs against PyTorch and the reference")
     parity.add_argument("out", type=Path)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import DFlashError
-from .manifest import Manifest
+from .manifest import CostModel, Manifest
+from .policy import VerifyPolicy
 from .runners import open_runners
 from .sampling import SamplingParams, rejection_sample, sample_rows, sampling_probs
 from .session import Session
@@ -30,6 +31,7 @@ class GenerationResult:
 
     tokens: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)  # drafted tokens each step verified (0: no draft call)
     prompt_tokens: int = 0
     ttft_s: float = 0.0
     decode_s: float = 0.0
@@ -68,7 +70,9 @@ def _agreeing_prefix(drafted: list[int], posterior: list[int]) -> int:
 class Decoder:
     """Greedy and DFlash decoding over a target and a draft Session described by one manifest."""
 
-    def __init__(self, manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int = 256):
+    def __init__(self, manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int = 256,
+                 costs: CostModel | None = None):
+        """`costs`: the backend's cost curve the `auto` verify policy weighs (default: the manifest's)."""
         if prefill_chunk < 1:
             raise DFlashError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         for role, session in (("target", target), ("draft", draft)):
@@ -80,13 +84,16 @@ class Decoder:
         self.draft = draft
         self.prefill_chunk = prefill_chunk
         self.stop_token_ids = list(manifest.stop_token_ids)
+        self.costs = costs or manifest.costs
 
     def stream(
         self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int = 64, mode: str = "dflash",
-        sampling: SamplingParams | None = None, stop_token_ids: list[int] | None = None,
+        sampling: SamplingParams | None = None, stop_token_ids: list[int] | None = None, verify: str | int = "auto",
     ) -> Iterator[list[int]]:
         """An iterator over each step's committed tokens, whose return value (StopIteration.value) is the
-        GenerationResult. The arguments are checked here, before anything runs."""
+        GenerationResult. The arguments are checked here, before anything runs. `verify`: how many drafted
+        tokens each step verifies: auto (from the draft's confidence and the cost curve; full without a
+        curve), full (the whole block, as the reference does) or a count."""
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if prompt.size == 0:
             raise DFlashError("the prompt is empty: give at least one token")
@@ -104,10 +111,12 @@ class Decoder:
                               f"{target.capacity} positions this lowering holds: lower with a larger --ctx-len")
         stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
         block_size = self.manifest.block_size if mode == "dflash" else 1
-        return self._steps(target, draft, prompt, max_new_tokens, block_size, sampling or SamplingParams(), stops)
+        policy = VerifyPolicy(verify, self.costs, self.manifest.block_size)
+        return self._steps(target, draft, prompt, max_new_tokens, block_size, sampling or SamplingParams(), stops,
+                           policy)
 
     def _steps(self, target, draft, prompt: np.ndarray, max_new_tokens: int, block_size: int,
-               sampling: SamplingParams, stops: frozenset[int]) -> Iterator[list[int]]:
+               sampling: SamplingParams, stops: frozenset[int], policy: VerifyPolicy) -> Iterator[list[int]]:
         """The decoding itself: prefill, then one draft + verify round per step."""
         rng = np.random.default_rng(sampling.seed)
         mask_id = self.manifest.mask_token_id
@@ -116,7 +125,6 @@ class Decoder:
         started = time.perf_counter()
         out = target.forward(prompt, logits_rows=0 if sampling.greedy else 1)
         target.commit(len(prompt))
-        context = out.context
         if sampling.greedy:
             first = int(out.greedy_ids[-1])
         else:
@@ -132,30 +140,38 @@ class Decoder:
         stopped = first in stops
         greedy = sampling.greedy
         block = np.empty(block_size, dtype=np.int64)  # refilled each step: read only while a step runs
+        pending = out.context  # the target's features of committed tokens the draft has not seen yet
         while start + 1 < max_length and not stopped:
-            # rows to verify: the last token and up to block_size - 1 proposals, no more than the tokens still
-            # wanted (accepted proposals + the target's bonus token)
-            verify = min(block_size, max_length - start - 1)
+            # drafted tokens a step could keep: up to block_size - 1, and no more than the tokens still wanted
+            # besides the target's bonus token
+            most = min(block_size, max_length - start - 1) - 1
             block.fill(mask_id)
             block[0] = result.tokens[-1]
-            if verify > 1:
-                draft_ids, draft_logits = draft.propose(block, context, want_logits=not greedy)
+            drafted, confidence = 0, None
+            if policy.wants_draft(most):
+                proposal = draft.propose(block, pending, want_logits=not greedy)
+                pending = None
                 if greedy:
-                    block[1:verify] = draft_ids[: verify - 1]
-                else:
-                    draft_probs = sampling_probs(draft_logits[: verify - 1], sampling)
-                    block[1:verify] = sample_rows(draft_probs, rng)
+                    proposed, confidence = proposal.ids[:most], proposal.confidence
+                else:  # the policy reads the distributions, never the draws: rejection sampling stays exact
+                    draft_probs = sampling_probs(proposal.logits[:most], sampling)
+                    proposed, confidence = sample_rows(draft_probs, rng), draft_probs.max(axis=-1)
+                drafted = policy.choose(confidence, most)
+                block[1 : drafted + 1] = proposed[:drafted]
+            verify = drafted + 1
             out = target.forward(block[:verify], logits_rows=0 if greedy else verify)
             if greedy:
                 posterior = out.greedy_ids.tolist()
-                accepted = _agreeing_prefix(block[1:verify].tolist(), posterior) if verify > 1 else 0
+                accepted = _agreeing_prefix(block[1:verify].tolist(), posterior) if drafted else 0
                 bonus = posterior[accepted]
             else:
                 target_probs = sampling_probs(out.logits, sampling)
-                if verify > 1:
-                    accepted, bonus = rejection_sample(block[1:verify], target_probs, draft_probs, rng)
+                if drafted:
+                    accepted, bonus = rejection_sample(block[1:verify], target_probs, draft_probs[:drafted], rng)
                 else:
                     accepted, bonus = 0, int(sample_rows(target_probs[-1], rng))
+            if confidence is not None:
+                policy.observe(drafted, accepted)
             new = [*block[1 : accepted + 1].tolist(), bonus] if accepted else [bonus]
             for index, token in enumerate(new):
                 if token in stops:
@@ -163,9 +179,11 @@ class Decoder:
                     break
             start += len(new)
             target.commit(start)
-            context = out.context[: len(new)]
+            rows = out.context[: len(new)]
+            pending = rows if pending is None else np.concatenate([pending, rows])
             result.tokens.extend(new)
             result.acceptance_lengths.append(len(new))
+            result.verified.append(drafted)
             paused = time.perf_counter()
             yield new
             consumer_s += time.perf_counter() - paused
@@ -176,10 +194,10 @@ class Decoder:
     def generate(
         self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int = 64, mode: str = "dflash",
         sampling: SamplingParams | None = None, stop_token_ids: list[int] | None = None,
-        on_tokens: Callable[[list[int]], None] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None, verify: str | int = "auto",
     ) -> GenerationResult:
         """Run to the end; `on_tokens` sees each step's committed tokens as they are committed."""
-        steps = self.stream(prompt_ids, max_new_tokens, mode, sampling, stop_token_ids)
+        steps = self.stream(prompt_ids, max_new_tokens, mode, sampling, stop_token_ids, verify)
         while True:
             try:
                 chunk = next(steps)

@@ -15,11 +15,12 @@ import json
 import os
 import sys
 import sysconfig
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from targets import open_decoder
+from targets import LowerRequest, get_backend, open_decoder
 
 from .decode import Decoder
 from .manifest import MANIFEST_NAME
@@ -39,19 +40,19 @@ def _shipped() -> bool:
 
 def ensure_demo_export(progress: bool = True) -> Path:
     """Export the demo pair unless the cache already holds this version; return the export directory."""
-    from .export import export_pair
+    from .export import GRAPH_REVISION, export_pair
 
     if _shipped():
         digest = hashlib.sha256()
         for file in sorted((PAIR_DIR).rglob("*.safetensors")):
             digest.update(file.read_bytes())
-        out = cache_root() / f"demo-stdlib-{digest.hexdigest()[:12]}" / "onnx"
+        out = cache_root() / f"demo-stdlib-{digest.hexdigest()[:12]}-g{GRAPH_REVISION}" / "onnx"
         if not (out / MANIFEST_NAME).is_file():
             export_pair(PAIR_DIR / "target", PAIR_DIR / "draft", out, overwrite=True, progress=progress)
         return out
     from .tiny import TinySpec, build_pair
 
-    root = cache_root() / "tiny-agree-v1"
+    root = cache_root() / f"tiny-agree-v1-g{GRAPH_REVISION}"
     out = root / "onnx"
     if not (out / MANIFEST_NAME).is_file():
         spec = TinySpec(agree=True, tie_embeddings=False, block_size=8, target_layers=4, draft_layers=1)
@@ -85,51 +86,80 @@ def _prompts(decoder: Decoder, codec: TextCodec | None, count: int) -> list[tupl
     return [(None, rng.integers(2, decoder.manifest.vocab_size - 1, size=6).tolist()) for _ in range(count)]
 
 
+def ensure_demo_lowering(export: Path, progress: bool = True) -> Path:
+    """The demo export lowered for ONNX Runtime (cached beside it): the path it runs fastest on, with the cost
+    curve the auto verify policy weighs measured at lowering. The draft runs on one thread (a few MB of draft:
+    its calls are too short to split)."""
+    ort = get_backend("ort")
+    out = Path(export).parent / "ort"
+    if not (out / MANIFEST_NAME).is_file():
+        ort.lower(Path(export), out, ort.options({"--draft-threads": 1}), LowerRequest(overwrite=True,
+                                                                                     progress=progress))
+    return out
+
+
+MODES = {"greedy": ("greedy", "full"), "full": ("dflash", "full"), "auto": ("dflash", "auto")}
+
+
 def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int = 4) -> int:
-    out = ensure_demo_export(progress=not as_json)
+    """Greedy, DFlash with full blocks and DFlash with the auto verify policy on held-out prompts, side by
+    side (the auto run streamed), each checked against greedy."""
+    out = ensure_demo_lowering(ensure_demo_export(progress=not as_json), progress=not as_json)
     decoder = open_decoder(out)
     codec = TextCodec(out) if has_tokenizer(out) else None
     prompts = _prompts(decoder, codec, num_prompts)
     decoder.generate(prompts[0][1], 4, "dflash", stop_token_ids=[])  # first-call setup is not decoding speed
-    rows, totals = [], {"greedy": [0, 0.0], "dflash": [0, 0.0]}
+    rows, totals = [], {mode: [0, 0.0] for mode in MODES}
     for index, (text, ids) in enumerate(prompts):
         if not as_json:
             print(f"--- prompt {index + 1} ---\n{text if text is not None else ids}", end="", flush=True)
         stream = TextStream(codec) if codec is not None and not as_json else None
         on_tokens = (lambda chunk, stream=stream: print(stream.delta(chunk), end="", flush=True)) if stream else None
-        dflash = decoder.generate(ids, max_new_tokens, "dflash", stop_token_ids=[], on_tokens=on_tokens)
-        greedy = decoder.generate(ids, max_new_tokens, "greedy", stop_token_ids=[])
-        for mode, result in (("greedy", greedy), ("dflash", dflash)):
+        results = {"auto": decoder.generate(ids, max_new_tokens, "dflash", stop_token_ids=[], on_tokens=on_tokens)}
+        for mode in ("greedy", "full"):
+            results[mode] = decoder.generate(ids, max_new_tokens, MODES[mode][0], stop_token_ids=[],
+                                             verify=MODES[mode][1])
+        for mode, result in results.items():
             totals[mode][0] += len(result.tokens)
             totals[mode][1] += result.decode_s
-        rows.append({"prompt": text if text is not None else ids, "tokens": dflash.tokens,
-                     "identical_to_greedy": dflash.tokens == greedy.tokens, "tau": dflash.tau,
-                     "acceptance_lengths": dflash.acceptance_lengths,
-                     "acceptance_histogram": dflash.acceptance_histogram(decoder.manifest.block_size),
-                     "greedy_tokens_per_second": greedy.tokens_per_second,
-                     "dflash_tokens_per_second": dflash.tokens_per_second})
+        greedy, full, auto = results["greedy"], results["full"], results["auto"]
+        rows.append({"prompt": text if text is not None else ids, "tokens": auto.tokens,
+                     "identical_to_greedy": auto.tokens == greedy.tokens == full.tokens, "tau": full.tau,
+                     "acceptance_lengths": full.acceptance_lengths,
+                     "acceptance_histogram": full.acceptance_histogram(decoder.manifest.block_size),
+                     **{f"{mode}_tokens_per_second": r.tokens_per_second for mode, r in results.items()}})
         if not as_json:
-            print(f"\n    [tau {dflash.tau:.2f}; identical to greedy: {dflash.tokens == greedy.tokens}; "
-                  f"greedy {greedy.tokens_per_second:.0f} tok/s, dflash {dflash.tokens_per_second:.0f} tok/s]")
-    greedy_tps = totals["greedy"][0] / totals["greedy"][1] if totals["greedy"][1] else 0.0
-    dflash_tps = totals["dflash"][0] / totals["dflash"][1] if totals["dflash"][1] else 0.0
-    lengths = [length for row in rows for length in row["acceptance_lengths"]]  # tau over every step
+            print(f"\n    [identical to greedy: {rows[-1]['identical_to_greedy']}; greedy "
+                  f"{greedy.tokens_per_second:.0f} tok/s, full blocks {full.tokens_per_second:.0f} tok/s (tau "
+                  f"{full.tau:.2f}), auto {auto.tokens_per_second:.0f} tok/s]")
+    rates = {mode: count / seconds if seconds else 0.0 for mode, (count, seconds) in totals.items()}
+    lengths = [length for row in rows for length in row["acceptance_lengths"]]  # tau over every full-block step
+    costs = decoder.costs
     summary = {
         "pair": "shipped stdlib byte-level pair" if _shipped() else "tiny random pair (demo pair not built)",
-        "block_size": decoder.manifest.block_size,
+        "directory": str(out), "block_size": decoder.manifest.block_size,
         "all_identical_to_greedy": all(r["identical_to_greedy"] for r in rows),
         "tau": float(np.mean(lengths)),
         "acceptance_histogram": np.sum([r["acceptance_histogram"] for r in rows], axis=0).tolist(),
-        "greedy_tokens_per_second": greedy_tps, "dflash_tokens_per_second": dflash_tps,
-        "speedup": dflash_tps / greedy_tps if greedy_tps else 0.0, "prompts": rows,
+        **{f"{mode}_tokens_per_second": rate for mode, rate in rates.items()},
+        "full_speedup": rates["full"] / rates["greedy"] if rates["greedy"] else 0.0,
+        "auto_speedup": rates["auto"] / rates["greedy"] if rates["greedy"] else 0.0,
+        "costs": asdict(costs) if costs else None,
+        "prompts": rows,
     }
     if as_json:
         print(json.dumps(summary))
     else:
-        print(f"\n{summary['pair']}: tau {summary['tau']:.2f} (block {summary['block_size']}); acceptance "
-              f"histogram 1..{summary['block_size']}: {summary['acceptance_histogram']}")
-        print(f"greedy {greedy_tps:.0f} tok/s, DFlash {dflash_tps:.0f} tok/s: speedup {summary['speedup']:.2f}x "
-              f"(decode time, all prompts); identical to greedy: {summary['all_identical_to_greedy']}")
+        print(f"\n{summary['pair']} on ONNX Runtime ({out}): tau {summary['tau']:.2f} (block "
+              f"{summary['block_size']}); acceptance histogram 1..{summary['block_size']}: "
+              f"{summary['acceptance_histogram']}")
+        print(f"greedy {rates['greedy']:.0f} tok/s; DFlash full blocks {rates['full']:.0f} tok/s "
+              f"({summary['full_speedup']:.2f}x); DFlash auto {rates['auto']:.0f} tok/s "
+              f"({summary['auto_speedup']:.2f}x) (decode time, all prompts); identical to greedy: "
+              f"{summary['all_identical_to_greedy']}")
+        if costs:
+            print("cost curve the auto policy weighed (ms, measured at lowering): t(T) for T = 1..B "
+                  + " ".join(f"{t:.3g}" for t in costs.verify_ms) + f"; draft step {costs.draft_ms:.3g}")
         if not _shipped():
             print("note: a tiny random pair; build the demo pair with demo/build_pair.py", file=sys.stderr)
     return 0 if summary["all_identical_to_greedy"] else 1

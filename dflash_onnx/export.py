@@ -28,6 +28,9 @@ from .progress import Stages
 from .publish import check_out_dir, copy_tokenizer_files, staged_directory
 
 DEFAULT_OPSET = 18
+# Changes whenever the graphs' inputs or outputs change (2: the draft's `draft_confidence`), so that caches of
+# exports (the demo's) are rebuilt rather than reused with an older contract.
+GRAPH_REVISION = 2
 
 
 def kv_names(prefix: str, num_layers: int) -> list[str]:
@@ -80,7 +83,7 @@ def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dty
     program = export_program(
         draft, (ids, hidden, positions, *past_kv),
         ["input_ids", "target_hidden", "position_ids", *kv_names("past_key_values", n)],
-        ["logits", "draft_ids", *kv_names("present", n)],
+        ["logits", "draft_ids", "draft_confidence", *kv_names("present", n)],
         ({0: batch}, {0: batch, 1: ctx_new}, {0: batch, 1: ctx_new + block_size},
          tuple({0: batch, 1: ctx_past} for _ in range(2 * n))),
         opset,

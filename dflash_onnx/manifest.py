@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,22 @@ class GraphSpec:
 
     def output_names(self) -> list[str]:
         return [t.name for t in self.outputs]
+
+
+@dataclass
+class CostModel:
+    """What one DFlash round costs on a backend, measured where the directory runs (or replayed from a file):
+    the target's step for T new tokens, T = 1..block_size, and the draft's step, in milliseconds, at
+    `context` tokens of K/V. The verify policy reads it (dflash_onnx/policy.py)."""
+
+    verify_ms: list[float]
+    draft_ms: float
+    context: int = 0
+    source: str = ""  # what measured it: "lower", "calibrate", or the file it came from
+
+    def __post_init__(self):
+        if not self.verify_ms or min(self.verify_ms) <= 0 or self.draft_ms < 0:
+            raise ValueError("a cost model needs positive verify_ms for T = 1.. and a draft_ms of 0 or more")
 
 
 @dataclass
@@ -93,6 +110,7 @@ class Manifest:
     prefill_len: int | None = None
     passes: list[dict] = field(default_factory=list)
     lowering: Lowering | None = None
+    costs: CostModel | None = None  # recorded by `lower` or `calibrate` on the directory's backend
     source_dirs: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
@@ -124,7 +142,10 @@ class Manifest:
         return json.dumps(asdict(self), indent=2) + "\n"
 
     def save(self, directory: Path) -> None:
-        (Path(directory) / MANIFEST_NAME).write_text(self.to_json())
+        """Write dflash.json whole (a reader never sees half of it, also when a command updates it in place)."""
+        partial = Path(directory) / f".{MANIFEST_NAME}.partial"
+        partial.write_text(self.to_json())
+        os.replace(partial, Path(directory) / MANIFEST_NAME)
 
     @property
     def backend(self) -> str | None:
@@ -150,6 +171,8 @@ class Manifest:
             data[key] = GraphSpec(**graph)
         if data.get("lowering") is not None:
             data["lowering"] = Lowering(**data["lowering"])
+        if data.get("costs") is not None:
+            data["costs"] = CostModel(**data["costs"])
         if data.get("form", "concat") not in FORMS:
             raise KeyError(f"form {data['form']!r}")
         return cls(**data)

@@ -116,9 +116,11 @@ def _compare_graphs(prompt_index: int, prompt: np.ndarray, manifest: Manifest, d
         got_d = decoder.draft.run({"input_ids": block.numpy(), "target_hidden": context.numpy(),
                                    "position_ids": positions.numpy(), **_kv_feeds(d_in, past)})
         checks.append(Check(prompt_index, f"draft logits ({call} call)", _max_diff(got_d["logits"], ref_d[0]), False))
-        scales.append(_scale(ref_d[0]))
+        checks.append(Check(prompt_index, f"draft confidence ({call} call)",
+                            _max_diff(got_d["draft_confidence"], ref_d[2]), False))
+        scales += [_scale(ref_d[0]), 1.0]
         start += context.shape[1]
-        past = ref_d[2:]
+        past = ref_d[3:]
         context = ref_v[2][:, :2]
     for check, scale in zip(checks, scales):
         check.ok = bool(check.value <= tol + relative * scale)

@@ -34,6 +34,27 @@ class TargetStep:
     context: np.ndarray
 
 
+@dataclass
+class Proposal:
+    """The draft's block: its argmax ids, the probability of each (None when the graph predates
+    `draft_confidence`), and its logits when asked for."""
+
+    ids: np.ndarray
+    confidence: np.ndarray | None
+    logits: np.ndarray | None
+
+
+def _draft_names(graph: GraphSpec, want_logits: bool) -> list[str]:
+    confidence = ["draft_confidence"] if "draft_confidence" in graph.output_names() else []
+    return ["draft_ids", *confidence, *(["logits"] if want_logits else [])]
+
+
+def _proposal(out: dict[str, np.ndarray]) -> Proposal:
+    confidence = out.get("draft_confidence")
+    return Proposal(out["draft_ids"][0], None if confidence is None else confidence[0].astype(np.float64),
+                    out["logits"][0] if "logits" in out else None)
+
+
 def _joined(parts: list[np.ndarray]) -> np.ndarray | None:
     return None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -102,19 +123,18 @@ class ConcatTarget:
 class ConcatDraft:
     def __init__(self, session: Session, manifest: Manifest):
         graph = manifest.draft
-        self.session = session
+        self.session, self.graph = session, graph
         self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), manifest.numpy_dtype))
 
-    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool):
+    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool) -> Proposal:
         """Append `context` rows to the draft's context cache and draft the block after them."""
         start = self.kv.length + len(context)
         positions = np.arange(self.kv.length, start + len(block), dtype=np.int64)[None]
-        names = ["draft_ids", *self.kv.outputs] + (["logits"] if want_logits else [])
         feeds = {"input_ids": block[None], "target_hidden": context[None], "position_ids": positions,
                  **self.kv.prefix_feeds()}
-        out = self.session.run(feeds, names)
+        out = self.session.run(feeds, _draft_names(self.graph, want_logits) + self.kv.outputs)
         self.kv.update(out, start)
-        return out["draft_ids"][0], out["logits"][0] if want_logits else None
+        return _proposal(out)
 
 
 class RowsKV(KVState):
@@ -141,7 +161,7 @@ class RowsDraft(ConcatDraft):
     """ConcatDraft over RowsKV: the ORT lowering's draft, whose K/V outputs are the new rows only."""
 
     def __init__(self, session: Session, manifest: Manifest):
-        self.session = session
+        self.session, self.graph = session, manifest.draft
         self.kv = RowsKV(manifest.draft, int(manifest.ctx_len), manifest.numpy_dtype)
 
 
@@ -156,7 +176,7 @@ class _Retained:
     """Shared by the retained-form target and draft: buffers, specialization sizes, the scratch slot."""
 
     def __init__(self, session: Session, manifest: Manifest, graph: GraphSpec):
-        self.session = session
+        self.session, self.graph = session, graph
         self.ctx_len = int(manifest.ctx_len)
         self.sizes = sorted({manifest.block_size, int(manifest.prefill_len)})
         self.scratch = self.ctx_len - 1
@@ -218,16 +238,16 @@ class RetainedDraft(_Retained):
         super().__init__(session, manifest, manifest.draft)
         self.length = 0
 
-    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool):
+    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool) -> Proposal:
         start = self.length + len(context)
         block_positions = np.arange(start, start + len(block), dtype=np.int64)[None]
         for begin, end, size in self.chunks(len(context)):
             feeds = {"input_ids": block[None], "context_hidden": _pad(context[begin:end], size, 0)[None],
                      "ctx_position_ids": self.positions(self.length + begin, end - begin, size),
                      "position_ids": block_positions}
-            out = self.run(feeds, ["draft_ids"] + (["logits"] if want_logits else []))
+            out = self.run(feeds, _draft_names(self.graph, want_logits))
         self.length = start
-        return out["draft_ids"][0], out["logits"][0] if want_logits else None
+        return _proposal(out)
 
 
 class BufferTarget:

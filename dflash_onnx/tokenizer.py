@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .chat import load_chat_template
 from .errors import DFlashError
 from .paths import member
 
@@ -24,9 +25,18 @@ class TextCodec:
             self._tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises its own Exception for a file it cannot parse
             raise DFlashError(f"{path} is not a tokenizer.json the tokenizers library reads ({exc})") from None
+        self.directory, self.artifact = Path(directory), artifact
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def prompt_ids(self, text: str, raw: bool = False) -> list[int]:
+        """A user prompt as ids: in the directory's chat template when it has one (the turn the model answers),
+        else, or with `raw`, the text as it is."""
+        template = None if raw or not self.artifact else load_chat_template(self.directory)
+        if template is None:
+            return self.encode(text)
+        return self.encode(template.render(text), add_special_tokens=False)
 
     def token_id(self, token: str, default: int) -> int:
         found = self._tokenizer.token_to_id(token)

@@ -111,7 +111,7 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
         copy_tokenizer_files(source, tmp)
         applied = [{"name": p.name, "options": {**pass_options.get("*", {}), **pass_options.get(p.name, {})},
                     "bound": p.bound, "lossy": p.lossy} for p in chosen]
-        result = replace(manifest, passes=[*manifest.passes, *applied], **specs)
+        result = replace(manifest, passes=[*manifest.passes, *applied], costs=None, **specs)  # other graphs now
         result.save(tmp)
         (tmp / "passes_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return result, report

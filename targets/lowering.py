@@ -6,7 +6,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from dflash_onnx.manifest import Manifest, load_export
+from dflash_onnx.costs import measurable, measure_costs
+from dflash_onnx.manifest import CostModel, Manifest, load_export
 from dflash_onnx.publish import check_out_dir, directory_bytes, staged_directory
 
 from .backend import LowerRequest
@@ -23,6 +24,18 @@ def start_lowering(source: Path, out: Path, options: Any, request: LowerRequest,
         else None
     check_out_dir(Path(out), (Path(source), *(checkpoints or ())), request.overwrite)
     return manifest, checkpoints
+
+
+def lowered_costs(directory: Path, manifest: Manifest, open_session, context: int = 256,
+                  repeats: int = 5) -> CostModel | None:
+    """The cost curve of the lowered graphs in `directory`, measured on the backend they were lowered for (None
+    for graphs that run at compiled sizes only: `calibrate --from FILE` replays a curve measured on the device)."""
+    if measurable(manifest) is not None:
+        return None
+    if manifest.ctx_len:  # the buffers must hold the context, the block and the draft's block after it
+        context = max(0, min(context, manifest.ctx_len - 2 * manifest.block_size))
+    sessions = [open_session(Path(directory), manifest, graph) for graph in ("target", "draft")]
+    return measure_costs(manifest, *sessions, context=context, repeats=repeats, source="lower")
 
 
 def lowered_output(source: Path, out: Path, request: LowerRequest, checkpoints: tuple[Path, Path] | None = None,

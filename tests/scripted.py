@@ -66,6 +66,12 @@ class PositionModel:
         return self.rows[len(prefix)]
 
 
+def confidence(logits: np.ndarray) -> np.ndarray:
+    """The probability of each row's argmax, as the exported draft's `draft_confidence` computes it."""
+    shifted = np.exp(logits.astype(np.float64) - logits.max(axis=-1, keepdims=True))
+    return (shifted.max(axis=-1) / shifted.sum(axis=-1)).astype(np.float32)
+
+
 def reference(model, prompt, count: int) -> list[int]:
     """Plain greedy decoding of `model`: the tokens every correct loop must produce."""
     sequence = [int(t) for t in prompt]
@@ -328,7 +334,8 @@ class ConcatDraftSession(_Fake, _Proposer):
         new = kv_rows(self.manifest, context_positions, context_tokens)
         block_rows = kv_rows(self.manifest, positions[len(context):], block, flag=BLOCK)
         present = new if self.rows else np.concatenate([past, new, block_rows], axis=1)
-        out = {"draft_ids": ids, "logits": logits, **{name: present.copy() for name in graph.kv_outputs}}
+        out = {"draft_ids": ids, "logits": logits, "draft_confidence": confidence(logits),
+               **{name: present.copy() for name in graph.kv_outputs}}
         return self._select(out, output_names)
 
 
@@ -338,8 +345,9 @@ class RetainedDraftSession(_Fake, _RetainedState, _Proposer):
 
     def __init__(self, manifest: Manifest, model, script, on_device: bool = True, confident: bool = False):
         graph = manifest.draft
+        confidence = ["draft_confidence"] if "draft_confidence" in graph.output_names() else []
         super().__init__(manifest, model, ["input_ids", "context_hidden", "ctx_position_ids", "position_ids",
-                                           *graph.kv_inputs], ["draft_ids", "logits", *graph.kv_outputs])
+                                           *graph.kv_inputs], ["draft_ids", *confidence, "logits", *graph.kv_outputs])
         self._setup_retained(manifest, graph, on_device)
         self._setup_proposer(manifest, script, confident)
         self.writes = np.zeros(self.ctx_len, np.int64)  # real context rows written per position
@@ -371,7 +379,7 @@ class RetainedDraftSession(_Fake, _RetainedState, _Proposer):
             logits = np.full((1, self.block_size - 1, self.model.vocab), np.nan, np.float32)
         else:
             ids, logits = self._propose(known + [int(block[0])])
-        return self._select({"draft_ids": ids, "logits": logits,
+        return self._select({"draft_ids": ids, "logits": logits, "draft_confidence": confidence(logits),
                              **{name: state.copy() for name in graph.kv_outputs}}, output_names)
 
 

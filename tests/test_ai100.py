@@ -191,7 +191,7 @@ def test_ai100_session_on_a_fake_sdk_keeps_state_on_device_and_skips_logits(lowe
     seq_lens = {shapes["input_ids"][1] for name, shapes, _ in qaicrt.CALLS if name == "target.onnx"}
     assert seq_lens == {8, 16}  # verify and prefill specializations only
     copied = {name for _, _, names in qaicrt.CALLS for name in names}
-    assert copied == {"greedy_ids", "context_hidden", "draft_ids"}  # never logits, never K/V
+    assert copied == {"greedy_ids", "context_hidden", "draft_ids", "draft_confidence"}  # never logits, never K/V
 
 
 def test_fp16_calibration_scales_fc_and_reports_the_largest_activation(exported):

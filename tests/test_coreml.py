@@ -62,7 +62,7 @@ def _stateful_decoder(pair, lowered_manifest) -> Decoder:
     target = StatefulTarget(tapped, draft, CTX_LEN, dtype=torch.float32).eval()
     stateful_draft = StatefulDraft(draft, CTX_LEN, lowered_manifest.block_size, dtype=torch.float32).eval()
     return Decoder(lowered_manifest, TorchStatefulSession(target, ["greedy_ids", "logits", "context_hidden"]),
-                   TorchStatefulSession(stateful_draft, ["draft_ids", "logits"]))
+                   TorchStatefulSession(stateful_draft, ["draft_ids", "draft_confidence", "logits"]))
 
 
 @pytest.mark.parametrize("name", ["agree_b8", "causal_gqa4_b4", "llama_sliding_b16"])
@@ -103,8 +103,8 @@ def test_packages_convert_with_states_and_enumerated_shapes(coreml_lowered, expo
     assert manifest.backend == "coreml" and manifest.form == "retained" and manifest.lowering.padding == "consecutive"
     for graph, inputs, outputs, layers in (
             ("target", ["input_ids", "position_ids"], ["greedy_ids", "logits", "context_hidden"], spec.target_layers),
-            ("draft", ["input_ids", "context_hidden", "ctx_position_ids", "position_ids"], ["draft_ids", "logits"],
-             spec.draft_layers)):
+            ("draft", ["input_ids", "context_hidden", "ctx_position_ids", "position_ids"],
+             ["draft_ids", "draft_confidence", "logits"], spec.draft_layers)):
         model = ct.models.MLModel(str(coreml_lowered / f"{graph}.mlpackage"), skip_model_load=True)
         description = model.get_spec().description
         assert [i.name for i in description.input] == inputs

@@ -45,7 +45,7 @@ def test_draft_matches_reference_first_and_later_calls(name, tmp_path):
         ids = torch.randint(0, spec.vocab_size, (1, block))
         positions = torch.arange(start, start + ctx_len + block)[None]
         with torch.no_grad():
-            got_logits, got_ids, *past = ours(ids, context, positions, *past)
+            got_logits, got_ids, got_confidence, *past = ours(ids, context, positions, *past)
             embed = dflash_model._raw_input_embeddings(target, ids, ours.spec.input_embedding_scale)
             hidden = reference(target_hidden=context, noise_embedding=embed, position_ids=positions,
                                past_key_values=cache, use_cache=True)
@@ -54,6 +54,7 @@ def test_draft_matches_reference_first_and_later_calls(name, tmp_path):
         dflash_model._crop_to(cache, start)
         torch.testing.assert_close(got_logits, want, atol=2e-5, rtol=1e-4)
         assert torch.equal(got_ids, want.argmax(-1))
+        torch.testing.assert_close(got_confidence, want.softmax(-1).amax(-1), atol=1e-6, rtol=1e-5)
         assert past[0].shape[1] == start
 
 

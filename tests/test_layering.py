@@ -13,9 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("dflash_onnx", "passes", "targets")
 RUNTIME = {f"dflash_onnx.{name}" for name in ("errors", "manifest", "session", "runners", "sampling", "decode",
-                                               "feeds", "tokenizer", "paths")}
+                                               "feeds", "tokenizer", "paths", "chat", "policy", "costs")}
 # third-party libraries each layer may use (besides the standard library)
-RUNTIME_LIBRARIES = {"numpy", "tokenizers"}
+RUNTIME_LIBRARIES = {"numpy", "tokenizers", "jinja2"}
 SESSION_LIBRARIES = {"ort": {"onnxruntime", "onnx"}, "ai100": {"QAicApi_pb2", "qaicrt"}, "mlx": {"mlx", "onnx"},
                      "coreml": {"coremltools"}}
 # neutral helpers a session may use: artifact names checked to stay inside their directory

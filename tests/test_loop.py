@@ -21,7 +21,7 @@ from scripted import (
 
 from dflash_onnx.decode import Decoder
 from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import Lowering
+from dflash_onnx.manifest import CostModel, Lowering
 from dflash_onnx.sampling import SamplingParams, sampling_probs
 
 VOCAB = 32  # make_manifest's default; its mask token is 31
@@ -49,19 +49,20 @@ def scripts(block: int) -> dict[str, list[int]]:
 
 
 def build(form: str = "concat", block: int = 4, model=None, script=None, prefill_chunk: int = 256,
-          stops=(), ctx_len: int = 96, prefill_len: int = 8, confident: bool = False):
-    """A Decoder over fresh fakes of the form `form` (a FORMS id), and the fakes."""
+          stops=(), ctx_len: int = 96, prefill_len: int = 8, confident: bool = False, costs=None):
+    """A Decoder over fresh fakes of the form `form` (a FORMS id), and the fakes. With `costs`, the draft graph
+    has `draft_confidence` and the manifest that cost curve (the auto verify policy's inputs)."""
     setup = dict(FORMS[form])
     kind = setup.pop("form", "concat")
     on_device = setup.pop("on_device", True)
+    common = {"block_size": block, "stop_token_ids": tuple(stops), "confidence": costs is not None, "costs": costs}
     if kind == "concat":
-        manifest = make_manifest(block_size=block, stop_token_ids=tuple(stops))
+        manifest = make_manifest(**common)
     elif kind == "buffer":
-        manifest = make_manifest(block_size=block, stop_token_ids=tuple(stops), form="buffer", ctx_len=ctx_len,
+        manifest = make_manifest(**common, form="buffer", ctx_len=ctx_len,
                                  lowering=Lowering(backend="ort", options={}, draft_kv=setup["draft_kv"]))
     else:
-        manifest = make_manifest(block_size=block, stop_token_ids=tuple(stops), form="retained", ctx_len=ctx_len,
-                                 prefill_len=prefill_len,
+        manifest = make_manifest(**common, form="retained", ctx_len=ctx_len, prefill_len=prefill_len,
                                  lowering=Lowering(backend="ai100", options={},
                                                    padding=setup.get("padding", "scratch")))
     pair = fake_sessions(manifest, model or TokenModel(VOCAB), script or [block - 1], on_device, confident)
@@ -511,3 +512,62 @@ def test_bad_decoder_setup_raises_dflash_error():
         Decoder(manifest, target, object())
     with pytest.raises(DFlashError, match="form"):
         Decoder(make_manifest(form="ring"), target, None).generate(PROMPT, 4, "greedy")
+
+
+# --- the auto verify policy inside the loop --------------------------------------------------------------------
+
+STEEP = CostModel(verify_ms=[1.0 + 0.45 * t for t in range(8)], draft_ms=1.0)  # T=8 costs 4.2x T=1
+FLAT = CostModel(verify_ms=[1.0] * 8, draft_ms=0.1)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("curve", ["steep", "flat"])
+def test_auto_verify_keeps_the_greedy_output(form, curve):
+    """Whatever the policy verifies, drafts or skips, the output is the target's greedy output, and the draft
+    still sees every committed row once, in order (the fakes assert it on every call)."""
+    costs = {"steep": STEEP, "flat": FLAT}[curve]
+    decoder, pair = build(form, block=8, script=[0, 1, 7, 2, 0, 0, 5, 7], costs=costs)
+    result = decoder.generate(LONG_PROMPT, 40, "dflash", stop_token_ids=[])
+    assert result.tokens == reference(TokenModel(VOCAB), LONG_PROMPT, 40)
+    assert len(result.verified) == len(result.acceptance_lengths)
+    assert len(pair.draft.calls) >= sum(1 for v in result.verified if v)  # a draft may also be verified for 0
+
+
+def test_auto_skips_the_draft_where_it_cannot_pay_and_keeps_probing():
+    """A steep curve and a draft that is never right: after a few steps the loop stops calling the draft (greedy
+    steps, one verified row), and still drafts now and then to notice if acceptance rose."""
+    decoder, pair = build(block=8, script=[0], costs=STEEP)
+    result = decoder.generate(PROMPT, 80, "dflash", stop_token_ids=[])
+    assert result.tokens == reference(TokenModel(VOCAB), PROMPT, 80)
+    skipped = result.verified.count(0)
+    assert skipped > 40 and 0 < len(pair.draft.calls) < 20
+
+
+def test_auto_verifies_whole_blocks_where_they_are_free_and_right():
+    decoder, _ = build(block=8, script=[7], costs=FLAT)
+    result = decoder.generate(PROMPT, 41, "dflash", stop_token_ids=[])
+    assert result.verified[:-1] == [7] * (len(result.verified) - 1) and result.acceptance_lengths[0] == 8
+
+
+@pytest.mark.parametrize("verify, expect", [("full", [3, 3, 0]), (2, [2, 2, 2]), (0, [0] * 9)])
+def test_fixed_verify_counts(verify, expect):
+    decoder, pair = build(block=4, script=[3], costs=STEEP)
+    result = decoder.generate(PROMPT, 10, "dflash", stop_token_ids=[], verify=verify)
+    assert result.tokens == reference(TokenModel(VOCAB), PROMPT, 10)
+    assert result.verified == expect  # the last step keeps one token: nothing left to draft for
+    assert (len(pair.draft.calls) == 0) == (verify == 0)
+
+
+def test_auto_sampling_stays_exact():
+    """The policy reads the draft's distributions, never its draws: sampled output keeps the target's
+    distribution while the verified length changes from step to step."""
+    model, runs, count = PositionModel(VOCAB, seed=5), 600, 7
+    sampling = SamplingParams(temperature=0.8)
+    decoder, _ = build(block=4, model=model, script=[0, 1, 2, 3], confident=True, costs=STEEP)
+    results = [decoder.generate(PROMPT, count, "dflash", SamplingParams(0.8, seed=seed)) for seed in range(runs)]
+    assert len({tuple(r.verified) for r in results}) > 1  # the policy did vary what it verified
+    tokens = np.array([result.tokens for result in results])
+    for index in range(count):
+        want = sampling_probs(model.logits(range(len(PROMPT) + index)), sampling)
+        distance = 0.5 * np.abs(np.bincount(tokens[:, index], minlength=VOCAB) / runs - want).sum()
+        assert distance < 0.12, f"token {index}: total variation {distance:.3f} from the target's distribution"

@@ -49,9 +49,10 @@ def test_mlx_decodes_exactly_like_ort(name, exported, decoders, mlx_lowered):
     mlx, ort = open_decoder(mlx_lowered(name), backend="mlx"), decoders(name)
     for prompt in _prompts(5, exported(name).spec.vocab_size, seed=1):
         for mode in ("dflash", "greedy"):
-            ours = mlx.generate(prompt, 24, mode, stop_token_ids=[])
+            ours = mlx.generate(prompt, 24, mode, stop_token_ids=[], verify="full")  # the same steps as the export
             want = ort.generate(prompt, 24, mode, stop_token_ids=[])
             assert ours.tokens == want.tokens and ours.acceptance_lengths == want.acceptance_lengths
+        assert mlx.generate(prompt, 24, stop_token_ids=[]).tokens == want.tokens  # auto: the same tokens
 
 
 def test_mlx_equals_the_reference(exported, mlx_lowered):
@@ -61,7 +62,7 @@ def test_mlx_equals_the_reference(exported, mlx_lowered):
     decoder = open_decoder(mlx_lowered("causal_gqa4_b4"), backend="mlx")
     for prompt in _prompts(4, pair.spec.vocab_size, seed=2):
         ref = dflash_model.dflash_generate(draft, target, torch.tensor(prompt)[None], 24, None, return_stats=True)
-        ours = decoder.generate(prompt, 24, "dflash", stop_token_ids=[])
+        ours = decoder.generate(prompt, 24, "dflash", stop_token_ids=[], verify="full")
         assert ours.tokens == ref.output_ids[0, len(prompt):].tolist()
         assert ours.acceptance_lengths == ref.acceptance_lengths
 

@@ -84,7 +84,7 @@ def test_rows_form_draft_keeps_the_exports_context_cache_in_its_buffers(exported
     for count in (7, 8, 1, 3):
         context = rng.standard_normal((count, width)).astype(np.float32)
         block = rng.integers(0, 96, size=export.manifest.block_size)
-        assert rows.propose(block, context, False)[0].tolist() == concat.propose(block, context, False)[0].tolist()
+        assert rows.propose(block, context, False).ids.tolist() == concat.propose(block, context, False).ids.tolist()
         assert rows.kv.length == concat.kv.length
         for buffer, present in zip(rows.kv.arrays, concat.kv.arrays):
             np.testing.assert_allclose(buffer[:, : rows.kv.length], present, atol=1e-5)

@@ -89,6 +89,12 @@ class DraftSpec:
         return cls.from_dict(read_config(Path(path), "draft"))
 
 
+def confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The probability of each row's argmax, computed in float32: what the verify policy reads per proposed
+    token (greedy decoding moves these B-1 floats to the host, never the logits)."""
+    return torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -262,7 +268,8 @@ class DFlashDraft(nn.Module):
         return logits
 
     def forward(self, input_ids, target_hidden, position_ids, *past_kv):
-        """Graph signature: logits and argmax for block positions 1.., then present context K/V."""
+        """Graph signature: logits, their argmax and its probability (the draft's confidence) for block positions
+        1.., then present context K/V."""
         hidden, present = self.hidden(input_ids, target_hidden, position_ids, list(past_kv))
         logits = self.logits(hidden[:, 1:])
-        return (logits, torch.argmax(logits, dim=-1), *present)
+        return (logits, torch.argmax(logits, dim=-1), confidence(logits), *present)

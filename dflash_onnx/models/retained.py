@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .draft import DFlashDraft, _rope, visible
+from .draft import DFlashDraft, _rope, confidence, visible
 from .target import TappedTarget
 
 
@@ -121,4 +121,4 @@ class RetainedDraft(nn.Module):
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         logits = draft.logits(draft.norm(hidden)[:, 1:])
-        return (torch.argmax(logits, dim=-1), logits, *retained)
+        return (torch.argmax(logits, dim=-1), confidence(logits), logits, *retained)

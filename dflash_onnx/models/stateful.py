@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import DFlashError
-from .draft import DFlashDraft, visible
+from .draft import DFlashDraft, confidence, visible
 from .target import TappedTarget
 
 
@@ -158,4 +158,4 @@ class StatefulDraft(nn.Module):
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         logits = draft.logits(draft.norm(hidden)[:, 1:])
-        return torch.argmax(logits, dim=-1).to(torch.int32), logits
+        return torch.argmax(logits, dim=-1).to(torch.int32), confidence(logits), logits

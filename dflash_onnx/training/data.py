@@ -64,9 +64,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DFLASH_ONNX_CACHE", Path.home() / ".cache" / "dflash-onnx")) / "distill"
 
 
-def continuations(target, target_dir: Path, prompts: list[list[int]], new_tokens: int,
-                  progress: bool = True) -> list[torch.Tensor]:
-    """prompt + greedy continuation per prompt, cached by (target weights, prompts, new_tokens)."""
+def continuations(target, target_dir: Path, prompts: list[list[int]], new_tokens: int, progress: bool = True,
+                  batch_size: int = 64) -> list[torch.Tensor]:
+    """prompt + greedy continuation per prompt, cached by (target weights, prompts, new_tokens); prompts of
+    equal length are generated `batch_size` at a time."""
     digest = hashlib.sha256()
     for file in sorted(Path(target_dir).glob("*.safetensors")):
         digest.update(file.name.encode() + str(file.stat().st_size).encode() + str(file.stat().st_mtime_ns).encode())
@@ -78,16 +79,24 @@ def continuations(target, target_dir: Path, prompts: list[list[int]], new_tokens
             return [cached[f"sequence.{i}"] for i in range(len(cached))]
         except Exception:  # a damaged or foreign cache file is regenerated, never trusted
             path.unlink(missing_ok=True)
-    sequences = []
+    sequences: list[torch.Tensor | None] = [None] * len(prompts)
+    by_length: dict[int, list[int]] = {}  # prompts of one length run as one batch: no padding, same tokens
+    for index, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(index)
+    done = 0
     with torch.no_grad():
-        for index, prompt in enumerate(prompts):
-            ids = torch.tensor(prompt)[None]
-            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-            sequences.append(out[0])
-            if progress:
-                print(f"\rgenerating training text with the target: {index + 1}/{len(prompts)}", end="",
-                      file=sys.stderr, flush=True)
+        for indices in by_length.values():
+            for begin in range(0, len(indices), batch_size):
+                batch = indices[begin : begin + batch_size]
+                ids = torch.tensor([prompts[i] for i in batch])
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                for row, index in enumerate(batch):
+                    sequences[index] = out[row]
+                done += len(batch)
+                if progress:
+                    print(f"\rgenerating training text with the target: {done}/{len(prompts)}", end="",
+                          file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -163,8 +163,11 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
     config = draft_config(lm.config, options, mask_id)
     draft = initial_draft(lm, config)
     tapped, block = config["dflash_config"]["target_layer_ids"], options.block_size
-    examples = [(seq, _features(lm, tapped, seq), len(prompt)) for seq, prompt in zip(sequences, prompts)]
-    held_out, train = examples[: options.held_out], examples[options.held_out:]
+    # held-out features are kept; training features are computed when a sequence is drawn (a frozen target's
+    # forward is cheap next to keeping [tokens, taps x hidden] floats for every training sequence)
+    held_out = [(seq, _features(lm, tapped, seq), len(prompt))
+                for seq, prompt in zip(sequences[: options.held_out], prompts[: options.held_out])]
+    train = [(seq, len(prompt)) for seq, prompt in zip(sequences[options.held_out:], prompts[options.held_out:])]
     trainable = [p for n, p in draft.named_parameters() if n not in SAVED_AWAY]
     optimizer = torch.optim.AdamW(trainable, lr=options.lr, betas=(0.9, 0.95), weight_decay=0.01)
     weights = blocks.loss_weights(block, options.gamma or blocks.default_gamma(block))
@@ -184,7 +187,8 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
             group["lr"] = options.lr * factor
         loss = torch.zeros(())
         for index in torch.randint(len(train), (options.sequences_per_step,), generator=generator).tolist():
-            tokens, features, prompt_len = train[index]
+            tokens, prompt_len = train[index]
+            features = _features(lm, tapped, tokens)
             anchors = blocks.sample_anchors(prompt_len, len(tokens) - block, options.anchors_per_sequence, generator)
             logits = blocks.packed_logits(draft, features, tokens, anchors, block, mask_id)
             loss = loss + blocks.weighted_loss(logits, blocks.block_labels(tokens, anchors, block), weights)

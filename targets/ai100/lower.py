@@ -46,7 +46,7 @@ def round_traffic(manifest: Manifest, hidden_size: int, itemsize: int = 4) -> di
     the device: what this design moves, and what shipping the draft's logits instead of ids would add."""
     block, ids = manifest.block_size, 8
     draft_in = block * ids + block * hidden_size * itemsize + 2 * block * ids  # ids, context rows, 2 positions
-    draft_out = (block - 1) * ids
+    draft_out = (block - 1) * (ids + itemsize)  # ids and their confidences
     target_in = 2 * block * ids
     target_out = block * ids + block * hidden_size * itemsize  # greedy ids + context rows for the next step
     logits = (block - 1) * manifest.vocab_size * itemsize
@@ -90,7 +90,7 @@ def export_retained(tapped, draft, manifest: Manifest, options: Ai100Options, ou
     block_positions = (torch.arange(block) + 5)[None].repeat(2, 1)
     draft_report = _export(RetainedDraft(draft).eval(), (block_ids, hidden, positions, block_positions, *buffers),
                            ["input_ids", "context_hidden", "ctx_position_ids", "position_ids", *kv_in],
-                           ["draft_ids", "logits", *kv_out],
+                           ["draft_ids", "draft_confidence", "logits", *kv_out],
                            ({0: batch}, {0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch},
                             tuple({0: batch, 2: ctx} for _ in range(2 * n))),
                            options.opset, out / "draft.onnx")
@@ -137,7 +137,8 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options | None = None,
             copy_tokenizer_files(source, tmp)
             lowered = replace(
                 manifest, target=graphs["target"], draft=graphs["draft"], form="retained", ctx_len=options.ctx_len,
-                prefill_len=options.prefill_len, opset=options.opset, kv_layout="batch,kv_heads,ctx_len,head_dim",
+                costs=None, prefill_len=options.prefill_len, opset=options.opset,
+                kv_layout="batch,kv_heads,ctx_len,head_dim",
                 lowering=Lowering(backend="ai100", options=asdict(options), shared_with_target=shared,
                                   rewrites={"rope-fusion": rope_hoisting}, calibration=calibration,
                                   report={"graphs": report, "round_traffic_bytes": round_traffic(

@@ -87,7 +87,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                           default=(1, block, hidden.shape[-1])), dtype=np.float16),
                       ct.TensorType("ctx_position_ids", shape=sizes, dtype=np.int32),
                       ct.TensorType("position_ids", shape=block_shape, dtype=np.int32)],
-                     ["draft_ids", "logits"], tmp / "draft.mlpackage")
+                     ["draft_ids", "draft_confidence", "logits"], tmp / "draft.mlpackage")
         hidden_size, vocab = draft.spec.config.hidden_size, manifest.vocab_size
         graphs = {
             "target": _spec("target.mlpackage", {"input_ids": ("int32", [1, "seq_len"]),
@@ -99,11 +99,12 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                                                "context_hidden": ("float16", [1, "seq_len", hidden_size]),
                                                "ctx_position_ids": ("int32", [1, "seq_len"]),
                                                "position_ids": ("int32", [1, block])},
-                           {"draft_ids": ("int32", [1, block - 1]), "logits": ("float16", [1, block - 1, vocab])},
+                           {"draft_ids": ("int32", [1, block - 1]), "draft_confidence": ("float16", [1, block - 1]),
+                            "logits": ("float16", [1, block - 1, vocab])},
                            len(draft.layers), draft.num_kv_heads, draft.head_dim),
         }
         copy_tokenizer_files(source, tmp)
-        lowered = replace(manifest, target=graphs["target"], draft=graphs["draft"], form="retained",
+        lowered = replace(manifest, target=graphs["target"], draft=graphs["draft"], form="retained", costs=None,
                           ctx_len=options.ctx_len, prefill_len=chunk, dtype="float16",
                           kv_layout="state: batch,kv_heads,ctx_len,head_dim",
                           lowering=Lowering(backend="coreml", options=asdict(options), padding="consecutive",

@@ -20,9 +20,9 @@ from dflash_onnx.manifest import Lowering, Manifest
 from dflash_onnx.publish import copy_tokenizer_files
 
 from ..backend import LowerRequest
-from ..lowering import lowered_output, start_lowering
+from ..lowering import lowered_costs, lowered_output, start_lowering
 from .options import MlxOptions
-from .session import import_mlx
+from .session import import_mlx, open_session
 
 
 def weight_uses(graph: onnx.GraphProto) -> dict[str, set[str]]:
@@ -134,6 +134,7 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
         copy_tokenizer_files(source, tmp)
         lowered = replace(manifest, lowering=Lowering(backend="mlx", options=asdict(options),
                                                       shared_with_target=shared, report={"weights": report}))
+        lowered.costs = lowered_costs(tmp, lowered, open_session)
         lowered.save(tmp)
     return lowered
 

@@ -114,12 +114,16 @@ def _gather(inputs, attrs):
     return [np.take(data, host(indices), axis=axis)]
 
 
-def _reduce_mean(inputs, attrs):
-    x, axes = (inputs + [None])[:2]
-    axes = _axes(axes, list(range(x.ndim)))
-    keep = bool(attrs.get("keepdims", 1))
-    return [x.mean(axis=tuple(axes), keepdims=keep) if isinstance(x, np.ndarray) else mx.mean(x, axis=axes,
-                                                                                              keepdims=keep)]
+def _reduce(name: str):
+    """ReduceMean / ReduceMax (axes as an input, opset 18): numpy on the host, MLX on the device."""
+    def run(inputs, attrs):
+        x, axes = (inputs + [None])[:2]
+        axes = _axes(axes, list(range(x.ndim)))
+        keep = bool(attrs.get("keepdims", 1))
+        if isinstance(x, np.ndarray):
+            return [getattr(x, name)(axis=tuple(axes), keepdims=keep)]
+        return [getattr(mx, name)(x, axis=axes, keepdims=keep)]
+    return run
 
 
 def _reshape(inputs, attrs):
@@ -261,7 +265,8 @@ OPS: dict[tuple[str, str], Callable] = {
     ("", "Constant"): _constant,
     ("", "Expand"): _expand,
     ("", "Gather"): _gather,
-    ("", "ReduceMean"): _reduce_mean,
+    ("", "ReduceMean"): _reduce("mean"),
+    ("", "ReduceMax"): _reduce("max"),
     ("", "Reshape"): _reshape,
     ("", "Shape"): _shape,
     ("", "Slice"): _slice,

@@ -51,7 +51,7 @@ def _draft_sequence(manifest: Manifest, sessions: dict) -> dict[str, np.ndarray]
         features = rng.standard_normal((rows, manifest.num_taps * manifest.target_hidden_size))
         context = features.astype(manifest.numpy_dtype)
         block = rng.integers(0, manifest.vocab_size, size=manifest.block_size)
-        outputs[f"draft logits (proposal {step})"] = runner.propose(block, context, True)[1]
+        outputs[f"draft logits (proposal {step})"] = runner.propose(block, context, True).logits
     return outputs
 
 

@@ -26,10 +26,10 @@ from passes import registry
 from passes.pipeline import apply_pipeline
 
 from ..backend import LowerRequest
-from ..lowering import lowered_output, start_lowering
+from ..lowering import lowered_costs, lowered_output, start_lowering
 from .check import check_lowering
 from .options import OrtOptions
-from .session import ort_level, provider_name
+from .session import open_session, ort_level, provider_name
 
 
 def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None:
@@ -107,6 +107,7 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
             backend="ort", options={**asdict(options), "passes": list(options.passes)}, provider=options.provider,
             draft_kv="rows" if rows else "concat", shared_with_target=shared, rewrites=rewrites))
         lowered.lowering.max_relative_difference = check_lowering(Path(source), manifest, tmp, lowered)
+        lowered.costs = lowered_costs(tmp, lowered, open_session)
         if unshared:
             print(f"warning: draft tensors {unshared} are stored twice (no identical target tensor after ORT's "
                   "optimizations)", file=sys.stderr)

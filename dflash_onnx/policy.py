@@ -1,0 +1,182 @@
+"""How much to speculate: each step's verify length from the draft's confidence and the backend's cost curve.
+
+Verifying a whole block pays only where a block costs little more than one token. With `auto`, each step
+verifies the k drafted tokens (0..B-1) that maximise the expected committed tokens per unit of time,
+`(1 + E[accepted | confidences, k]) / (t(k + 1) + t_draft)`, and skips the draft call entirely while recent
+steps say speculation would not beat greedy's `1 / t(1)`, drafting again now and then to notice when
+acceptance rises. E[accepted] multiplies, position by position, the probability that the target agrees with
+the proposal at that confidence; that probability is learnt online from the accept / reject outcomes the
+loop sees (monotone in confidence), so a badly calibrated draft cannot mislead it for long.
+
+Only the number of verified rows changes: greedy output stays the target's greedy output, and sampled
+output stays exact (rejection sampling over the verified prefix). numpy only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import DFlashError
+from .manifest import CostModel
+
+BINS = 10
+PRIOR = 2.0  # pseudo-tries per confidence bin, at the bin's own confidence: the draft is believed at first
+HISTORY, RECENT = 32, 4  # drafted steps whose confidences are kept; the last few of them make "recent"
+FADE = 0.8  # per step without a draft, how much of the recent average's difference from the long run remains
+PROBE_MAX = 64  # steps without a draft before one is made anyway, to refresh the long-run average
+
+
+def isotonic(values: list[float], weights: list[float] | None = None) -> np.ndarray:
+    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent violators)."""
+    merged: list[list[float]] = []  # [value, weight, entries merged]
+    for value, weight in zip(values, weights or [1.0] * len(values)):
+        merged.append([value, weight, 1])
+        while len(merged) > 1 and merged[-2][0] > merged[-1][0]:
+            value, weight, count = merged.pop()
+            previous = merged[-1]
+            total = previous[1] + weight
+            merged[-1] = [(previous[0] * previous[1] + value * weight) / total, total, previous[2] + count]
+    return np.repeat([m[0] for m in merged], [m[2] for m in merged])
+
+
+def parse_verify(value: str | int) -> str | int:
+    """`--verify`: auto, full, or how many drafted tokens to verify each step."""
+    if value in ("auto", "full"):
+        return value
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = -1
+    if count < 0:
+        raise DFlashError(f"--verify {value}: give auto, full or a count of drafted tokens (0 or more)")
+    return count
+
+
+class Calibration:
+    """P(the target accepts a proposal | the draft's confidence in it), per confidence bin, monotone."""
+
+    def __init__(self):
+        centers = (np.arange(BINS) + 0.5) / BINS
+        self.tries = np.full(BINS, PRIOR)
+        self.accepts = PRIOR * centers
+        self.table = self.optimistic = centers
+        self._fit()
+
+    def _fit(self) -> None:
+        """Acceptance per bin, never falling as confidence rises (weighted by tries), and the same plus one
+        standard error: bins seen little get the benefit of the doubt."""
+        table = isotonic((self.accepts / self.tries).tolist(), self.tries.tolist())
+        optimistic = np.minimum(1.0, table + np.sqrt(table * (1 - table) / self.tries))
+        # one entry more: a confidence of exactly 1.0 falls in bin BINS, read as the top bin
+        self.table, self.optimistic = np.append(table, table[-1]), np.append(optimistic, optimistic[-1])
+
+    @staticmethod
+    def bins(confidences: np.ndarray) -> np.ndarray:
+        """Confidences in [0, 1] as bin indices 0..BINS (BINS only for 1.0; the tables repeat the top bin)."""
+        return (np.asarray(confidences, np.float64) * BINS).astype(np.intp)
+
+    def observe(self, bins: np.ndarray, accepted: int) -> None:
+        """The first `accepted` proposals (by confidence bin) were accepted and, if one follows, it was rejected;
+        later ones were never judged."""
+        bins = np.minimum(bins[: accepted + 1], BINS - 1)
+        self.tries += np.bincount(bins, minlength=BINS)
+        self.accepts += np.bincount(bins[:accepted], minlength=BINS)
+        self._fit()
+
+
+class VerifyPolicy:
+    """Per step: whether to call the draft, and how many of its tokens to verify."""
+
+    def __init__(self, mode: str | int, costs: CostModel | None, block_size: int):
+        self.mode = parse_verify(mode)
+        if self.mode == "auto" and (costs is None or len(costs.verify_ms) < block_size):
+            self.mode = "full"  # no cost curve to weigh: the reference's behaviour
+        self.costs = costs
+        if costs is not None:  # t(k + 1) + t_draft for k = 0..B-1 drafted tokens verified
+            self.round_ms = np.asarray(costs.verify_ms[:block_size], np.float64) + costs.draft_ms
+            self.greedy_rate = 1.0 / costs.verify_ms[0]
+        self.calibration = Calibration()
+        self.history = np.zeros((0, block_size - 1), np.intp)  # confidence bins of the last HISTORY drafted steps
+        self.recent = self.overall = 0.0  # their best expected rates, scored when the calibration last moved
+        self.skipped, self.observed = 0, 0
+        self._bins: np.ndarray | None = None  # the last choice's confidence bins, for its observation
+
+    def rates(self, bins: np.ndarray, table: np.ndarray | None = None) -> np.ndarray:
+        """Expected committed tokens per millisecond of drafted steps verifying k = 0..n of their proposals,
+        per row of confidence bins [..., n]: (1 + E[accepted]) / (t(k + 1) + t_draft)."""
+        accept = (self.calibration.table if table is None else table)[bins]
+        expected = np.cumsum(np.cumprod(accept, axis=-1), axis=-1)
+        n = bins.shape[-1]
+        rates = np.empty((*bins.shape[:-1], n + 1))
+        rates[..., 0] = 1.0 / self.round_ms[0]
+        rates[..., 1:] = (1.0 + expected) / self.round_ms[1 : n + 1]
+        return rates
+
+    def wants_draft(self, most: int) -> bool:
+        """Call the draft this step? `most`: how many drafted tokens could still be kept. Speculation is
+        expected to pay what the recent drafted steps would (optimistically scored with what the calibration
+        knows), fading towards what the longer history would with every step that does not draft: the text
+        moves on, so a poor stretch ends (and so does a good one)."""
+        if most < 1 or self.mode == 0:
+            return False
+        if self.mode != "auto" or len(self.history) == 0:
+            return True
+        expected = self.overall + (self.recent - self.overall) * FADE**self.skipped
+        if expected >= self.greedy_rate or self.skipped >= PROBE_MAX:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False
+
+    def choose(self, confidences: np.ndarray | None, most: int) -> int:
+        """How many of the drafted tokens to verify (0..most)."""
+        if self.mode == "full" or confidences is None:
+            return most
+        if self.mode != "auto":
+            return min(self.mode, most)
+        self._bins = Calibration.bins(confidences)
+        return int(np.argmax(self.rates(self._bins[:most])))
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """The outcome of the step `choose` last chose for: `accepted` of its `verified` drafted tokens."""
+        if self.mode != "auto" or self._bins is None:
+            return
+        if verified > 0:
+            self.calibration.observe(self._bins[:verified], accepted)
+        if len(self._bins) == self.history.shape[-1]:  # steps near the end are shorter: kept out of the history
+            self.history = np.concatenate([self.history[1 - HISTORY:], self._bins[None]])
+        self.observed += 1
+        if self.observed % 2 == 1 or len(self.history) < 2:  # rescored every other step: it drifts slowly
+            best = self.rates(self.history, self.calibration.optimistic).max(axis=-1)
+            self.recent, self.overall = float(best[-RECENT:].mean()), float(best.mean())
+        self._bins = None
+
+
+def simulate(mode: str | int, costs: CostModel, steps: list[tuple[np.ndarray, int]]) -> dict:
+    """Replay recorded full-block steps (the draft's confidences, how many proposals the target accepted) of
+    one text under a cost curve: committed tokens per millisecond of `mode`, of greedy decoding and of full
+    blocks. The text advances by what each step commits; a drafted step reads the recording that covers its
+    position, from that position on (a run the recording accepted keeps to where it ended; its acceptance is
+    capped at the tokens verified); a step without a draft commits one token at t(1)."""
+    block = len(costs.verify_ms)
+    verify, draft_ms = np.asarray(costs.verify_ms, np.float64), costs.draft_ms
+    starts = np.cumsum([0] + [1 + accepted for _, accepted in steps])  # the text position each recording covers
+    total = int(starts[-1])
+    full_rate = total / (len(steps) * (verify[block - 1] + draft_ms))
+    policy = VerifyPolicy(mode, costs, block)
+    position, spent, drafted = 0, 0.0, 0
+    while position < total:
+        if policy.wants_draft(block - 1):
+            index = int(np.searchsorted(starts, position, side="right")) - 1
+            recorded, accepted = steps[index]
+            offset = position - int(starts[index])
+            accepted = max(0, accepted - offset)
+            confidences = np.concatenate([recorded[offset:], np.full(offset, recorded[-1])])
+            k = policy.choose(confidences, block - 1)
+            accepted = min(accepted, k)
+            policy.observe(k, accepted)
+            position, spent, drafted = position + 1 + accepted, spent + verify[k] + draft_ms, drafted + 1
+        else:
+            position, spent = position + 1, spent + verify[0]
+    return {"rate": position / spent, "greedy_rate": 1.0 / verify[0], "full_rate": full_rate,
+            "drafted_steps": drafted}

@@ -1,0 +1,104 @@
+"""The verify policy: its confidence calibration, its choices on known curves, and the replayed demo.
+
+The simulation replays steps recorded on the demo pair (tests/data/demo_trace.json, written by
+demo/record_trace.py: per full-block step, the draft's confidence in each proposal and how many the target
+accepted) under cost curves of three kinds of hardware."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import CostModel
+from dflash_onnx.policy import BINS, Calibration, VerifyPolicy, isotonic, parse_verify, simulate
+
+TRACE = json.loads((Path(__file__).parent / "data" / "demo_trace.json").read_text())
+STEPS = [(np.asarray(s["confidence"]), s["accepted"]) for s in TRACE["steps"]]
+B = TRACE["block_size"]
+CURVES = {  # t(T) for T = 1..B and the draft step, relative to one decode step
+    "flat (AI 100-like)": CostModel([1.0] * B, 0.3),
+    "CPU-like (T=16 at 3.25x)": CostModel([1 + 0.15 * t for t in range(B)], 1.6),
+    "M2-like (T=16 at 7.5x)": CostModel([1 + 6.5 * t / (B - 1) for t in range(B)], 1.0),
+}
+
+
+def test_isotonic_pools_violators_and_keeps_order():
+    np.testing.assert_allclose(isotonic([1.0, 3.0, 2.0, 4.0]), [1.0, 2.5, 2.5, 4.0])
+    np.testing.assert_allclose(isotonic([3.0, 1.0], [1.0, 3.0]), [1.5, 1.5])
+    assert list(isotonic([0.1, 0.2, 0.3])) == [0.1, 0.2, 0.3]
+
+
+def test_calibration_starts_at_the_confidence_and_learns_a_liar():
+    calibration = Calibration()
+    np.testing.assert_allclose(calibration.table[:BINS], (np.arange(BINS) + 0.5) / BINS)
+    bins = Calibration.bins(np.full(15, 0.97))
+    for _ in range(40):  # a draft sure of every token, right about the first only half of the time
+        calibration.observe(bins, accepted=int(np.random.default_rng(len(bins)).random() < 0.5))
+    assert calibration.table[9] < 0.6
+    assert np.all(np.diff(calibration.table) >= 0)  # never less likely to be accepted when more confident
+    assert np.all(calibration.optimistic >= calibration.table)
+
+
+def test_a_confidence_of_one_reads_the_top_bin():
+    calibration = Calibration()
+    assert Calibration.bins(np.array([1.0]))[0] == BINS and calibration.table[BINS] == calibration.table[BINS - 1]
+
+
+@pytest.mark.parametrize("value, parsed", [("auto", "auto"), ("full", "full"), ("3", 3), (0, 0)])
+def test_verify_values(value, parsed):
+    assert parse_verify(value) == parsed
+
+
+@pytest.mark.parametrize("value", ["-1", "most", "2.5"])
+def test_bad_verify_values(value):
+    with pytest.raises(DFlashError, match="--verify"):
+        parse_verify(value)
+
+
+def test_without_a_cost_curve_auto_verifies_full_blocks():
+    policy = VerifyPolicy("auto", None, 8)
+    assert policy.mode == "full" and policy.wants_draft(7) and policy.choose(np.full(7, 0.1), 7) == 7
+
+
+def test_a_free_verify_takes_everything_and_a_costly_one_what_the_confidence_earns():
+    confident = np.array([0.95] * 4 + [0.35] * 11)
+    flat = VerifyPolicy("auto", CostModel([1.0] * B, 0.2), B)
+    assert flat.choose(confident, B - 1) == B - 1  # more rows cost nothing: verify them all
+    steep = VerifyPolicy("auto", CURVES["M2-like (T=16 at 7.5x)"], B)
+    assert 1 <= steep.choose(confident, B - 1) <= 5  # pay only for the tokens likely to be accepted
+    assert steep.choose(confident, 2) <= 2  # never more than can be kept
+
+
+def test_hopeless_drafting_stops_and_is_retried_now_and_then():
+    policy = VerifyPolicy("auto", CURVES["M2-like (T=16 at 7.5x)"], B)
+    decisions = []
+    for _ in range(200):
+        drafting = policy.wants_draft(B - 1)
+        decisions.append(drafting)
+        if drafting:
+            policy.observe(policy.choose(np.full(B - 1, 0.95), B - 1), 0)  # the draft is never right
+    assert sum(decisions) < 20 and any(decisions[100:])
+
+
+@pytest.mark.parametrize("curve", CURVES)
+def test_replayed_demo_never_loses_more_than_3_percent_to_the_better_fixed_choice(curve):
+    result = simulate("auto", CURVES[curve], STEPS)
+    best = max(result["greedy_rate"], result["full_rate"])
+    assert result["rate"] >= 0.97 * best, result
+
+
+def test_where_full_blocks_lose_to_greedy_auto_does_not():
+    result = simulate("auto", CURVES["M2-like (T=16 at 7.5x)"], STEPS)
+    assert result["full_rate"] < 0.85 * result["greedy_rate"]  # full blocks lose here
+    assert result["rate"] >= result["greedy_rate"]
+
+
+def test_the_simulation_reproduces_the_fixed_policies():
+    costs = CURVES["CPU-like (T=16 at 3.25x)"]
+    full = simulate("full", costs, STEPS)
+    assert full["rate"] == pytest.approx(full["full_rate"])
+    assert simulate(0, costs, STEPS)["rate"] == pytest.approx(full["greedy_rate"])
