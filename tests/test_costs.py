@@ -1,0 +1,75 @@
+"""The cost curve the auto verify policy weighs: measured at lowering, refreshed or replayed by `calibrate`,
+replaced per run by --cost-model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from dflash_onnx.cli import main
+from dflash_onnx.costs import read_costs
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import load_manifest
+
+
+def test_the_ort_lowering_records_a_non_decreasing_curve(ort_lowered):
+    manifest = load_manifest(ort_lowered("agree_b8"))
+    costs = manifest.costs
+    assert costs.source == "lower" and len(costs.verify_ms) == manifest.block_size and costs.draft_ms > 0
+    assert costs.verify_ms == sorted(costs.verify_ms) and costs.context == 256
+
+
+@pytest.fixture
+def export_copy(exported, tmp_path):
+    out = tmp_path / "export"
+    shutil.copytree(exported("agree_b8").out, out)
+    return out
+
+
+def test_calibrate_measures_or_replays_into_the_manifest(export_copy, tmp_path, capsys):
+    assert load_manifest(export_copy).costs is None  # an export has none: auto verifies full blocks there
+    assert main(["calibrate", str(export_copy), "--context", "32", "--repeats", "2"]) == 0
+    measured = load_manifest(export_copy).costs
+    assert measured.source == "calibrate" and measured.context == 32 and len(measured.verify_ms) == 8
+    curve = tmp_path / "m2.json"
+    curve.write_text(json.dumps({"verify_ms": [1 + 0.43 * t for t in range(8)], "draft_ms": 1.0}))
+    assert main(["calibrate", str(export_copy), "--from", str(curve)]) == 0
+    assert load_manifest(export_copy).costs.source == str(curve)
+    assert "recorded in" in capsys.readouterr().out
+
+
+def test_a_replayed_curve_steers_generate(export_copy, tmp_path, capsys):
+    free = tmp_path / "free.json"
+    free.write_text(json.dumps({"verify_ms": [1.0] * 8, "draft_ms": 0.01}))
+    costly = tmp_path / "costly.json"
+    costly.write_text(json.dumps({"verify_ms": [1.0] + [50.0] * 7, "draft_ms": 50.0}))
+    verified = {}
+    for name, curve in (("free", free), ("costly", costly)):
+        assert main(["generate", str(export_copy), "--prompt-ids", "3,4,5", "--max-new-tokens", "30",
+                     "--cost-model", str(curve), "--json"]) == 0
+        verified[name] = json.loads(capsys.readouterr().out)
+    assert verified["free"]["tokens"] == verified["costly"]["tokens"]  # the same greedy output either way
+    assert set(verified["free"]["verified"][:-1]) == {7}  # free verification: whole blocks
+    assert verified["costly"]["verified"].count(0) > len(verified["costly"]["verified"]) // 2  # mostly greedy
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "give a JSON object with verify_ms"),
+    ('{"verify_ms": [1, 2], "draft_ms": 1}', "verify_ms has 2 entries, the block needs 8"),
+    ('{"verify_ms": [0, 1, 1, 1, 1, 1, 1, 1], "draft_ms": 1}', "positive verify_ms"),
+])
+def test_bad_cost_files_get_one_line(content, message, tmp_path, export_copy, capsys):
+    path = tmp_path / "curve.json"
+    path.write_text(content)
+    with pytest.raises(DFlashError, match=message):
+        read_costs(path, 8)
+    assert main(["calibrate", str(export_copy), "--from", str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_graphs_at_compiled_sizes_take_a_replayed_curve(lowered, capsys):
+    directory, _ = lowered("agree_b8")
+    assert main(["calibrate", str(directory)]) == 2
+    assert "calibrate DIR --from FILE" in capsys.readouterr().err
