@@ -105,6 +105,9 @@ class Decoder:
             raise DFlashError(f"prompt ids must lie in 0..{self.manifest.vocab_size - 1}")
         if mode == "dflash" and self.draft is None:
             raise DFlashError("dflash mode needs a draft session")
+        if sampling is not None and not sampling.greedy and "logits" not in self.manifest.target.output_names():
+            raise DFlashError("this lowering's graphs return token ids only (greedy decoding): sampling needs their "
+                              "logits, so lower again with --logits")
         target, draft = open_runners(self.manifest, self.target, self.draft, self.prefill_chunk)
         if target.capacity is not None and len(prompt) + max_new_tokens > target.capacity:
             raise DFlashError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceed the "

@@ -73,6 +73,9 @@ class Lowering:
     # retained forms: rows padded up to a specialization write the "scratch" slot ctx_len - 1 (AI 100), or
     # continue the call's positions ("consecutive", CoreML: the last chunk's slots are then reserved)
     padding: str = "scratch"
+    # retained forms with a `comp_ctx_lengths` input: the compiled read lengths; each call feeds the smallest that
+    # covers its last position (AI 100's compute-context-length specializations)
+    compute_context_lengths: list[int] = field(default_factory=list)
     shared_with_target: dict[str, str] = field(default_factory=dict)  # draft tensor -> the target tensor it reads
     rewrites: dict[str, dict[str, dict]] = field(default_factory=dict)  # pass -> graph -> what it did
     calibration: dict | None = None  # float16 range measured on calibration prompts (AI 100, CoreML)

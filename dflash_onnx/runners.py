@@ -181,10 +181,16 @@ class _Retained:
         self.sizes = sorted({manifest.block_size, int(manifest.prefill_len)})
         self.scratch = self.ctx_len - 1
         self.consecutive = manifest.lowering is not None and manifest.lowering.padding == "consecutive"
-        self.capacity = self.ctx_len - (self.sizes[-1] if self.consecutive else 1)
+        # a padded call's slots (consecutive), or the scratch slot and the draft's block past the last token
+        # (the draft writes its block's K/V at their positions) stay clear of the committed context
+        self.capacity = self.ctx_len - (self.sizes[-1] if self.consecutive else 1 + manifest.block_size)
         self.on_device = session.retains_state
         initial = np.zeros((1, graph.num_kv_heads, self.ctx_len, graph.head_dim), manifest.numpy_dtype)
         self.kv = KVState(graph, initial)
+        lengths = manifest.lowering.compute_context_lengths if manifest.lowering is not None else []
+        # the input's length is the read length: one zero array per compiled length, made once
+        self.reads = [np.zeros(n, np.int64) for n in sorted(lengths)] if "comp_ctx_lengths" in \
+            graph.input_names() else []
 
     def chunks(self, count: int) -> list[tuple[int, int, int]]:
         """(begin, end, padded size) per call: one call at the smallest size that fits, else prefill_len chunks."""
@@ -201,6 +207,15 @@ class _Retained:
         if self.consecutive:
             return np.arange(start, start + size, dtype=np.int64)[None]
         return _pad(np.arange(start, start + count, dtype=np.int64), size, self.scratch)[None]
+
+    def read_feed(self, end: int) -> dict[str, np.ndarray]:
+        """`comp_ctx_lengths` for a call whose real rows end before position `end` (nothing without CCLs)."""
+        if not self.reads:
+            return {}
+        for read in self.reads:
+            if len(read) >= end:
+                return {"comp_ctx_lengths": read}
+        raise DFlashError(f"context of {end} tokens exceeds the largest compute-context length {len(self.reads[-1])}")
 
     def run(self, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
         if self.on_device:
@@ -220,7 +235,8 @@ class RetainedTarget(_Retained):
         for begin, end, size in self.chunks(len(ids)):
             rows = end - begin
             feeds = {"input_ids": _pad(ids[begin:end], size, 0)[None],
-                     "position_ids": self.positions(self.length + begin, rows, size)}
+                     "position_ids": self.positions(self.length + begin, rows, size),
+                     **self.read_feed(self.length + end)}
             wanted = _wanted_rows(begin, end, len(ids), logits_rows)
             out = self.run(feeds, ["greedy_ids", "context_hidden"] + (["logits"] if wanted else []))
             contexts.append(out["context_hidden"][0, :rows])
@@ -240,11 +256,11 @@ class RetainedDraft(_Retained):
 
     def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool) -> Proposal:
         start = self.length + len(context)
-        block_positions = np.arange(start, start + len(block), dtype=np.int64)[None]
+        block_positions = np.arange(start, start + len(block), dtype=np.int64)[None]  # inside: see capacity
         for begin, end, size in self.chunks(len(context)):
             feeds = {"input_ids": block[None], "context_hidden": _pad(context[begin:end], size, 0)[None],
                      "ctx_position_ids": self.positions(self.length + begin, end - begin, size),
-                     "position_ids": block_positions}
+                     "position_ids": block_positions, **self.read_feed(start + len(block))}
             out = self.run(feeds, _draft_names(self.graph, want_logits))
         self.length = start
         return _proposal(out)

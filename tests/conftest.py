@@ -77,13 +77,20 @@ def decoders(exported):
 
 
 FAKE_COMPILER = """#!/usr/bin/env bash
-# Stands in for qaic-compile: records its arguments and creates the binary dir it was given.
+# Stands in for qaic-compile: records its arguments and writes the binary dir it was given, with what the fake
+# runtime (tests/fake_qaic_sdk) needs: the graph, its specializations and the cores it was compiled for.
 echo "$@" >> "$FAKE_QAIC_LOG"
 for arg in "$@"; do
   case "$arg" in
-    -aic-binary-dir=*) mkdir -p "${arg#-aic-binary-dir=}" && touch "${arg#-aic-binary-dir=}/programqpc.bin";;
+    -m=*) graph="${arg#-m=}";;
+    -network-specialization-config=*) specs="${arg#-network-specialization-config=}";;
+    -aic-num-cores=*) cores="${arg#-aic-num-cores=}";;
+    -aic-binary-dir=*) out="${arg#-aic-binary-dir=}";;
   esac
 done
+mkdir -p "$out" && touch "$out/programqpc.bin"
+printf '{"onnx": "../../%s", "specializations": "../../%s", "cores": %s}' "$graph" "$specs" "$cores" \\
+  > "$out/fake_qpc.json"
 """
 
 
@@ -92,6 +99,7 @@ def lowered(exported, tmp_path_factory):
     """lowered(name) -> (directory, compiler log or None): AI 100 lowerings of the exported pairs.
 
     agree_b8 is lowered with a fake qaic-compile on PATH (so the compile step runs); others are dry runs.
+    agree_b2's graphs also return logits (sampling); the others return ids only.
     """
     import os
 
@@ -114,7 +122,8 @@ def lowered(exported, tmp_path_factory):
                 log = root / "compiler.log"
                 os.environ["PATH"] = f"{bin_dir}{os.pathsep}{saved_path}"
                 os.environ["FAKE_QAIC_LOG"] = str(log)
-            options = Ai100Options(ctx_len=160, prefill_len=2 * pair.spec.block_size, num_cores=4, dry_run=log is None)
+            options = Ai100Options(ctx_len=160, prefill_len=2 * pair.spec.block_size, ccl="64,160", target_cores=12,
+                                   draft_cores=4, dry_run=log is None, logits=name == "agree_b2")
             try:
                 lower_ai100(pair.out, root / "ai100", options, LowerRequest(progress=False))
             finally:

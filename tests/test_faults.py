@@ -230,8 +230,8 @@ def _cases(w: World) -> list[Case]:
     run("lower_foreign_flag", "--bits is an option of --target mlx, not of --target ort",
         ["lower", x, "--target", "ort", "--bits", "4", "--out", r / "out_low_bits"], [x])
     cases[-1].out = r / "out_low_bits"
-    run("lower_zero_cores", "--num-cores 0 must be in 1..16",
-        ["lower", x, "--target", "ai100", "--num-cores", "0", "--dry-run", "--out", r / "out_low_cores"], [x])
+    run("lower_zero_cores", "--target-cores 0 must be in 1..16",
+        ["lower", x, "--target", "ai100", "--target-cores", "0", "--dry-run", "--out", r / "out_low_cores"], [x])
     cases[-1].out = r / "out_low_cores"
     run("lower_unknown_provider", "--provider tpu: choose one of",
         ["lower", x, "--target", "ort", "--provider", "tpu", "--out", r / "out_low_tpu"], [x])

@@ -1,20 +1,24 @@
 """`lower --target ai100`: retained-state graphs re-exported from the checkpoints, the compiler's inputs
-next to them, and the compile itself when the SDK is present.
+next to them, a float16 emulation check, and the compile itself when the SDK is present.
 
 The target and draft are exported again from the source checkpoints (recorded in OUT's manifest) in the
 retained form of `dflash_onnx.models.retained` (QEfficient's convention: `past_key.i` / `past_value.i`
-paired with `*_RetainedState` outputs), with rope-fusion's opset-18 `hoist` form applied. The same
+paired with `*_RetainedState` outputs, a `comp_ctx_lengths` input per compute-context length). The same
 graphs run on ONNX Runtime with the retained state fed back by the host, which is how they are proven
-lossless without the hardware.
+lossless without the hardware; `emulate` runs them again as the compiler's float16 would.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import numpy as np
+import onnx
 import torch
 
 from dflash_onnx.errors import DFlashError
@@ -26,13 +30,26 @@ from dflash_onnx.models.retained import RetainedDraft, RetainedTarget
 from dflash_onnx.pair import load_tapped_pair
 from dflash_onnx.progress import Stages
 from dflash_onnx.publish import copy_tokenizer_files
-from passes.rope_fusion import fuse
 
 from ..backend import LowerRequest
 from ..lowering import lowered_output, start_lowering
-from .compiler import check_graph, compile_commands, compile_script, custom_io_yaml, specializations
+from .compiler import (
+    check_graph,
+    compile_commands,
+    compile_script,
+    custom_io_yaml,
+    flat_specializations,
+    named_specializations,
+    node_precision_yaml,
+    partition_config,
+    specializations,
+)
+from .emulate import emulation_check
 from .options import Ai100Options
+from .precision import norm_outputs, plan_report
 from .sdk import SDK_DIR, find_compiler
+
+EMULATION_PROMPTS, EMULATION_TOKENS = 2, 24
 
 
 def kv_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -44,10 +61,10 @@ def kv_names(num_layers: int) -> tuple[list[str], list[str]]:
 def round_traffic(manifest: Manifest, hidden_size: int, itemsize: int = 4) -> dict[str, int]:
     """Host<->device bytes of one greedy DFlash round (draft step + target verify) with retained state on
     the device: what this design moves, and what shipping the draft's logits instead of ids would add."""
-    block, ids = manifest.block_size, 8
-    draft_in = block * ids + block * hidden_size * itemsize + 2 * block * ids  # ids, context rows, 2 positions
-    draft_out = (block - 1) * (ids + itemsize)  # ids and their confidences
-    target_in = 2 * block * ids
+    block, ids, positions = manifest.block_size, 4, 8
+    draft_in = block * positions + block * hidden_size * itemsize + 2 * block * positions  # ids, rows, positions
+    draft_out = (block - 1) * (ids + itemsize)  # int32 ids and their confidences
+    target_in = 2 * block * positions
     target_out = block * ids + block * hidden_size * itemsize  # greedy ids + context rows for the next step
     logits = (block - 1) * manifest.vocab_size * itemsize
     return {"draft_in": draft_in, "draft_out": draft_out, "target_in": target_in, "target_out": target_out,
@@ -55,32 +72,33 @@ def round_traffic(manifest: Manifest, hidden_size: int, itemsize: int = 4) -> di
             "draft_logits_if_shipped": logits}
 
 
-def _export(module, args, input_names, output_names, dynamic_shapes, opset, path: Path) -> dict:
-    """Export, then share cos/sin per position stream (rope-fusion's opset-17/18 form); returns its report."""
+def _save(module, args, input_names, output_names, dynamic_shapes, opset, path: Path) -> None:
     program = export_program(module, args, input_names, output_names, dynamic_shapes, opset)
-    hoisting = fuse(program.model, "hoist")
     program.save(str(path), external_data=True)
-    return hoisting
 
 
-def export_retained(tapped, draft, manifest: Manifest, options: Ai100Options, out: Path,
-                    fc_scale: float) -> dict[str, dict]:
-    """target.onnx and draft.onnx in the retained form; returns rope-fusion's report per graph."""
+def export_retained(tapped, draft, manifest: Manifest, options: Ai100Options, out: Path, fc_scale: float) -> None:
+    """target.onnx and draft.onnx in the retained form (rotary tables for positions below ctx_len)."""
     batch = torch.export.Dim("batch_size", min=1)
     seq = torch.export.Dim("seq_len", min=1)
     ctx = torch.export.Dim("ctx_len", min=2)
+    ccl = torch.export.Dim("comp_ctx_lengths", min=1)
     block = manifest.block_size
     dtype = tapped.lm.dtype
+    logits = ["logits"] if options.logits else []
+    read = torch.zeros(12, dtype=torch.int64)
 
     n = tapped.num_layers
     kv_in, kv_out = kv_names(n)
     buffers = tuple(torch.zeros(2, tapped.num_kv_heads, 16, tapped.head_dim, dtype=dtype) for _ in range(2 * n))
     ids = torch.randint(0, 8, (2, 3))
     positions = torch.tensor([[2, 3, 4], [5, 6, 15]])
-    target = _export(RetainedTarget(tapped, draft, fc_scale).eval(), (ids, positions, *buffers),
-                     ["input_ids", "position_ids", *kv_in], ["greedy_ids", "logits", "context_hidden", *kv_out],
-                     ({0: batch, 1: seq}, {0: batch, 1: seq}, tuple({0: batch, 2: ctx} for _ in range(2 * n))),
-                     options.opset, out / "target.onnx")
+    target = RetainedTarget(tapped, draft, fc_scale, options.ctx_len, options.logits).eval()
+    _save(target, (ids, positions, read, *buffers),
+          ["input_ids", "position_ids", "comp_ctx_lengths", *kv_in],
+          ["greedy_ids", "context_hidden", *logits, *kv_out],
+          ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: ccl}, tuple({0: batch, 2: ctx} for _ in range(2 * n))),
+          options.opset, out / "target.onnx")
 
     n = len(draft.layers)
     kv_in, kv_out = kv_names(n)
@@ -88,30 +106,67 @@ def export_retained(tapped, draft, manifest: Manifest, options: Ai100Options, ou
     hidden = torch.zeros(2, 3, draft.spec.config.hidden_size, dtype=dtype)
     block_ids = torch.randint(0, 8, (2, block))
     block_positions = (torch.arange(block) + 5)[None].repeat(2, 1)
-    draft_report = _export(RetainedDraft(draft).eval(), (block_ids, hidden, positions, block_positions, *buffers),
-                           ["input_ids", "context_hidden", "ctx_position_ids", "position_ids", *kv_in],
-                           ["draft_ids", "draft_confidence", "logits", *kv_out],
-                           ({0: batch}, {0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch},
-                            tuple({0: batch, 2: ctx} for _ in range(2 * n))),
-                           options.opset, out / "draft.onnx")
-    return {"target": target, "draft": draft_report}
+    _save(RetainedDraft(draft, options.ctx_len, options.logits).eval(),
+          (block_ids, hidden, positions - 2, block_positions, read, *buffers),
+          ["input_ids", "context_hidden", "ctx_position_ids", "position_ids", "comp_ctx_lengths", *kv_in],
+          ["draft_ids", "draft_confidence", *logits, *kv_out],
+          ({0: batch}, {0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch}, {0: ccl},
+           tuple({0: batch, 2: ctx} for _ in range(2 * n))),
+          options.opset, out / "draft.onnx")
 
 
-def _compile(directory: Path, compiler: list[str], options: Ai100Options) -> None:
-    for command in compile_commands(compiler, options):
-        done = subprocess.run(command, cwd=directory, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise DFlashError(f"{command[0]} failed ({done.returncode}): "
-                              f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+def write_compiler_inputs(directory: Path, manifest: Manifest, options: Ai100Options,
+                          fp32_outputs: dict[str, list[str]]) -> None:
+    """Specializations (named and flat), custom IO, node precision, the partition config, compile.sh."""
+    for graph, specs in specializations(manifest, options).items():
+        (directory / f"{graph}_specializations.json").write_text(json.dumps(named_specializations(specs), indent=2))
+        (directory / f"{graph}_specializations_flat.json").write_text(json.dumps(flat_specializations(specs),
+                                                                                 indent=2))
+        spec = getattr(manifest, graph)
+        (directory / f"{graph}_custom_io.yaml").write_text(custom_io_yaml(spec.kv_inputs, spec.kv_outputs,
+                                                                          options.kv_dtype))
+        (directory / f"{graph}_npi.yaml").write_text(node_precision_yaml(fp32_outputs[graph]))
+    if len(options.target_device_ids) > 1:
+        (directory / "target_mdp.json").write_text(json.dumps(
+            partition_config(len(options.target_device_ids), options.target_cores), indent=2))
+    script = directory / "compile.sh"
+    script.write_text(compile_script(options))
+    script.chmod(0o755)
+
+
+def _compile(directory: Path, compiler: list[str]) -> None:
+    """Run compile.sh (the same script a user runs by hand) with the compiler found here."""
+    env = {**os.environ, "QAIC_COMPILE": " ".join(compiler)}
+    done = subprocess.run(["bash", str(directory / "compile.sh")], cwd=directory, env=env, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        raise DFlashError(f"compile.sh failed ({done.returncode}): {' / '.join(lines[-3:])}")
+
+
+def _emulation_prompts(manifest: Manifest, options: Ai100Options) -> list[list[int]]:
+    """Random prompts whose decode ends near ctx_len, so the check reaches the long positions."""
+    rng = np.random.default_rng(0)
+    longest = int(options.ctx_len) - EMULATION_TOKENS - manifest.block_size - 2
+    lengths = [min(5, longest), longest][:EMULATION_PROMPTS]
+    return [rng.integers(1, manifest.vocab_size, n).tolist() for n in lengths]
+
+
+def _warn_if_unequal(report: dict) -> None:
+    decode = report.get("decode")
+    if decode and min(decode["greedy_identical"], decode["dflash_identical"]) < decode["prompts"]:
+        print(f"warning: under float16 emulation {decode['greedy_identical']}/{decode['prompts']} greedy and "
+              f"{decode['dflash_identical']}/{decode['prompts']} DFlash decodes match float32 greedy: see the "
+              "manifest's lowering.report.fp16_emulation", file=sys.stderr)
 
 
 def lower_ai100(source: Path, out: Path, options: Ai100Options | None = None,
                 request: LowerRequest | None = None) -> Manifest:
-    """Write AI100_DIR (graphs, specializations, custom IO, compile.sh, manifest); compile if possible."""
+    """Write AI100_DIR (graphs, compiler inputs, compile.sh, manifest, emulation report); compile if possible."""
     options, request = options or Ai100Options(), request or LowerRequest()
     manifest, (target_dir, draft_dir) = start_lowering(source, out, options, request, reexport=True)
     out = Path(out)
-    stages = Stages(5, enabled=request.progress)
+    stages = Stages(6, enabled=request.progress)
     compiler = find_compiler()
     with lowered_output(source, out, request, (target_dir, draft_dir)) as tmp:
         with stages.stage("loading target and draft"):
@@ -119,34 +174,37 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options | None = None,
         with stages.stage("calibrating float16 range"):
             calibration = calibrate_for_fp16(tapped, draft, manifest, "-convert-to-fp16")
         with stages.stage("exporting retained-state graphs"):
-            rope_hoisting = export_retained(tapped, draft, manifest, options, tmp, calibration["fc_scale"])
+            export_retained(tapped, draft, manifest, options, tmp, calibration["fc_scale"])
             shared, _ = share_initializers(tmp, "draft.onnx", "target.onnx", manifest.vocab_size)
         with stages.stage("checking graphs and writing compiler inputs"):
             report = {name: check_graph(tmp / f"{name}.onnx", options.opset) for name in ("target", "draft")}
-            graphs = {}
+            graphs, fp32_outputs = {}, {}
             for name, layers, heads, dim in (("target", tapped.num_layers, tapped.num_kv_heads, tapped.head_dim),
                                              ("draft", len(draft.layers), draft.num_kv_heads, draft.head_dim)):
                 kv_in, kv_out = kv_names(layers)
                 graphs[name] = graph_spec(tmp / f"{name}.onnx", layers, heads, dim, kv_in, kv_out)
-                (tmp / f"{name}_custom_io.yaml").write_text(custom_io_yaml(kv_in, kv_out, options.kv_dtype))
-            for name, spec in specializations(manifest, options).items():
-                (tmp / f"{name}_specializations.json").write_text(json.dumps(spec, indent=2) + "\n")
-            script = tmp / "compile.sh"
-            script.write_text(compile_script(compile_commands(compiler or ["qaic-compile"], options)))
-            script.chmod(0o755)
-            copy_tokenizer_files(source, tmp)
+                fp32_outputs[name] = norm_outputs(onnx.load(str(tmp / f"{name}.onnx"), load_external_data=False))
             lowered = replace(
                 manifest, target=graphs["target"], draft=graphs["draft"], form="retained", ctx_len=options.ctx_len,
                 costs=None, prefill_len=options.prefill_len, opset=options.opset,
                 kv_layout="batch,kv_heads,ctx_len,head_dim",
                 lowering=Lowering(backend="ai100", options=asdict(options), shared_with_target=shared,
-                                  rewrites={"rope-fusion": rope_hoisting}, calibration=calibration,
-                                  report={"graphs": report, "round_traffic_bytes": round_traffic(
-                                      manifest, draft.spec.config.hidden_size)}))
+                                  compute_context_lengths=options.compute_context_lengths(), calibration=calibration,
+                                  report={"graphs": report, "precision_plan": plan_report(fp32_outputs, calibration),
+                                          "compile_commands": compile_commands(options),
+                                          "round_traffic_bytes": round_traffic(
+                                              manifest, draft.spec.config.hidden_size)}))
+            write_compiler_inputs(tmp, lowered, options, fp32_outputs)
+            copy_tokenizer_files(source, tmp)
+        with stages.stage("emulating the compiler's float16"):
+            emulation = emulation_check(tmp, lowered, options, fp32_outputs, _emulation_prompts(manifest, options),
+                                        EMULATION_TOKENS)
+            lowered.lowering.report["fp16_emulation"] = emulation
             lowered.save(tmp)
+            _warn_if_unequal(emulation)
         with stages.stage("compiling" if compiler and not options.dry_run else "compile skipped"):
             if compiler and not options.dry_run:
-                _compile(tmp, compiler, options)
+                _compile(tmp, compiler)
                 lowered.lowering.compiled = True
                 lowered.save(tmp)
     if not compiler and not options.dry_run:
