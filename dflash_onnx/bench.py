@@ -37,6 +37,7 @@ class BenchOptions:
     contexts: list[int] = field(default_factory=lambda: [256, 1024])
     curve_repeats: int = 10
     verify: str | int = "auto"  # the DFlash runs' verify policy; with auto, full blocks are measured beside it
+    load: int = 0  # busy processes beside a second, loaded measurement of the runs (and peers)
 
 
 class ClockedSession:
@@ -295,7 +296,47 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
 
         report["peers"] = run_peers(manifest, prompts, options, peers, *checkpoints, ours=summary,
                                     our_tokens=[row["tokens"] for row in rows], progress=progress)
+    if options.load:
+        report["loaded"] = _loaded(decoder, prompts, options, peers, checkpoints, progress)
     return report
+
+
+def _loaded(decoder: Decoder, prompts: list[dict], options: BenchOptions, peers: list[str],
+            checkpoints: tuple[Path | None, Path | None], progress: bool) -> dict:
+    """The runs (and peers) again with `options.load` busy processes beside them, started and ended here."""
+    from tqdm import tqdm
+
+    from .load import busy_processes
+
+    manifest = decoder.manifest
+    total = len(bench_modes(decoder, options)) * options.repeats * len(prompts)
+    with busy_processes(options.load) as pids:
+        if progress:
+            print(f"bench: {options.load} busy process(es) started (pid {', '.join(map(str, pids))})",
+                  file=sys.stderr, flush=True)
+        with tqdm(total=total, disable=not progress, desc="bench (loaded)", unit="run", file=sys.stderr) as bar:
+            rows = measure_generation(decoder, prompts, options, bar)
+        loaded = {"load": options.load, "aggregate": aggregate(rows, manifest.block_size), "prompts": rows}
+        if peers:
+            from .peers import run_peers
+
+            loaded["peers"] = run_peers(manifest, prompts, options, peers, *checkpoints, ours=loaded["aggregate"],
+                                        our_tokens=[row["tokens"] for row in rows], progress=progress)
+    return loaded
+
+
+def quiet_and_loaded(report: dict) -> list[dict]:
+    """Per run kind (ours and each peer): tokens/s quiet and loaded, and the loaded change."""
+    loaded = report["loaded"]
+    quiet_rows = {m: report["aggregate"][m] for m in ("greedy", "dflash", "full") if m in report["aggregate"]}
+    loaded_rows = {m: loaded["aggregate"][m] for m in quiet_rows}
+    for quiet_peer, loaded_peer in zip(report.get("peers", {}).get("rows", []),
+                                       loaded.get("peers", {}).get("rows", [])):
+        quiet_rows[quiet_peer["name"]], loaded_rows[loaded_peer["name"]] = quiet_peer, loaded_peer
+    return [{"name": f"ours {name}" if name in ("greedy", "dflash", "full") else name,
+             "quiet": quiet_rows[name]["tokens_per_second"], "loaded": loaded_rows[name]["tokens_per_second"],
+             "change": loaded_rows[name]["tokens_per_second"] / quiet_rows[name]["tokens_per_second"] - 1}
+            for name in quiet_rows]
 
 
 def _library_versions() -> dict:
@@ -352,4 +393,20 @@ def format_report(report: dict) -> str:
         from .peers import format_peers
 
         lines += ["", format_peers(report["peers"])]
+    if report.get("loaded"):
+        lines += ["", _format_loaded(report)]
+    return "\n".join(lines)
+
+
+def _format_loaded(report: dict) -> str:
+    loaded = report["loaded"]
+    lines = [f"quiet vs {loaded['load']} busy process(es) beside the runs (tok/s, decode only)",
+             f"{'':<48} {'quiet':>9} {'loaded':>9} {'change':>8}"]
+    for row in quiet_and_loaded(report):
+        lines.append(f"{row['name']:<48} {row['quiet']:>9.1f} {row['loaded']:>9.1f} {100 * row['change']:>7.0f}%")
+    ratios = loaded.get("peers", {}).get("ratios", {})
+    quiet_ratios = report.get("peers", {}).get("ratios", {})
+    lines += [f"{name:<48} {quiet_ratios.get(name, 0):>8.2f}x {value:>8.2f}x" for name, value in ratios.items()]
+    if not loaded["aggregate"]["all_identical_to_greedy"]:
+        lines.append("warning: under load a DFlash run's tokens differ from greedy")
     return "\n".join(lines)

@@ -239,11 +239,13 @@ def _bench(args) -> int:
                         ("--num-prompts", args.num_prompts), ("--curve-repeats", args.curve_repeats)):
         if value < 1:
             raise DFlashError(f"{flag} must be at least 1, got {value}")
+    if args.load < 0:
+        raise DFlashError(f"--load takes a count of busy processes (0: none), got {args.load}")
     options = BenchOptions(
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_prompts=args.num_prompts,
         verify_lengths=_int_list(args.block_sizes, "--block-sizes") if args.block_sizes else None,
         contexts=_int_list(args.contexts, "--contexts"), curve_repeats=args.curve_repeats,
-        verify=parse_verify(args.verify))
+        verify=parse_verify(args.verify), load=args.load)
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
     costs = _cost_model(args, load_manifest(args.dir)) if args.cost_model else None
     report = run_bench(args.dir, args.backend, args.prompts, options, peers, (args.target, args.draft),
@@ -257,7 +259,8 @@ def _bench(args) -> int:
 
         plot_report(report, args.plot)
         print(f"wrote {args.plot}")
-    return 0 if report["aggregate"]["all_identical_to_greedy"] else 1
+    identical = report["aggregate"]["all_identical_to_greedy"]
+    return 0 if identical and report.get("loaded", {}).get("aggregate", {}).get("all_identical_to_greedy", True) else 1
 
 
 def _demo(args) -> int:
@@ -400,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "hf,reference,ort-genai")
     bench.add_argument("--target", type=Path, help="target checkpoint for --peers (default: recorded at export)")
     bench.add_argument("--draft", type=Path, help="draft checkpoint for --peers (default: recorded at export)")
+    bench.add_argument("--load", type=int, default=0, metavar="N",
+                       help="measure the runs (and peers) again with N busy processes beside them, started and "
+                       "ended by bench: quiet and loaded columns (default 0: quiet only)")
     bench.add_argument("--json", type=Path, help="write every figure to this JSON file")
     bench.add_argument("--plot", type=Path, help="write the curve and histogram to this PNG (needs matplotlib)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")

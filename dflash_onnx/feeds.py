@@ -27,9 +27,15 @@ def target_feeds(manifest: Manifest, context: int, count: int) -> dict[str, np.n
 
 
 def draft_feeds(manifest: Manifest, context: int) -> dict[str, np.ndarray]:
-    """A draft step with block_size new context rows after `context` cached ones (concat-form K/V inputs)."""
+    """A draft step with block_size new context rows after `context` cached ones (K/V inputs, except for a
+    rows-form draft whose session holds them)."""
     block, features = manifest.block_size, manifest.num_taps * manifest.target_hidden_size
     rows = np.random.default_rng(1).standard_normal((1, block, features)).astype(manifest.numpy_dtype)
     return {"input_ids": np.full((1, block), manifest.mask_token_id, np.int64), "target_hidden": rows,
             "position_ids": np.arange(context, context + 2 * block, dtype=np.int64)[None],
-            **_kv(manifest, manifest.draft, context)}
+            **({} if _rows_kept(manifest) else _kv(manifest, manifest.draft, context))}
+
+
+def _rows_kept(manifest: Manifest) -> bool:
+    """The ORT lowering's rows-form draft: its session holds the K/V (past = the call's first position)."""
+    return manifest.form == "buffer" and manifest.lowering is not None and manifest.lowering.draft_kv == "rows"

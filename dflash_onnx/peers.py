@@ -72,9 +72,19 @@ def _reference(draft, lm, prompts: list[dict], max_new_tokens: int, repeats: int
     return _collect(label, prompts, repeats, once, tau=block_size > 1)
 
 
-def _genai_model_dir(target_dir: Path, dtype: str) -> Path:
+def genai_build(manifest: Manifest) -> tuple[str, str]:
+    """The model builder's precision and execution provider that match this directory: its weight-only
+    quantization (int4 against `-p int4`, int8 against `-p int8`), else its float dtype, and its provider."""
+    quantized = [p["name"] for p in manifest.passes if p["name"] in ("int4", "int8")]
+    dtype = manifest.dtype if manifest.backend != "coreml" else "float32"
+    precision = quantized[-1] if quantized else {"float32": "fp32", "float16": "fp16"}[dtype]
+    provider = manifest.lowering.provider if manifest.backend == "ort" and manifest.lowering else "cpu"
+    return precision, "cuda" if provider == "cuda" else "cpu"
+
+
+def _genai_model_dir(target_dir: Path, precision: str, provider: str) -> Path:
     """The target rebuilt by onnxruntime-genai's model builder, cached per checkpoint (path, file sizes and
-    modification times: cheap for multi-GB weights) and dtype."""
+    modification times: cheap for multi-GB weights), precision and provider."""
     import hashlib
     import subprocess
 
@@ -84,14 +94,13 @@ def _genai_model_dir(target_dir: Path, dtype: str) -> Path:
     for file in sorted(Path(target_dir).glob("*.safetensors")) + [Path(target_dir) / "config.json"]:
         stat = file.stat()
         digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    out = cache_root() / "ort-genai" / f"{digest.hexdigest()[:12]}-{dtype}"
+    out = cache_root() / "ort-genai" / f"{digest.hexdigest()[:12]}-{precision}-{provider}"
     if (out / "genai_config.json").is_file():
         return out
     read_config(target_dir, "target")  # the builder loads the checkpoint: no custom code, no pickle
     weight_files(target_dir, "target")
-    precision = {"float32": "fp32", "float16": "fp16"}[dtype]
     command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(target_dir), "-o", str(out),
-               "-p", precision, "-e", "cpu", "-c", str(out.parent / "build-cache")]
+               "-p", precision, "-e", provider, "-c", str(out.parent / "build-cache")]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not (out / "genai_config.json").is_file():
         last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -114,10 +123,18 @@ def _drop_out_of_vocab_eos(path: Path) -> None:
         path.write_text(json.dumps(config, indent=4))
 
 
-def _genai(model, prompts: list[dict], max_new_tokens: int, repeats: int, speculative: dict | None) -> dict:
+def _genai(model, build: tuple[str, str], prompts: list[dict], max_new_tokens: int, repeats: int,
+           speculative: dict | None) -> dict:
     import onnxruntime_genai as og
 
     def once(ids: list[int]):
+        try:
+            return generated(ids)
+        except RuntimeError as exc:  # ORT's status from inside the generator: one line, and whose model it was
+            raise DFlashError(f"onnxruntime-genai failed on its {' '.join(build)} build of the target: "
+                              f"{str(exc).splitlines()[0][:300]}") from None
+
+    def generated(ids: list[int]):
         params = og.GeneratorParams(model)
         params.set_search_options(do_sample=False, max_length=len(ids) + max_new_tokens,
                                   min_length=len(ids) + max_new_tokens)
@@ -136,9 +153,10 @@ def _genai(model, prompts: list[dict], max_new_tokens: int, repeats: int, specul
         return tokens, first_at - started, ended - first_at, [stats.get("mean_emitted_tokens_per_round", 0.0)]
 
     if speculative:
-        label = f"ort-genai n-gram speculative (n={speculative['ngram_size']}, k={speculative['max_draft_tokens']})"
+        label = (f"ort-genai n-gram speculative ({' '.join(build)}, n={speculative['ngram_size']}, "
+                 f"k={speculative['max_draft_tokens']})")
     else:
-        label = "ort-genai greedy (C++ loop, its own graph)"
+        label = f"ort-genai greedy ({' '.join(build)}; C++ loop, its own graph)"
     return _collect(label, prompts, repeats, once, tau=bool(speculative))
 
 
@@ -209,12 +227,13 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
         except ImportError:
             raise DFlashError("peer 'ort-genai' needs onnxruntime-genai: pip install onnxruntime-genai") from None
         if progress:
-            print("peers: ort-genai (model builder, then greedy and n-gram speculative) ...", file=sys.stderr,
-                  flush=True)
-        model = og.Model(str(_genai_model_dir(Path(target_dir), dtype)))
-        rows.append(_genai(model, prompts, options.max_new_tokens, options.repeats, None))
+            print(f"peers: ort-genai (model builder {' '.join(genai_build(manifest))}, then greedy and n-gram "
+                  "speculative) ...", file=sys.stderr, flush=True)
+        build = genai_build(manifest)
+        model = og.Model(str(_genai_model_dir(Path(target_dir), *build)))
+        rows.append(_genai(model, build, prompts, options.max_new_tokens, options.repeats, None))
         speculative = {"ngram_size": 3, "max_draft_tokens": min(16, manifest.block_size)}
-        rows.append(_genai(model, prompts, options.max_new_tokens, options.repeats, speculative))
+        rows.append(_genai(model, build, prompts, options.max_new_tokens, options.repeats, speculative))
     for row in rows:  # every peer decodes greedily (or losslessly): its tokens must be ours
         row["identical_to_ours"] = row.pop("outputs") == our_tokens
     return {"rows": rows, "ratios": _ratios(rows, ours)}

@@ -4,7 +4,8 @@
   a zero-copy view fed back as the next past (rollback = a length change).
 - buffer form (ORT lowering): the target's session holds [batch, kv_heads, ctx_len, head_dim] buffers
   that GroupQueryAttention updates in place; calls pass the committed length (rollback = a length change).
-  The draft's graph returns only its new context rows, which the runner appends to its own buffers.
+  The draft's graph returns only its new context rows, which its session writes into its own buffers
+  (on the device), or else the runner appends to host buffers.
 - retained form (AI 100, CoreML): fixed [batch, kv_heads, ctx_len, head_dim] buffers, writes at positions,
   inputs padded to the compiled specializations. Padded rows sit at the scratch slot ctx_len - 1 (AI 100:
   scatter writes), or continue the call's positions (CoreML: slice writes; the last max-size slots are
@@ -157,12 +158,25 @@ class RowsKV(KVState):
         self.length = length
 
 
+class SessionRowsKV(KVState):
+    """A rows-form draft whose session keeps its context rows itself (on the device): nothing is fed back or
+    returned; the session reads the past length from the call's first position id."""
+
+    def __init__(self):
+        self.inputs, self.outputs, self.arrays, self.length = [], [], [], 0
+
+    def update(self, outputs: dict[str, np.ndarray], length: int) -> None:
+        self.length = length
+
+
 class RowsDraft(ConcatDraft):
-    """ConcatDraft over RowsKV: the ORT lowering's draft, whose K/V outputs are the new rows only."""
+    """ConcatDraft over RowsKV: the ORT lowering's draft, whose K/V outputs are the new rows only (kept by
+    the session when it retains state, else appended here)."""
 
     def __init__(self, session: Session, manifest: Manifest):
         self.session, self.graph = session, manifest.draft
-        self.kv = RowsKV(manifest.draft, int(manifest.ctx_len), manifest.numpy_dtype)
+        self.kv = SessionRowsKV() if session.retains_state else \
+            RowsKV(manifest.draft, int(manifest.ctx_len), manifest.numpy_dtype)
 
 
 def _pad(rows: np.ndarray, size: int, fill) -> np.ndarray:

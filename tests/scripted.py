@@ -168,7 +168,11 @@ class ConcatTargetSession(_Fake):
     def run(self, feeds, output_names=None):
         graph = self.manifest.target
         ids, positions = feeds["input_ids"][0], feeds["position_ids"][0]
-        past = same_kv(feeds, graph.kv_inputs)
+        if self.retains_state:
+            assert not set(graph.kv_inputs) & feeds.keys(), "K/V fed to a session that keeps them"
+            past = self.kept[:, : int(positions[0])]
+        else:
+            past = same_kv(feeds, graph.kv_inputs)
         history = past_tokens(past)
         assert positions.tolist() == list(range(len(history), len(history) + len(ids))), positions.tolist()
         greedy, logits, hidden = self._evaluate(history, ids, positions)
@@ -310,17 +314,25 @@ class ConcatDraftSession(_Fake, _Proposer):
     """The exported draft (past + context rows + block rows out) or, with `rows`, the ORT lowering's draft whose
     K/V outputs are the new context rows only. The block rows it appends must never come back as past."""
 
-    def __init__(self, manifest: Manifest, model, script, rows: bool = False, confident: bool = False):
+    def __init__(self, manifest: Manifest, model, script, rows: bool = False, confident: bool = False,
+                 kept: bool = False):
         graph = manifest.draft
         super().__init__(manifest, model, graph.input_names(), graph.output_names())
         self._setup_proposer(manifest, script, confident)
         self.rows = rows
+        # kept: the rows session of the ORT lowering (OrtRowsSession) holds the rows; past = first position
+        self.retains_state = kept
+        self.kept = np.zeros((1, int(manifest.ctx_len or 0), graph.num_kv_heads, graph.head_dim), np.float32)
 
     def run(self, feeds, output_names=None):
         graph = self.manifest.draft
         block, context, positions = feeds["input_ids"][0], feeds["target_hidden"][0], feeds["position_ids"][0]
         self._check_block(block)
-        past = same_kv(feeds, graph.kv_inputs)
+        if self.retains_state:
+            assert not set(graph.kv_inputs) & feeds.keys(), "K/V fed to a session that keeps them"
+            past = self.kept[:, : int(positions[0])]
+        else:
+            past = same_kv(feeds, graph.kv_inputs)
         history = past_tokens(past)
         assert (context[:, 0] == REAL).all(), "a context row that is not one of the target's rows"
         context_positions = context[:, 1].astype(np.int64).tolist()
@@ -333,6 +345,10 @@ class ConcatDraftSession(_Fake, _Proposer):
         ids, logits = self._propose(history + context_tokens + [int(block[0])])
         new = kv_rows(self.manifest, context_positions, context_tokens)
         block_rows = kv_rows(self.manifest, positions[len(context):], block, flag=BLOCK)
+        if self.retains_state:
+            self.kept[:, len(history) : start] = new
+            out = {"draft_ids": ids, "logits": logits, "draft_confidence": confidence(logits)}
+            return self._select(out, [n for n in output_names or out if n not in graph.kv_outputs])
         present = new if self.rows else np.concatenate([past, new, block_rows], axis=1)
         out = {"draft_ids": ids, "logits": logits, "draft_confidence": confidence(logits),
                **{name: present.copy() for name in graph.kv_outputs}}
@@ -392,7 +408,8 @@ class Pair:
     draft: _Fake | None
 
 
-def fake_sessions(manifest: Manifest, model, script, on_device: bool = True, confident: bool = False) -> Pair:
+def fake_sessions(manifest: Manifest, model, script, on_device: bool = True, confident: bool = False,
+                  kept_rows: bool = False) -> Pair:
     """The fakes that the runners of `manifest`'s form expect."""
     if manifest.form == "concat":
         return Pair(manifest, ConcatTargetSession(manifest, model),
@@ -400,7 +417,8 @@ def fake_sessions(manifest: Manifest, model, script, on_device: bool = True, con
     if manifest.form == "buffer":
         rows = manifest.lowering is not None and manifest.lowering.draft_kv == "rows"
         return Pair(manifest, BufferTargetSession(manifest, model),
-                    ConcatDraftSession(manifest, model, script, rows=rows, confident=confident))
+                    ConcatDraftSession(manifest, model, script, rows=rows, confident=confident,
+                                       kept=rows and kept_rows))
     if manifest.form == "retained":
         return Pair(manifest, RetainedTargetSession(manifest, model, on_device),
                     RetainedDraftSession(manifest, model, script, on_device, confident=confident))

@@ -136,7 +136,7 @@ def test_cli_writes_json_plot_and_runs_the_peers(exported, tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--block-sizes", "1,9"], "1..8"), (["--contexts", "a"], "--contexts"), (["--repeats", "0"], "--repeats"),
-    (["--peers", "vllm"], "unknown peers"),
+    (["--load", "-1"], "--load"), (["--peers", "vllm"], "unknown peers"),
 ])
 def test_cli_bad_flags_exit_2(exported, flags, message, capsys):
     code = main(["bench", str(exported("agree_b8").out), "--max-new-tokens", "4", "--repeats", "1", "--num-prompts",
@@ -156,3 +156,66 @@ def test_ort_genai_peer_decodes_our_tokens(exported, tmp_path, monkeypatch):
     assert all(r["identical_to_ours"] and r["tokens_per_second"] > 0 for r in rows)
     assert {"ours greedy / ort-genai greedy", "ours dflash / ort-genai speculative"} <= set(report["peers"]["ratios"])
     assert any((tmp_path / "ort-genai").glob("*/genai_config.json"))  # built once, cached
+
+
+def test_ort_genai_peer_is_built_at_the_directorys_precision_and_provider():
+    """int4 against the builder's -p int4, fp16 against fp16, fp32 against fp32; CUDA lowerings on CUDA."""
+    from dataclasses import replace
+
+    from fakes import make_manifest
+
+    from dflash_onnx.manifest import Lowering
+    from dflash_onnx.peers import genai_build
+
+    export = make_manifest()
+    assert genai_build(export) == ("fp32", "cpu")
+    assert genai_build(replace(export, dtype="float16")) == ("fp16", "cpu")
+    int4 = replace(export, passes=[{"name": "cleanup"}, {"name": "int4", "lossy": True}])
+    assert genai_build(int4) == ("int4", "cpu")
+    assert genai_build(replace(export, passes=[{"name": "int8", "lossy": True}])) == ("int8", "cpu")
+    cuda = replace(export, dtype="float16", lowering=Lowering(backend="ort", options={}, provider="cuda"))
+    assert genai_build(cuda) == ("fp16", "cuda")
+
+
+def test_busy_processes_run_for_the_block_and_are_ended_by_pid():
+    import os
+
+    from dflash_onnx.load import busy_processes
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    with pytest.raises(RuntimeError), busy_processes(2) as pids:
+        assert len(set(pids)) == 2 and all(alive(p) for p in pids)
+        raise RuntimeError("the measurement failed")
+    assert not any(alive(p) for p in pids)  # ended even when the block raised
+
+
+def test_bench_load_adds_a_loaded_measurement_beside_the_quiet_one(exported, capsys):
+    code = main(["bench", str(exported("agree_b8").out), "--max-new-tokens", "12", "--repeats", "1",
+                 "--num-prompts", "1", "--curve-repeats", "1", "--contexts", "8", "--quiet", "--load", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "quiet vs 1 busy process(es)" in out
+    rows = [line for line in out.splitlines() if line.startswith(("ours greedy ", "ours dflash "))]
+    assert len(rows) == 2 and all(line.rstrip().endswith("%") for line in rows)
+
+
+def test_bench_load_report_pairs_quiet_and_loaded_figures(exported):
+    from dflash_onnx.bench import quiet_and_loaded
+
+    options = BenchOptions(max_new_tokens=12, repeats=1, num_prompts=1, contexts=[8], curve_repeats=1, load=1)
+    report = run_bench(exported("agree_b8").out, None, None, options, [], (None, None), progress=False)
+    loaded = report["loaded"]
+    assert loaded["load"] == 1 and loaded["aggregate"]["all_identical_to_greedy"]
+    assert loaded["prompts"][0]["tokens"] == report["prompts"][0]["tokens"]  # the same decode, loaded
+    rows = {row["name"]: row for row in quiet_and_loaded(report)}
+    assert set(rows) >= {"ours greedy", "ours dflash"}
+    greedy = rows["ours greedy"]
+    assert greedy["quiet"] == report["aggregate"]["greedy"]["tokens_per_second"]
+    assert greedy["loaded"] == loaded["aggregate"]["greedy"]["tokens_per_second"]
+    assert greedy["change"] == pytest.approx(greedy["loaded"] / greedy["quiet"] - 1)

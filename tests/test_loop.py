@@ -31,6 +31,7 @@ LONG_PROMPT = [5, 1, 30, 2, 8, 13, 21, 4, 17, 0, 11]  # longer than the retained
 FORMS = {
     "concat": {},
     "buffer-rows": {"form": "buffer", "draft_kv": "rows"},
+    "buffer-rows-kept": {"form": "buffer", "draft_kv": "rows", "kept_rows": True},
     "buffer-concat-draft": {"form": "buffer", "draft_kv": "concat"},
     "retained": {"form": "retained"},
     "retained-emulated": {"form": "retained", "on_device": False},
@@ -55,6 +56,7 @@ def build(form: str = "concat", block: int = 4, model=None, script=None, prefill
     setup = dict(FORMS[form])
     kind = setup.pop("form", "concat")
     on_device = setup.pop("on_device", True)
+    kept_rows = setup.pop("kept_rows", False)
     common = {"block_size": block, "stop_token_ids": tuple(stops), "confidence": costs is not None, "costs": costs}
     if kind == "concat":
         manifest = make_manifest(**common)
@@ -65,7 +67,8 @@ def build(form: str = "concat", block: int = 4, model=None, script=None, prefill
         manifest = make_manifest(**common, form="retained", ctx_len=ctx_len, prefill_len=prefill_len,
                                  lowering=Lowering(backend="ai100", options={},
                                                    padding=setup.get("padding", "scratch")))
-    pair = fake_sessions(manifest, model or TokenModel(VOCAB), script or [block - 1], on_device, confident)
+    pair = fake_sessions(manifest, model or TokenModel(VOCAB), script or [block - 1], on_device, confident,
+                         kept_rows)
     return Decoder(manifest, pair.target, pair.draft, prefill_chunk), pair
 
 

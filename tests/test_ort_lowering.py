@@ -51,7 +51,7 @@ def test_buffer_form_writes_kv_in_place_into_the_preallocated_buffers(exported, 
     session, manifest = lowered.target, lowered.manifest
     assert manifest.form == "buffer" and manifest.ctx_len == 512
     assert all(b.shape == (1, manifest.target.num_kv_heads, 512, manifest.target.head_dim)
-               for b in session.buffers.values())
+               for b in session.kv_buffers().values())
     ids = np.array([[5, 9, 2, 7, 7, 3]])
     positions = np.arange(6)[None]
     session.run({"input_ids": ids, "position_ids": positions, "seqlens_k": np.array([5], np.int32),
@@ -61,7 +61,7 @@ def test_buffer_form_writes_kv_in_place_into_the_preallocated_buffers(exported, 
              for n in export.manifest.target.kv_inputs}
     want = export.target.run({"input_ids": ids, "position_ids": positions, **empty})
     for past, present in zip(manifest.target.kv_inputs, manifest.target.kv_outputs):
-        rows = session.buffers[past][0, :, :6].transpose(1, 0, 2)  # [kv, seq, hd] -> [seq, kv, hd]
+        rows = session.kv_buffers()[past][0, :, :6].transpose(1, 0, 2)  # [kv, seq, hd] -> [seq, kv, hd]
         np.testing.assert_allclose(rows, want[present][0], atol=1e-5)
 
 
@@ -72,7 +72,8 @@ def test_buffer_form_is_refused_where_it_would_change_the_output(exported, tmp_p
 
 
 def test_rows_form_draft_keeps_the_exports_context_cache_in_its_buffers(exported, ort_lowered):
-    """Proposal by proposal, the lowered draft's buffers hold the rows the export's `present` holds."""
+    """Proposal by proposal, the lowered draft session's buffers hold the rows the export's `present` holds,
+    and the runner feeds it no K/V (the session writes each call's rows in place)."""
     from dflash_onnx.runners import RowsDraft, open_runners
 
     lowered, export = open_decoder(ort_lowered("agree_b8")), exported("agree_b8").decoder()
@@ -85,9 +86,10 @@ def test_rows_form_draft_keeps_the_exports_context_cache_in_its_buffers(exported
         context = rng.standard_normal((count, width)).astype(np.float32)
         block = rng.integers(0, 96, size=export.manifest.block_size)
         assert rows.propose(block, context, False).ids.tolist() == concat.propose(block, context, False).ids.tolist()
-        assert rows.kv.length == concat.kv.length
-        for buffer, present in zip(rows.kv.arrays, concat.kv.arrays):
-            np.testing.assert_allclose(buffer[:, : rows.kv.length], present, atol=1e-5)
+        assert rows.kv.length == concat.kv.length and not rows.kv.inputs and not rows.kv.outputs
+        buffers = lowered.draft.kv_buffers()
+        for past, present in zip(lowered.manifest.draft.kv_inputs, concat.kv.arrays):
+            np.testing.assert_allclose(buffers[past][:, : rows.kv.length], present, atol=1e-5)
 
 
 def test_buffer_form_capacity_is_checked_before_decoding(ort_lowered):
@@ -167,7 +169,7 @@ def test_sessions_use_the_recorded_options(exported, tmp_path):
 def test_refusals_leave_nothing_behind(exported, ort_lowered, tmp_path, monkeypatch):
     source = exported("agree_b8").out
     with pytest.raises(DFlashError, match="no CUDAExecutionProvider.*onnxruntime-gpu"):
-        lower_ort(source, tmp_path / "cuda", OrtOptions(provider="cuda"), QUIET)
+        lower_ort(source, tmp_path / "cuda", OrtOptions(provider="cuda", kv_buffer=False), QUIET)
     with pytest.raises(DFlashError, match="positive count"):
         lower_ort(source, tmp_path / "threads", OrtOptions(draft_threads=-1), QUIET)
     with pytest.raises(DFlashError, match="keep ort-fusions"):
@@ -189,8 +191,11 @@ def test_refusals_leave_nothing_behind(exported, ort_lowered, tmp_path, monkeypa
 
 def test_cli_lower_ort_errors_are_one_line(exported, tmp_path, capsys):
     assert main(["lower", str(exported("agree_b8").out), "--target", "ort", "--out", str(tmp_path / "o"),
-                 "--provider", "cuda", "--quiet"]) == 2
+                 "--provider", "cuda", "--kv-buffer", "off", "--quiet"]) == 2
     assert "onnxruntime-gpu" in capsys.readouterr().err
+    assert main(["lower", str(exported("agree_b8").out), "--target", "ort", "--out", str(tmp_path / "o"),
+                 "--provider", "cuda", "--quiet"]) == 2
+    assert "--dtype float16" in capsys.readouterr().err
 
 
 
@@ -279,3 +284,31 @@ def test_every_rewrite_reports_its_findings_per_graph(ort_lowered):
     assert "skipped" in rows[("draft-rows", "target")]["details"]
     assert rows[("draft-attention", "draft")]["details"]["attentions"] == manifest.draft.num_layers
     assert rows[("tidy", "target")]["details"]["reshape_round_trips_removed"] > 0
+
+
+def test_rows_session_refuses_a_context_past_its_buffers_before_writing(ort_lowered):
+    """The rows are written by pointer into the session's buffers: a call that would run past them is refused
+    before ORT writes anything."""
+    from targets.ort.session import OrtRowsSession
+
+    decoder = open_decoder(ort_lowered("agree_b8"))
+    session, manifest = decoder.draft, decoder.manifest
+    assert isinstance(session, OrtRowsSession) and session.retains_state
+    width = manifest.num_taps * manifest.target_hidden_size
+    rows = 8
+    start = manifest.ctx_len - rows + 1
+    feeds = {"input_ids": np.full((1, manifest.block_size), 3, np.int64),
+             "target_hidden": np.zeros((1, rows, width), np.float32),
+             "position_ids": np.arange(start, start + rows + manifest.block_size, dtype=np.int64)[None]}
+    before = session.kv_buffers()
+    with pytest.raises(DFlashError, match=f"exceeds the {manifest.ctx_len} rows"):
+        session.run(feeds, ["draft_ids"])
+    assert all(np.array_equal(before[name], after) for name, after in session.kv_buffers().items())
+    feeds["position_ids"] -= 1  # the last rows that fit
+    assert session.run(feeds, ["draft_ids"])["draft_ids"].shape == (1, manifest.block_size - 1)
+
+
+def test_cuda_is_refused_for_a_float32_buffer_form_before_anything_is_written(exported, tmp_path):
+    with pytest.raises(DFlashError, match="float16"):
+        lower_ort(exported("agree_b8").out, tmp_path / "cuda", OrtOptions(provider="cuda"), request=QUIET)
+    assert not (tmp_path / "cuda").exists()

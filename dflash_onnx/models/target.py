@@ -74,7 +74,8 @@ class TappedTarget(nn.Module):
         logits = self.lm.get_output_embeddings()(out.last_hidden_state)
         hidden = torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
         present: list[torch.Tensor] = []
-        for layer in out.cache.layers:
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values  # the older transformers 5 name
+        for layer in cache.layers:
             present += [layer.keys.transpose(1, 2), layer.values.transpose(1, 2)]
         return (logits, torch.argmax(logits, dim=-1), hidden, *present)
 

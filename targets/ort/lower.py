@@ -81,6 +81,9 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
     options, request = options or OrtOptions(), request or LowerRequest()
     _refuse_own_rewrites(options.passes)
     manifest, _ = start_lowering(source, out, options, request)
+    if options.provider == "cuda" and options.kv_buffer and manifest.dtype == "float32":
+        raise DFlashError("--provider cuda: the buffer form's GroupQueryAttention runs float16 (or bfloat16) on "
+                          "CUDA only: export with --dtype float16, or lower with --kv-buffer off")
     provider = provider_name(options.provider)
     with lowered_output(source, out, request, size_factor=2.2) as tmp:  # the pipeline's copy, then ORT's
         names, pass_options = pipeline(options, manifest.block_size)

@@ -3,6 +3,7 @@ whose K/V buffers ORT updates in place (IOBinding). numpy and onnxruntime only."
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,8 @@ from dflash_onnx.manifest import Manifest
 from ..backend import recorded_options
 from .options import LEVELS, PROVIDERS, OrtOptions
 
+# providers whose sessions keep K/V buffers in device memory (OrtValues bound by IOBinding)
+DEVICES = {"CUDAExecutionProvider": "cuda"}
 INSTALL_HINTS = {"cuda": "pip install onnxruntime-gpu", "tensorrt": "pip install onnxruntime-gpu (and TensorRT)",
                  "dml": "pip install onnxruntime-directml", "openvino": "pip install onnxruntime-openvino",
                  "qnn": "pip install onnxruntime-qnn"}
@@ -38,6 +41,9 @@ def provider_name(provider: str) -> str:
         hint = INSTALL_HINTS.get(provider, "use an onnxruntime build that has it")
         raise DFlashError(f"this onnxruntime ({ort.__version__}) has no {name} (available: "
                           f"{', '.join(ort.get_available_providers())}): {hint}")
+    if provider == "cuda" and hasattr(ort, "preload_dlls"):
+        with contextlib.suppress(OSError):  # a missing library is named by ORT when the provider loads
+            ort.preload_dlls()  # CUDA and cuDNN from the nvidia-* wheels, where installed (onnxruntime-gpu[cuda,cudnn])
     return name
 
 
@@ -47,7 +53,8 @@ class OrtSession:
     retains_state = False
 
     def __init__(self, path: Path, providers: list[str] | None = None, intra_op_threads: int | None = None,
-                 allow_spinning: bool = True, optimization_level: str = "all", stop_spinning_after_run: bool = False):
+                 allow_spinning: bool = True, optimization_level: str = "all", stop_spinning_after_run: bool = False,
+                 session_config: dict[str, str] | None = None):
         options = ort.SessionOptions()
         options.log_severity_level = 4  # failures reach the user as one DFlashError line, not ORT's log
         options.graph_optimization_level = ort_level(optimization_level)
@@ -57,6 +64,8 @@ class OrtSession:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if stop_spinning_after_run:  # spin within a call, not after it: the next call is the other session's
             options.add_session_config_entry("session.force_spinning_stop", "1")
+        for key, value in (session_config or {}).items():  # e.g. session.dynamic_block_base
+            options.add_session_config_entry(key, value)
         checked_graph(Path(path))  # before ORT opens the weights it names
         try:
             self._session = ort.InferenceSession(
@@ -65,6 +74,7 @@ class OrtSession:
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
             raise DFlashError(f"ONNX Runtime cannot load {path}: {str(exc).splitlines()[0]}") from None
         self.path = Path(path)
+        self.device = DEVICES.get(self._session.get_providers()[0], "cpu")  # where its K/V buffers live
         self.input_names = [i.name for i in self._session.get_inputs()]
         self.output_names = [o.name for o in self._session.get_outputs()]
 
@@ -81,8 +91,9 @@ class OrtSession:
 
 
 class OrtBufferSession(OrtSession):
-    """The buffer-form target: K/V live in preallocated arrays bound (IOBinding) as both the input and
-    the output of every GroupQueryAttention, so ORT updates them in place and no call copies the cache.
+    """The buffer-form target: K/V live in preallocated buffers on the provider's device, bound (IOBinding) as
+    both the input and the output of every GroupQueryAttention, so ORT updates them in place and no call
+    copies the cache or moves it to the host.
     The other outputs are bound to arrays kept per row count, so a run of same-sized calls (decode steps,
     verify steps) binds nothing but its small inputs."""
 
@@ -92,8 +103,8 @@ class OrtBufferSession(OrtSession):
         super().__init__(path, **settings)
         graph = manifest.target
         shape = (1, graph.num_kv_heads, int(manifest.ctx_len), graph.head_dim)
-        self.buffers = {name: np.zeros(shape, manifest.numpy_dtype) for name in graph.kv_inputs}
-        self._values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.buffers.items()}
+        self._values = {name: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, manifest.numpy_dtype), self.device, 0)
+                        for name in graph.kv_inputs}
         self._pairs = list(zip(graph.kv_inputs, graph.kv_outputs))
         self._specs = {t.name: t for t in graph.outputs if t.name not in set(graph.kv_outputs)}
         self._binding = self._session.io_binding()
@@ -102,6 +113,10 @@ class OrtBufferSession(OrtSession):
         self._outputs: dict[tuple[str, int], tuple[np.ndarray, object]] = {}
         self._bound: tuple | None = None
         self._inputs: dict[str, tuple[np.ndarray, object]] = {}  # per input: the array bound last, refilled
+
+    def kv_buffers(self) -> dict[str, np.ndarray]:
+        """A host copy of each K/V buffer, by past input name (for inspection: decoding never copies them)."""
+        return {name: value.numpy().copy() for name, value in self._values.items()}  # a view dies with the session
 
     def _output(self, name: str, rows: int) -> tuple[np.ndarray, object]:
         """The array (and its OrtValue) that output `name` of a `rows`-token call is written into."""
@@ -137,6 +152,60 @@ class OrtBufferSession(OrtSession):
         return {name: self._output(name, rows)[0].copy() for name in names}
 
 
+class OrtRowsSession(OrtSession):
+    """The buffer-form draft, whose graph returns only its new context rows' K/V: they are written straight
+    into preallocated [batch, ctx_len, kv_heads, head_dim] buffers on the provider's device (outputs bound by
+    pointer just past the filled prefix), and the filled prefix is bound as the next call's past, so no K/V
+    is copied or crosses to the host. Context rows never roll back: a call's past length is its first
+    position id. A call that feeds its own past (a single timed or checked call) runs as a plain call."""
+
+    retains_state = True
+
+    def __init__(self, path: Path, manifest: Manifest, **settings):
+        super().__init__(path, **settings)
+        graph = manifest.draft
+        self.capacity, self.dtype = int(manifest.ctx_len), manifest.numpy_dtype
+        self._heads = [graph.num_kv_heads, graph.head_dim]
+        self._row_bytes = graph.num_kv_heads * graph.head_dim * np.dtype(self.dtype).itemsize
+        shape = (1, self.capacity, *self._heads)
+        self._buffers = [(past, rows, ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.dtype), self.device, 0))
+                         for past, rows in zip(graph.kv_inputs, graph.kv_outputs)]
+        self._kv = set(graph.kv_inputs) | set(graph.kv_outputs)
+        self._binding = self._session.io_binding()
+
+    def kv_buffers(self) -> dict[str, np.ndarray]:
+        """A host copy of each context-rows buffer, by past input name (for inspection)."""
+        return {past: buffer.numpy().copy() for past, _, buffer in self._buffers}  # a view dies with the session
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
+        if any(past in feeds for past, _, _ in self._buffers):
+            return super().run(feeds, output_names)
+        names = [n for n in (output_names or self.output_names) if n not in self._kv]
+        past, rows = int(feeds["position_ids"][0, 0]), int(feeds["target_hidden"].shape[1])
+        if past + rows > self.capacity:
+            raise DFlashError(f"the draft's context of {past + rows} rows exceeds the {self.capacity} rows this "
+                              "lowering holds: lower again with a larger --ctx-len")
+        binding = self._binding
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        kept = {name: np.ascontiguousarray(value) for name, value in feeds.items()}  # alive until the run ends
+        for name, value in kept.items():
+            binding.bind_cpu_input(name, value)
+        for past_name, rows_name, buffer in self._buffers:
+            start = buffer.data_ptr()
+            binding.bind_input(past_name, self.device, 0, self.dtype, [1, past, *self._heads], start)
+            binding.bind_output(rows_name, self.device, 0, self.dtype, [1, rows, *self._heads],
+                                start + past * self._row_bytes)
+        for name in names:
+            binding.bind_output(name, "cpu")
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as exc:
+            raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+        values = binding.get_outputs()[len(self._buffers):]  # in binding order: the rows first
+        return {name: value.numpy() for name, value in zip(names, values)}
+
+
 def open_session(directory: Path, manifest: Manifest, graph: str, **overrides) -> OrtSession:
     """A session on one graph of an export, an ORT lowering (with its recorded options) or an AI 100
     lowering's retained-state graphs (the host feeds each retained output back)."""
@@ -151,6 +220,8 @@ def open_session(directory: Path, manifest: Manifest, graph: str, **overrides) -
     path = Path(directory) / getattr(manifest, graph).file
     if manifest.form == "buffer" and graph == "target":
         return OrtBufferSession(path, manifest, **settings)
+    if manifest.form == "buffer" and manifest.lowering is not None and manifest.lowering.draft_kv == "rows":
+        return OrtRowsSession(path, manifest, stop_spinning_after_run=True, **settings)
     # the draft's calls alternate with the target's: its threads spinning on after each call take the
     # cores the target's verify needs (measured on the demo pair: DFlash 948 -> 1262 tok/s side by side)
     return OrtSession(path, stop_spinning_after_run=graph == "draft", **settings)
