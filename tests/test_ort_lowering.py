@@ -110,8 +110,11 @@ def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
     manifest = load_manifest(out)
     assert manifest.backend == "ort" and manifest.lowering.provider == "cpu"
     options = manifest.lowering.options
-    assert (options["intra_op_threads"], options["draft_threads"], options["allow_spinning"],
-            options["optimization_level"]) == (0, 0, True, "extended")
+    assert (options["intra_op_threads"], options["draft_threads"], options["optimization_level"]) == (0, 0, "extended")
+    measured = manifest.lowering.report["spinning"]  # --spinning auto: each mode timed quiet and loaded
+    assert set(measured["modes"]) == {"on", "calls", "off"} and options["spinning"] == measured["chosen"]
+    assert measured["chosen"] == min(measured["modes"], key=lambda m: measured["modes"][m]["quiet_ms"]
+                                     * measured["modes"][m]["loaded_ms"])
     assert [p["name"] for p in manifest.passes] == ["rope-fusion", "ort-fusions"]
     assert list(manifest.lowering.rewrites) == ["rope-fusion", "ort-fusions", *REWRITES]
     assert 0 <= manifest.lowering.max_relative_difference <= ort_check.LOWERING_TOLERANCE["float32"]
@@ -312,3 +315,25 @@ def test_cuda_is_refused_for_a_float32_buffer_form_before_anything_is_written(ex
     with pytest.raises(DFlashError, match="float16"):
         lower_ort(exported("agree_b8").out, tmp_path / "cuda", OrtOptions(provider="cuda"), request=QUIET)
     assert not (tmp_path / "cuda").exists()
+
+
+@pytest.mark.parametrize("mode, spin, stop", [("on", None, None), ("calls", None, "1"), ("off", "0", None)])
+def test_spinning_modes_reach_the_target_session(ort_lowered, mode, spin, stop):
+    from targets.ort.session import open_session
+
+    manifest = load_manifest(ort_lowered("agree_b8"))
+    options = open_session(ort_lowered("agree_b8"), manifest, "target", spinning=mode)._session.get_session_options()
+
+    def entry(key: str):
+        try:
+            return options.get_session_config_entry(key)
+        except RuntimeError:  # not set
+            return None
+    assert (entry("session.intra_op.allow_spinning"), entry("session.force_spinning_stop")) == (spin, stop)
+
+
+def test_spinning_option_reads_older_lowerings_and_refuses_unknown_modes():
+    assert OrtOptions(allow_spinning=False).spinning_mode() == "off"  # written before `spinning` existed
+    assert OrtOptions().spinning_mode() == "on" and OrtOptions(spinning="calls").spinning_mode() == "calls"
+    with pytest.raises(DFlashError, match="--spinning sometimes: choose one of auto, on, calls, off"):
+        OrtOptions(spinning="sometimes").validate(8)

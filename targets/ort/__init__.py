@@ -24,7 +24,16 @@ def _summary(manifest: Manifest, out: Path) -> str:
     return (f"lowered to {out} for ONNX Runtime ({options.provider}; {kv}; passes "
             f"{', '.join(options.passes) or 'none'}; ORT optimizations '{options.optimization_level}' saved; "
             f"{len(manifest.lowering.shared_with_target)} draft tensors shared with the target; largest difference "
-            f"to the export {manifest.lowering.max_relative_difference:.1g} of scale)")
+            f"to the export {manifest.lowering.max_relative_difference:.1g} of scale; threads spin: "
+            f"{_spinning(options, manifest)})")
+
+
+def _spinning(options: OrtOptions, manifest: Manifest) -> str:
+    measured = manifest.lowering.report.get("spinning")
+    if not measured:
+        return f"{options.spinning_mode()} (chosen)"
+    times = ", ".join(f"{mode} {m['quiet_ms']:.3g}/{m['loaded_ms']:.3g}" for mode, m in measured["modes"].items())
+    return f"{measured['chosen']} (decode ms quiet/loaded: {times})"
 
 
 def _can_open(directory: Path, manifest: Manifest) -> str | None:
@@ -35,4 +44,5 @@ def _can_open(directory: Path, manifest: Manifest) -> str | None:
 
 BACKEND = Backend(name="ort", title="ONNX Runtime", options_type=OrtOptions, flags=FLAGS, reexports=False,
                   lower=_lower, summary=_summary, can_open=_can_open, open_session=open_session,
-                  session_options=("providers", "intra_op_threads", "allow_spinning", "optimization_level"))
+                  session_options=("providers", "intra_op_threads", "allow_spinning", "optimization_level",
+                                   "session_config", "spinning"))

@@ -30,6 +30,7 @@ from ..lowering import lowered_costs, lowered_output, start_lowering
 from .check import check_lowering
 from .options import OrtOptions
 from .session import open_session, ort_level, provider_name
+from .spinning import measure_spinning
 
 
 def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None:
@@ -110,6 +111,13 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
             backend="ort", options={**asdict(options), "passes": list(options.passes)}, provider=options.provider,
             draft_kv="rows" if rows else "concat", shared_with_target=shared, rewrites=rewrites))
         lowered.lowering.max_relative_difference = check_lowering(Path(source), manifest, tmp, lowered)
+        if options.spinning == "auto":  # measured before the cost curve, which the chosen mode's sessions run
+            if request.progress:
+                print("timing the spinning modes, quiet and beside one busy process", file=sys.stderr)
+            spinning = measure_spinning(tmp, lowered, lambda mode: open_session(tmp, lowered, "target",
+                                                                                spinning=mode))
+            lowered.lowering.options["spinning"] = spinning["chosen"]
+            lowered.lowering.report["spinning"] = spinning
         lowered.costs = lowered_costs(tmp, lowered, open_session)
         if unshared:
             print(f"warning: draft tensors {unshared} are stored twice (no identical target tensor after ORT's "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dflash_onnx.errors import DFlashError
 
 from ..backend import Flag
+from .spinning import CHOICES
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider",
              "dml": "DmlExecutionProvider", "openvino": "OpenVINOExecutionProvider",
@@ -22,13 +23,20 @@ class OrtOptions:
     optimization_level: str = "extended"  # saved into the model files; "all" adds hardware-specific layouts
     intra_op_threads: int = 0  # 0: ORT's default (one per physical core)
     draft_threads: int = 0  # the draft session's intra-op threads (0: as intra_op_threads)
-    allow_spinning: bool = True
+    allow_spinning: bool = True  # lowerings before `spinning` existed; `spinning` decides for newer ones
+    spinning: str = "auto"  # on | calls | off (targets/ort/spinning.py); auto: measured at lowering
     kv_buffer: bool = True  # the target's attention as GroupQueryAttention over preallocated K/V (passes/kv_buffer.py)
     ctx_len: int = 4096  # rows of each K/V buffer: prompt + new tokens must fit
+
+    def spinning_mode(self) -> str:
+        """The sessions' spinning mode (an older lowering's allow_spinning where none was chosen)."""
+        return self.spinning if self.spinning != "auto" else "on" if self.allow_spinning else "off"
 
     def validate(self, block_size: int) -> None:
         if self.provider not in PROVIDERS:
             raise DFlashError(f"--provider {self.provider}: choose one of {', '.join(PROVIDERS)}")
+        if self.spinning not in CHOICES:
+            raise DFlashError(f"--spinning {self.spinning}: choose one of {', '.join(CHOICES)}")
         if self.optimization_level not in LEVELS:
             raise DFlashError(f"--optimization-level {self.optimization_level}: choose one of {', '.join(LEVELS)}")
         if min(self.intra_op_threads, self.draft_threads) < 0:
@@ -57,8 +65,9 @@ FLAGS = (
     Flag("--threads", "intra_op_threads", "intra-op threads (0: ORT's default)", type=int),
     Flag("--draft-threads", "draft_threads", "the draft session's intra-op threads (0: as --threads); 1 suits "
          "drafts of a few MB, whose calls are too short to split", type=int),
-    Flag("--spinning", "allow_spinning", "let idle intra-op threads spin between calls", choices=("on", "off"),
-         parse=_on),
+    Flag("--spinning", "spinning", "how idle intra-op threads wait: on (spin between calls), calls (spin within a "
+         "call only), off, or auto (each timed quiet and beside one busy process at lowering; the best of both "
+         "kept)", choices=CHOICES),
     Flag("--kv-buffer", "kv_buffer", "target attention as GroupQueryAttention over preallocated --ctx-len K/V "
          "buffers updated in place; off keeps the concat form", choices=("on", "off"), parse=_on),
     Flag("--ctx-len", "ctx_len", "positions the K/V buffers hold: prompt + new tokens must fit", type=int),

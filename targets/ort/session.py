@@ -15,6 +15,7 @@ from dflash_onnx.manifest import Manifest
 
 from ..backend import recorded_options
 from .options import LEVELS, PROVIDERS, OrtOptions
+from .spinning import session_settings
 
 # providers whose sessions keep K/V buffers in device memory (OrtValues bound by IOBinding)
 DEVICES = {"CUDAExecutionProvider": "cuda"}
@@ -209,19 +210,22 @@ class OrtRowsSession(OrtSession):
 def open_session(directory: Path, manifest: Manifest, graph: str, **overrides) -> OrtSession:
     """A session on one graph of an export, an ORT lowering (with its recorded options) or an AI 100
     lowering's retained-state graphs (the host feeds each retained output back)."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    mode = overrides.pop("spinning", None)
     settings: dict = {}
     if manifest.backend == "ort":
         options = recorded_options(OrtOptions, manifest)
         threads = options.draft_threads if graph == "draft" and options.draft_threads else options.intra_op_threads
-        settings = {"intra_op_threads": threads, "allow_spinning": options.allow_spinning,
-                    "optimization_level": options.optimization_level,
+        mode = mode or options.spinning_mode()
+        settings = {"intra_op_threads": threads, "optimization_level": options.optimization_level,
                     "providers": [provider_name(manifest.lowering.provider)]}
-    settings.update({k: v for k, v in overrides.items() if v is not None})
+    # the draft's calls alternate with the target's: its threads spinning on after each call take the
+    # cores the target's verify needs (measured on the demo pair: DFlash 948 -> 1262 tok/s side by side)
+    settings.update(session_settings(mode or "on", graph))
+    settings.update(overrides)
     path = Path(directory) / getattr(manifest, graph).file
     if manifest.form == "buffer" and graph == "target":
         return OrtBufferSession(path, manifest, **settings)
     if manifest.form == "buffer" and manifest.lowering is not None and manifest.lowering.draft_kv == "rows":
-        return OrtRowsSession(path, manifest, stop_spinning_after_run=True, **settings)
-    # the draft's calls alternate with the target's: its threads spinning on after each call take the
-    # cores the target's verify needs (measured on the demo pair: DFlash 948 -> 1262 tok/s side by side)
-    return OrtSession(path, stop_spinning_after_run=graph == "draft", **settings)
+        return OrtRowsSession(path, manifest, **settings)
+    return OrtSession(path, **settings)
