@@ -30,7 +30,7 @@ from ..lowering import lowered_costs, lowered_output, start_lowering
 from .check import check_lowering
 from .options import OrtOptions
 from .session import open_session, ort_level, provider_name
-from .spinning import measure_spinning
+from .spinning_measure import measure_spinning
 
 
 def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None:
