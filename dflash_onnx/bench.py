@@ -38,6 +38,7 @@ class BenchOptions:
     curve_repeats: int = 10
     verify: str | int = "auto"  # the DFlash runs' verify policy; with auto, full blocks are measured beside it
     load: int = 0  # busy processes beside a second, loaded measurement of the runs (and peers)
+    batch_invariant: bool = True  # pad target calls to the lowering's row multiple (decode.Decoder)
 
 
 class ClockedSession:
@@ -120,9 +121,13 @@ def _prompt_line(line: str, where: str, jsonl: bool, codec: TextCodec | None, vo
 
 
 def _timed_run(decoder: Decoder, clocks: list[ClockedSession], ids: list[int], max_new_tokens: int, mode: str,
-               verify: str | int):
+               verify: str | int, batch_invariant: bool):
     """One generation; returns (result, seconds spent in backend calls during decode, prefill excluded)."""
-    steps = decoder.stream(ids, max_new_tokens, mode, stop_token_ids=[], verify=verify)
+    chosen, decoder.batch_invariant = decoder.batch_invariant, batch_invariant
+    try:
+        steps = decoder.stream(ids, max_new_tokens, mode, stop_token_ids=[], verify=verify)
+    finally:
+        decoder.batch_invariant = chosen  # the runners are made: the setting is read once per run
     next(steps)  # prefill and the first token
     in_backend = -sum(c.seconds for c in clocks)
     while True:
@@ -132,13 +137,25 @@ def _timed_run(decoder: Decoder, clocks: list[ClockedSession], ids: list[int], m
             return done.value, in_backend + sum(c.seconds for c in clocks)
 
 
-def bench_modes(decoder: Decoder, options: BenchOptions) -> dict[str, tuple[str, str | int]]:
-    """What each measured mode runs: greedy, DFlash with the chosen verify policy, and full blocks beside an
-    adaptive policy (to show what it buys)."""
-    modes = {"greedy": ("greedy", "full"), "dflash": ("dflash", options.verify)}
+def bench_modes(decoder: Decoder, options: BenchOptions) -> dict[str, tuple[str, str | int, bool]]:
+    """What each measured mode runs (mode, verify, batch-invariant): greedy, DFlash with the chosen verify
+    policy, full blocks beside an adaptive policy (to show what it buys), and where the decoder pads calls
+    for batch invariance, greedy without the padding (the fastest greedy, what DFlash must beat)."""
+    invariant = decoder.batch_invariant
+    modes = {"greedy": ("greedy", "full", invariant), "dflash": ("dflash", options.verify, invariant)}
     if options.verify != "full" and decoder.costs is not None:
-        modes["full"] = ("dflash", "full")
+        modes["full"] = ("dflash", "full", invariant)
+    if decoder.row_multiple > 1:
+        modes["greedy_unpadded"] = ("greedy", "full", False)
     return modes
+
+
+def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
+    """Index of the first token that differs from `reference` (a length difference counts); None if equal."""
+    for index, (got, want) in enumerate(zip(tokens, reference)):
+        if got != want:
+            return index
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
 def measure_generation(decoder: Decoder, prompts: list[dict], options: BenchOptions, bar=None) -> list[dict]:
@@ -179,15 +196,20 @@ def _prompt_row(prompt: dict, runs: dict[str, list], block: int) -> dict:
             "end_to_end_tokens_per_second": len(first.tokens) / (decode_s + ttft_s),
             "loop_overhead": max(0.0, 1 - in_backend / decode_s),
             "acceptance_lengths": first.acceptance_lengths, "tau": first.tau,
-            "acceptance_histogram": first.acceptance_histogram(1 if mode == "greedy" else block),
+            "acceptance_histogram": first.acceptance_histogram(1 if mode.startswith("greedy") else block),
             "drafted_steps": sum(1 for v in first.verified if v),
             "verified_mean": float(np.mean(first.verified or [0])),
         }
         row[f"{mode}_token_ids"] = first.tokens
     greedy = row.pop("greedy_token_ids")
-    row["identical_to_greedy"] = all(row.pop(f"{mode}_token_ids") == greedy for mode in runs if mode != "greedy")
+    row["first_divergence"] = {mode: first_divergence(row.pop(f"{mode}_token_ids"), greedy)
+                               for mode in runs if mode != "greedy"}
+    row["identical_to_greedy"] = all(row["first_divergence"][mode] is None for mode in ("dflash", "full")
+                                     if mode in runs)
     row["tokens"] = greedy
     row["speedup"] = row["dflash"]["tokens_per_second"] / row["greedy"]["tokens_per_second"]
+    if "greedy_unpadded" in row:  # against the fastest greedy, whose tokens may differ at near ties
+        row["speedup_vs_unpadded"] = row["dflash"]["tokens_per_second"] / row["greedy_unpadded"]["tokens_per_second"]
     if "full" in row:
         row["full_speedup"] = row["full"]["tokens_per_second"] / row["greedy"]["tokens_per_second"]
     return row
@@ -195,7 +217,7 @@ def _prompt_row(prompt: dict, runs: dict[str, list], block: int) -> dict:
 
 def aggregate(rows: list[dict], block: int) -> dict:
     summary: dict = {}
-    for mode in [m for m in ("greedy", "dflash", "full") if m in rows[0]]:
+    for mode in [m for m in ("greedy", "dflash", "full", "greedy_unpadded") if m in rows[0]]:
         tokens = sum(r[mode]["tokens"] for r in rows)
         decode_s = sum(r[mode]["decode_s"] for r in rows)
         ttft_s = sum(r[mode]["ttft_s"] for r in rows)
@@ -215,6 +237,15 @@ def aggregate(rows: list[dict], block: int) -> dict:
         summary["full_speedup"] = summary["full"]["tokens_per_second"] / summary["greedy"]["tokens_per_second"]
         summary["full_tau"] = float(np.mean([n for r in rows for n in r["full"]["acceptance_lengths"]]))
     summary["all_identical_to_greedy"] = all(r["identical_to_greedy"] for r in rows)
+    if "greedy_unpadded" in summary:
+        summary["speedup_vs_unpadded"] = (summary["dflash"]["tokens_per_second"]
+                                          / summary["greedy_unpadded"]["tokens_per_second"])
+    # per run kind: the share of prompts whose tokens equal greedy's, and of tokens before the first difference
+    summary["agreement"] = {mode: {"prompts": float(np.mean([r["first_divergence"][mode] is None for r in rows])),
+                                   "tokens": sum(len(r["tokens"]) if r["first_divergence"][mode] is None
+                                                 else r["first_divergence"][mode] for r in rows)
+                                   / max(1, sum(len(r["tokens"]) for r in rows))}
+                            for mode in rows[0]["first_divergence"]}
     return summary
 
 
@@ -270,7 +301,7 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
 
         check_peer_names(peers)
     backend = backend_for(directory, manifest, backend).name
-    decoder = open_decoder(directory, backend=backend)
+    decoder = open_decoder(directory, backend=backend, batch_invariant=options.batch_invariant)
     decoder.costs = costs or decoder.costs
     codec = TextCodec(directory) if has_tokenizer(directory) else None
     prompts = load_prompts(prompts_file, codec, options.num_prompts, manifest.vocab_size)
@@ -285,6 +316,7 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
         "directory": str(directory), "backend": backend, "block_size": manifest.block_size,
         "passes": [p["name"] for p in manifest.passes], "lowering": manifest.backend,
         "max_new_tokens": options.max_new_tokens, "repeats": options.repeats, "verify": options.verify,
+        "batch_invariant": decoder.batch_invariant, "row_multiple": decoder.row_multiple,
         "costs": asdict(decoder.costs) if decoder.costs else None,
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "python": platform.python_version(), **_library_versions()},
@@ -328,12 +360,13 @@ def _loaded(decoder: Decoder, prompts: list[dict], options: BenchOptions, peers:
 def quiet_and_loaded(report: dict) -> list[dict]:
     """Per run kind (ours and each peer): tokens/s quiet and loaded, and the loaded change."""
     loaded = report["loaded"]
-    quiet_rows = {m: report["aggregate"][m] for m in ("greedy", "dflash", "full") if m in report["aggregate"]}
+    ours = ("greedy", "greedy_unpadded", "dflash", "full")
+    quiet_rows = {m: report["aggregate"][m] for m in ours if m in report["aggregate"]}
     loaded_rows = {m: loaded["aggregate"][m] for m in quiet_rows}
     for quiet_peer, loaded_peer in zip(report.get("peers", {}).get("rows", []),
                                        loaded.get("peers", {}).get("rows", [])):
         quiet_rows[quiet_peer["name"]], loaded_rows[loaded_peer["name"]] = quiet_peer, loaded_peer
-    return [{"name": f"ours {name}" if name in ("greedy", "dflash", "full") else name,
+    return [{"name": f"ours {name.replace('_', ' ')}" if name in ours else name,
              "quiet": quiet_rows[name]["tokens_per_second"], "loaded": loaded_rows[name]["tokens_per_second"],
              "change": loaded_rows[name]["tokens_per_second"] / quiet_rows[name]["tokens_per_second"] - 1}
             for name in quiet_rows]
@@ -366,7 +399,13 @@ def format_report(report: dict) -> str:
         f"loop overhead (decode time outside backend calls): greedy {100 * g['loop_overhead']:.1f} %, "
         f"DFlash {100 * d['loop_overhead']:.1f} %",
         f"acceptance histogram 1..{block}: {agg['acceptance_histogram']}",
+        "tokens equal to greedy's (share of prompts / of tokens before the first difference): " + ", ".join(
+            f"{mode} {a['prompts']:.0%} / {a['tokens']:.1%}" for mode, a in agg["agreement"].items()),
     ]
+    if "greedy_unpadded" in agg:
+        lines.append(f"greedy without the batch-invariance padding (row multiple {report.get('row_multiple')}): "
+                     f"{agg['greedy_unpadded']['tokens_per_second']:.1f} tok/s; DFlash against it "
+                     f"{agg['speedup_vs_unpadded']:.2f}x")
     if "full" in agg:
         drafted = sum(r["dflash"]["drafted_steps"] for r in report["prompts"])
         steps = sum(len(r["dflash"]["acceptance_lengths"]) for r in report["prompts"])

@@ -82,7 +82,7 @@ def _generate(args) -> int:
         except UnicodeEncodeError:  # undecodable bytes on the command line arrive as lone surrogates
             raise DFlashError("--prompt is not valid UTF-8 text: pass UTF-8, or --prompt-ids") from None
     verify = parse_verify(args.verify)
-    decoder = open_decoder(args.out, backend=args.backend)
+    decoder = open_decoder(args.out, backend=args.backend, batch_invariant=args.batch_invariant == "on")
     decoder.costs = _cost_model(args, decoder.manifest) or decoder.costs
     codec = TextCodec(args.out) if (args.prompt is not None or has_tokenizer(args.out)) else None
     prompt = codec.prompt_ids(args.prompt, raw=args.raw) if args.prompt is not None else _parse_ids(args.prompt_ids)
@@ -245,7 +245,7 @@ def _bench(args) -> int:
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_prompts=args.num_prompts,
         verify_lengths=_int_list(args.block_sizes, "--block-sizes") if args.block_sizes else None,
         contexts=_int_list(args.contexts, "--contexts"), curve_repeats=args.curve_repeats,
-        verify=parse_verify(args.verify), load=args.load)
+        verify=parse_verify(args.verify), load=args.load, batch_invariant=args.batch_invariant == "on")
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
     costs = _cost_model(args, load_manifest(args.dir)) if args.cost_model else None
     report = run_bench(args.dir, args.backend, args.prompts, options, peers, (args.target, args.draft),
@@ -274,6 +274,11 @@ def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafted tokens each DFlash step verifies: auto (chosen per step from the draft's "
                              "confidence and the directory's cost curve; full when none is recorded), full (the "
                              "whole block), or N")
+    parser.add_argument("--batch-invariant", choices=("on", "off"), default="on",
+                        help="pad the target's calls to the row multiple the lowering measured, so a token's logits "
+                             "do not depend on its call's size and greedy and DFlash give identical tokens (on, "
+                             "default); off: greedy steps run one row (faster; tokens may differ where the top two "
+                             "logits nearly tie)")
     parser.add_argument("--cost-model", type=Path, metavar="FILE",
                         help="a cost curve to use instead of the recorded one: JSON with verify_ms (t(1)..t(B)) "
                              "and draft_ms, e.g. measured on another machine")

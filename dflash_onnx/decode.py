@@ -71,8 +71,10 @@ class Decoder:
     """Greedy and DFlash decoding over a target and a draft Session described by one manifest."""
 
     def __init__(self, manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int = 256,
-                 costs: CostModel | None = None):
-        """`costs`: the backend's cost curve the `auto` verify policy weighs (default: the manifest's)."""
+                 costs: CostModel | None = None, batch_invariant: bool = True):
+        """`costs`: the backend's cost curve the `auto` verify policy weighs (default: the manifest's).
+        `batch_invariant`: pad the target's calls to the lowering's row multiple, so that a token's logits do not
+        depend on how many rows its call had and greedy and DFlash give identical tokens (runners.py)."""
         if prefill_chunk < 1:
             raise DFlashError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         for role, session in (("target", target), ("draft", draft)):
@@ -85,6 +87,13 @@ class Decoder:
         self.prefill_chunk = prefill_chunk
         self.stop_token_ids = list(manifest.stop_token_ids)
         self.costs = costs or manifest.costs
+        self.batch_invariant = batch_invariant
+
+    @property
+    def row_multiple(self) -> int:
+        """The row multiple the target's calls are padded to (1: none)."""
+        lowering = self.manifest.lowering
+        return lowering.row_multiple if self.batch_invariant and lowering is not None else 1
 
     def stream(
         self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int = 64, mode: str = "dflash",
@@ -108,13 +117,17 @@ class Decoder:
         if sampling is not None and not sampling.greedy and "logits" not in self.manifest.target.output_names():
             raise DFlashError("this lowering's graphs return token ids only (greedy decoding): sampling needs their "
                               "logits, so lower again with --logits")
-        target, draft = open_runners(self.manifest, self.target, self.draft, self.prefill_chunk)
+        target, draft = open_runners(self.manifest, self.target, self.draft, self.prefill_chunk,
+                                     self.row_multiple)
         if target.capacity is not None and len(prompt) + max_new_tokens > target.capacity:
+            padding = f" ({self.row_multiple - 1} kept for padding calls)" if self.row_multiple > 1 else ""
             raise DFlashError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceed the "
-                              f"{target.capacity} positions this lowering holds: lower with a larger --ctx-len")
+                              f"{target.capacity} positions this lowering holds{padding}: lower with a larger "
+                              "--ctx-len")
         stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
         block_size = self.manifest.block_size if mode == "dflash" else 1
-        policy = VerifyPolicy(verify, self.costs, self.manifest.block_size)
+        costs = self.costs.padded_to(self.row_multiple) if self.costs and self.row_multiple > 1 else self.costs
+        policy = VerifyPolicy(verify, costs, self.manifest.block_size)
         return self._steps(target, draft, prompt, max_new_tokens, block_size, sampling or SamplingParams(), stops,
                            policy)
 

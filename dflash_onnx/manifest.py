@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .errors import DFlashError
@@ -58,6 +58,12 @@ class CostModel:
         if not self.verify_ms or min(self.verify_ms) <= 0 or self.draft_ms < 0:
             raise ValueError("a cost model needs positive verify_ms for T = 1.. and a draft_ms of 0 or more")
 
+    def padded_to(self, multiple: int) -> CostModel:
+        """The curve as calls padded to `multiple` rows pay it: t(T) becomes t(T rounded up), where measured."""
+        last = len(self.verify_ms)
+        padded = [self.verify_ms[min(-(-t // multiple) * multiple, last) - 1] for t in range(1, last + 1)]
+        return replace(self, verify_ms=padded)
+
 
 @dataclass
 class Lowering:
@@ -80,6 +86,9 @@ class Lowering:
     rewrites: dict[str, dict[str, dict]] = field(default_factory=dict)  # pass -> graph -> what it did
     calibration: dict | None = None  # float16 range measured on calibration prompts (AI 100, CoreML)
     max_relative_difference: float | None = None  # lowered vs exported outputs, relative to their scale (ORT)
+    # the target's calls padded to a multiple of this many rows give each row the same result in any call
+    # (measured by the ORT lowering; runners.py, Row multiple); 1: no padding needed, or none found
+    row_multiple: int = 1
     compiled: bool = False  # the backend's compiler ran (AI 100)
     report: dict = field(default_factory=dict)  # other findings of the lowering, by the backend's own keys
 

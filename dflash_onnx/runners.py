@@ -12,6 +12,13 @@
   then reserved so a padded call never runs past ctx_len).
   A Session whose `retains_state` is True keeps the buffers on the device; otherwise (ORT emulation)
   each `*_RetainedState` output is fed back as the next input.
+
+Row multiple (concat and buffer forms): ONNX Runtime's CPU matmuls compute a row differently when it is the odd
+row out of a call (MLAS runs rows in pairs; a lone row takes a one-row kernel that rounds differently), so a
+decode step (1 row) and a verify step (16 rows) can give the same token different logits. With `row_multiple`
+2 every call is padded to an even row count (the last id repeated at the next positions, its outputs dropped,
+its K/V overwritten by the next call) and each row's result no longer depends on the call it is in: greedy and
+DFlash then produce identical tokens. The lowering measures the multiple (`Lowering.row_multiple`).
 """
 
 from __future__ import annotations
@@ -91,10 +98,16 @@ class KVState:
         self.length = length
 
 
+def _padded_rows(ids: np.ndarray, multiple: int) -> np.ndarray:
+    """`ids` with its last id repeated up to a multiple of `multiple` rows (see Row multiple above)."""
+    extra = -len(ids) % multiple
+    return ids if not extra else np.concatenate([ids, np.repeat(ids[-1:], extra)])
+
+
 class ConcatTarget:
-    def __init__(self, session: Session, manifest: Manifest, prefill_chunk: int):
+    def __init__(self, session: Session, manifest: Manifest, prefill_chunk: int, row_multiple: int = 1):
         graph = manifest.target
-        self.session, self.chunk = session, prefill_chunk
+        self.session, self.chunk, self.row_multiple = session, prefill_chunk, row_multiple
         self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), manifest.numpy_dtype))
         self.capacity: int | None = None
 
@@ -104,15 +117,16 @@ class ConcatTarget:
         contexts, greedy, logits = [], [], []
         for begin in range(0, len(ids), self.chunk):
             chunk = ids[begin : begin + self.chunk]
-            end = begin + len(chunk)
+            end, rows = begin + len(chunk), len(chunk)
             wanted = _wanted_rows(begin, end, len(ids), logits_rows)
             names = ["greedy_ids", "target_hidden", *self.kv.outputs] + (["logits"] if wanted else [])
-            positions = np.arange(self.kv.length, self.kv.length + len(chunk), dtype=np.int64)[None]
-            out = self.session.run({"input_ids": chunk[None], "position_ids": positions, **self.kv.prefix_feeds()},
+            padded = _padded_rows(chunk, self.row_multiple)
+            positions = np.arange(self.kv.length, self.kv.length + len(padded), dtype=np.int64)[None]
+            out = self.session.run({"input_ids": padded[None], "position_ids": positions, **self.kv.prefix_feeds()},
                                    names)
-            self.kv.update(out, self.kv.length if end == len(ids) else self.kv.length + len(chunk))
-            contexts.append(out["target_hidden"][0])
-            greedy.append(out["greedy_ids"][0])
+            self.kv.update(out, self.kv.length if end == len(ids) else self.kv.length + rows)
+            contexts.append(out["target_hidden"][0, :rows])
+            greedy.append(out["greedy_ids"][0, :rows])
             if wanted:
                 logits.append(out["logits"][0, wanted])
         return TargetStep(_joined(greedy), _joined(logits), _joined(contexts))
@@ -288,39 +302,42 @@ class BufferTarget:
 
     NAMES = ["greedy_ids", "target_hidden"]
 
-    def __init__(self, session: Session, manifest: Manifest, prefill_chunk: int):
+    def __init__(self, session: Session, manifest: Manifest, prefill_chunk: int, row_multiple: int = 1):
         if not session.retains_state:
             raise DFlashError("buffer-form graphs need a session that keeps their K/V buffers (the ORT lowering's)")
-        self.session, self.chunk = session, prefill_chunk
-        self.capacity = int(manifest.ctx_len)
+        self.session, self.chunk, self.row_multiple = session, prefill_chunk, row_multiple
+        self.capacity = int(manifest.ctx_len) - (row_multiple - 1)  # a padded call's last rows must fit too
         self.length = 0
         # every call's position ids are a slice of these, its lengths written into these: a decode step of a
         # small model is a few hundred microseconds, and each numpy allocation is a visible part of it
-        self.positions = np.arange(self.capacity, dtype=np.int64)[None]
+        self.positions = np.arange(int(manifest.ctx_len), dtype=np.int64)[None]
         self.seqlens, self.total = np.zeros(1, np.int32), np.zeros((), np.int32)
 
     def _call(self, ids: np.ndarray, start: int, logits: bool) -> dict[str, np.ndarray]:
-        total = start + len(ids)
-        if total > self.capacity:
-            raise DFlashError(f"a context of {total} tokens exceeds the {self.capacity} positions this lowering holds: "
-                              "lower with a larger --ctx-len")
+        """One call on `ids` padded to the row multiple; the caller keeps the first len(ids) rows."""
+        if start + len(ids) > self.capacity:
+            raise DFlashError(f"a context of {start + len(ids)} tokens exceeds the {self.capacity} positions this "
+                              "lowering holds: lower with a larger --ctx-len")
+        padded = _padded_rows(ids, self.row_multiple)
+        total = start + len(padded)
         self.seqlens[0], self.total[()] = total - 1, total
-        feeds = {"input_ids": ids[None], "position_ids": self.positions[:, start:total], "seqlens_k": self.seqlens,
+        feeds = {"input_ids": padded[None], "position_ids": self.positions[:, start:total], "seqlens_k": self.seqlens,
                  "total_sequence_length": self.total}
         return self.session.run(feeds, self.NAMES + ["logits"] if logits else self.NAMES)
 
     def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
-        if len(ids) <= self.chunk:  # every decode and verify step: one call, nothing to join
+        rows = len(ids)
+        if rows <= self.chunk:  # every decode and verify step: one call, nothing to join
             out = self._call(ids, self.length, logits_rows > 0)
-            logits = out["logits"][0, len(ids) - logits_rows:] if logits_rows else None
-            return TargetStep(out["greedy_ids"][0], logits, out["target_hidden"][0])
+            logits = out["logits"][0, rows - logits_rows : rows] if logits_rows else None
+            return TargetStep(out["greedy_ids"][0, :rows], logits, out["target_hidden"][0, :rows])
         contexts, greedy, logits = [], [], []
         for begin in range(0, len(ids), self.chunk):
             chunk = ids[begin : begin + self.chunk]
             wanted = _wanted_rows(begin, begin + len(chunk), len(ids), logits_rows)
             out = self._call(chunk, self.length + begin, wanted is not None)
-            contexts.append(out["target_hidden"][0])
-            greedy.append(out["greedy_ids"][0])
+            contexts.append(out["target_hidden"][0, : len(chunk)])
+            greedy.append(out["greedy_ids"][0, : len(chunk)])
             if wanted:
                 logits.append(out["logits"][0, wanted])
         return TargetStep(_joined(greedy), _joined(logits), _joined(contexts))
@@ -329,13 +346,17 @@ class BufferTarget:
         self.length = length
 
 
-def open_runners(manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int):
-    """The target and draft runners for the manifest's graph form."""
+def open_runners(manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int,
+                 row_multiple: int = 1):
+    """The target and draft runners for the manifest's graph form; the target's calls padded to `row_multiple`
+    rows (concat and buffer forms; the retained forms pad to their compiled sizes)."""
+    if row_multiple < 1:
+        raise DFlashError(f"row_multiple must be at least 1, got {row_multiple}")
     if manifest.form == "concat":
-        return ConcatTarget(target, manifest, prefill_chunk), draft and ConcatDraft(draft, manifest)
+        return ConcatTarget(target, manifest, prefill_chunk, row_multiple), draft and ConcatDraft(draft, manifest)
     if manifest.form == "buffer":  # the draft's attention is not causal: no GroupQueryAttention buffers for it
         rows = manifest.lowering is not None and manifest.lowering.draft_kv == "rows"
-        return BufferTarget(target, manifest, prefill_chunk), draft and (
+        return BufferTarget(target, manifest, prefill_chunk, row_multiple), draft and (
             RowsDraft(draft, manifest) if rows else ConcatDraft(draft, manifest))
     if manifest.form == "retained":
         return RetainedTarget(target, manifest), draft and RetainedDraft(draft, manifest)

@@ -64,11 +64,13 @@ def open_session(directory: Path, manifest: Manifest, graph: str, backend: str |
     return chosen.open_session(Path(directory), manifest, graph, **overrides)
 
 
-def open_decoder(directory: Path, backend: str | None = None, prefill_chunk: int = 256, **overrides) -> Decoder:
+def open_decoder(directory: Path, backend: str | None = None, prefill_chunk: int = 256,
+                 batch_invariant: bool = True, **overrides) -> Decoder:
     """A Decoder on an exported or lowered directory: its target and draft sessions on `backend` (default:
-    the directory's); `overrides` go to the backend's sessions (ORT: intra_op_threads, ...)."""
+    the directory's); `batch_invariant`: see Decoder; `overrides` go to the backend's sessions (ORT:
+    intra_op_threads, ...)."""
     manifest = load_manifest(directory)
     chosen = backend_for(directory, manifest, backend).name
     target = open_session(directory, manifest, "target", chosen, **overrides)
     draft = open_session(directory, manifest, "draft", chosen, **overrides)
-    return Decoder(manifest, target, draft, prefill_chunk)
+    return Decoder(manifest, target, draft, prefill_chunk, batch_invariant=batch_invariant)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,12 +13,15 @@ from dflash_onnx.bench import (
     ClockedSession,
     aggregate,
     default_verify_lengths,
+    first_divergence,
+    format_report,
     implied_speedups,
     load_prompts,
     run_bench,
 )
 from dflash_onnx.cli import main
 from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import load_manifest
 
 SMALL = dict(max_new_tokens=24, repeats=1, num_prompts=2, contexts=[16, 64], curve_repeats=2)
 
@@ -65,19 +69,28 @@ def test_curve_covers_every_length_and_context(report):
 
 
 def test_aggregate_weights_prompts_by_tokens():
-    def row(tokens, greedy_s, dflash_s, lengths):
+    def row(tokens, greedy_s, dflash_s, lengths, divergence=None):
         mode = lambda s, ls: {"tokens": tokens, "decode_s": s, "ttft_s": 0.01, "backend_s": 0.9 * s,  # noqa: E731
                               "acceptance_lengths": ls,
                               "acceptance_histogram": np.bincount(ls, minlength=5)[1:].tolist()}
-        return {"greedy": mode(greedy_s, [1] * tokens), "dflash": mode(dflash_s, lengths), "identical_to_greedy": True}
+        return {"greedy": mode(greedy_s, [1] * tokens), "dflash": mode(dflash_s, lengths), "tokens": [7] * tokens,
+                "first_divergence": {"dflash": divergence}, "identical_to_greedy": divergence is None}
 
-    agg = aggregate([row(10, 1.0, 0.5, [4, 4, 1]), row(30, 2.0, 1.5, [2, 2])], block=4)
+    agg = aggregate([row(10, 1.0, 0.5, [4, 4, 1], divergence=5), row(30, 2.0, 1.5, [2, 2])], block=4)
+    assert agg["agreement"] == {"dflash": {"prompts": 0.5, "tokens": pytest.approx(35 / 40)}}
+    assert not agg["all_identical_to_greedy"]
     assert agg["greedy"]["tokens_per_second"] == pytest.approx(40 / 3.0)
     assert agg["dflash"]["tokens_per_second"] == pytest.approx(40 / 2.0)
     assert agg["speedup"] == pytest.approx(1.5)
     assert agg["tau"] == pytest.approx(13 / 5)
     assert agg["acceptance_histogram"] == [1, 2, 0, 2]
     assert agg["greedy"]["loop_overhead"] == pytest.approx(0.1)
+
+
+def test_first_divergence_counts_a_length_difference():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 def test_implied_speedup_needs_both_ends_of_the_curve():
@@ -219,3 +232,20 @@ def test_bench_load_report_pairs_quiet_and_loaded_figures(exported):
     assert greedy["quiet"] == report["aggregate"]["greedy"]["tokens_per_second"]
     assert greedy["loaded"] == loaded["aggregate"]["greedy"]["tokens_per_second"]
     assert greedy["change"] == pytest.approx(greedy["loaded"] / greedy["quiet"] - 1)
+
+
+def test_bench_times_greedy_without_padding_beside_the_batch_invariant_runs(ort_lowered, capsys):
+    """On an ORT lowering that pads calls, bench also times the fastest greedy and says how many tokens agree."""
+    directory = ort_lowered("agree_b8")
+    options = BenchOptions(max_new_tokens=12, repeats=1, num_prompts=2, contexts=[8], curve_repeats=1)
+    report = run_bench(directory, None, None, options, [], (None, None), progress=False)
+    agg = report["aggregate"]
+    assert report["batch_invariant"] and report["row_multiple"] == load_manifest(directory).lowering.row_multiple
+    assert ("greedy_unpadded" in agg) == (report["row_multiple"] > 1)
+    assert agg["agreement"]["dflash"] == {"prompts": 1.0, "tokens": 1.0} and agg["all_identical_to_greedy"]
+    if "greedy_unpadded" in agg:
+        assert agg["speedup_vs_unpadded"] == pytest.approx(agg["dflash"]["tokens_per_second"]
+                                                           / agg["greedy_unpadded"]["tokens_per_second"])
+        assert "greedy without the batch-invariance padding" in format_report(report)
+    off = run_bench(directory, None, None, replace(options, batch_invariant=False), [], (None, None), progress=False)
+    assert off["row_multiple"] == 1 and "greedy_unpadded" not in off["aggregate"]

@@ -94,15 +94,18 @@ def test_rows_form_draft_keeps_the_exports_context_cache_in_its_buffers(exported
 
 def test_buffer_form_capacity_is_checked_before_decoding(ort_lowered):
     decoder = open_decoder(ort_lowered("agree_b8"))
-    with pytest.raises(DFlashError, match="512 positions"):
+    capacity = 512 - (decoder.row_multiple - 1)  # positions kept for a padded call's last rows
+    with pytest.raises(DFlashError, match=f"{capacity} positions this lowering holds"):
         decoder.generate([3] * 500, 20)
+    open_decoder(ort_lowered("agree_b8"), batch_invariant=False).generate([3] * 500, 12, "greedy")
 
 
 def test_decoding_up_to_the_capacity_matches_the_export(exported, decoders, ort_lowered):
     """The last blocks run past ctx_len (512) by up to a block: the draft's cos/sin cache covers them."""
-    prompt = np.random.default_rng(5).integers(2, 94, size=490).tolist()
+    lowered = open_decoder(ort_lowered("agree_b8"))
+    prompt = np.random.default_rng(5).integers(2, 94, size=512 - 22 - (lowered.row_multiple - 1)).tolist()
     want = decoders("agree_b8").generate(prompt, 22, "greedy", stop_token_ids=[]).tokens
-    assert open_decoder(ort_lowered("agree_b8")).generate(prompt, 22, "dflash", stop_token_ids=[]).tokens == want
+    assert lowered.generate(prompt, 22, "dflash", stop_token_ids=[]).tokens == want
 
 
 def test_manifest_records_the_lowering_and_the_graphs_are_fused(ort_lowered):
@@ -227,10 +230,54 @@ def test_a_quantized_export_lowers_and_decodes_its_own_greedy_tokens(exported, t
     lowered = lower_ort(quantized, tmp_path / "ort", OrtOptions(ctx_len=256), QUIET)
     assert lowered.form == "buffer"
     assert [p["name"] for p in lowered.passes] == ["int4", "rope-fusion", "ort-fusions"]
+    # compared with the quantized matmuls computing in float, the lowering is held to the float tolerance
+    assert lowered.lowering.max_relative_difference <= ort_check.LOWERING_TOLERANCE["float32"]
+    assert ort_check.float_accuracy(quantized / "target.onnx") is not None
+    assert ort_check.float_accuracy(exported("agree_b8").out / "target.onnx") is None
+    _assert_a_wrong_rewrite_is_refused(quantized, tmp_path / "ort")
     decoder, reference = open_decoder(tmp_path / "ort"), open_decoder(quantized)
     for prompt in ([4, 5, 6], [9, 1, 2, 8, 3]):
         want = reference.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
         assert decoder.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == want
+        assert decoder.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens == want
+    _assert_batch_invariant(decoder)
+
+
+def _assert_a_wrong_rewrite_is_refused(quantized, directory) -> None:
+    """A lowered quantized graph whose normalization is slightly off (epsilon 1e-6 -> 1e-3, the size of error a
+    wrong fusion makes) fails the lowering's check."""
+    path = directory / "target.onnx"
+    original = path.read_bytes()
+    graph = onnx.load(str(path), load_external_data=False)
+    norm = next(n for n in graph.graph.node if n.op_type.endswith("SimplifiedLayerNormalization"))
+    next(a for a in norm.attribute if a.name == "epsilon").f = 1e-3
+    onnx.save(graph, str(path))
+    try:
+        with pytest.raises(DFlashError, match="the ORT lowering changes"):
+            ort_check.check_lowering(quantized, load_manifest(quantized), directory, load_manifest(directory))
+    finally:
+        path.write_bytes(original)
+
+
+def _assert_batch_invariant(decoder) -> None:
+    """The lowering measured a row multiple with which a token's logits are the same bits whether its call had
+    one row (a greedy step) or a block (a DFlash verify), and the decoder pads to it."""
+    from dflash_onnx.runners import open_runners
+
+    measured = decoder.manifest.lowering.report["batch_invariance"]
+    assert measured["invariant"] and decoder.row_multiple == measured["row_multiple"] >= 1
+    assert measured["differences"][str(measured["row_multiple"])] == 0.0
+    assert all(d > 0 for m, d in measured["differences"].items() if int(m) < measured["row_multiple"])
+    ids = np.random.default_rng(3).integers(0, decoder.manifest.vocab_size, size=7 + 8)
+    runner, _ = open_runners(decoder.manifest, decoder.target, None, 256, decoder.row_multiple)
+    runner.forward(ids[:7])
+    runner.commit(7)
+    block = runner.forward(ids[7:], 8).logits.copy()
+    singles = []
+    for position in range(7, 15):
+        singles.append(runner.forward(ids[position : position + 1], 1).logits.copy())
+        runner.commit(position + 1)
+    np.testing.assert_array_equal(np.concatenate(singles), block)
 
 
 def _reshape_chain(final_shape: list[int]) -> onnx.ModelProto:

@@ -7,6 +7,7 @@ import contextlib
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from dflash_onnx.errors import DFlashError
@@ -55,7 +56,9 @@ class OrtSession:
 
     def __init__(self, path: Path, providers: list[str] | None = None, intra_op_threads: int | None = None,
                  allow_spinning: bool = True, optimization_level: str = "all", stop_spinning_after_run: bool = False,
-                 session_config: dict[str, str] | None = None):
+                 session_config: dict[str, str] | None = None, structure: onnx.ModelProto | None = None):
+        """`structure`: run this graph instead of the file's (its weights still read from beside `path`), e.g. the
+        file's graph with its quantized matmuls computing in float (targets/ort/check.py)."""
         options = ort.SessionOptions()
         options.log_severity_level = 4  # failures reach the user as one DFlashError line, not ORT's log
         options.graph_optimization_level = ort_level(optimization_level)
@@ -68,9 +71,13 @@ class OrtSession:
         for key, value in (session_config or {}).items():  # e.g. session.dynamic_block_base
             options.add_session_config_entry(key, value)
         checked_graph(Path(path))  # before ORT opens the weights it names
+        if structure is not None:  # the weights its external data names are read from the file's directory
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                             str(Path(path).parent))
         try:
             self._session = ort.InferenceSession(
-                str(path), sess_options=options, providers=providers or ["CPUExecutionProvider"]
+                str(path) if structure is None else structure.SerializeToString(), sess_options=options,
+                providers=providers or ["CPUExecutionProvider"]
             )
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
             raise DFlashError(f"ONNX Runtime cannot load {path}: {str(exc).splitlines()[0]}") from None

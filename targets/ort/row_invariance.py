@@ -1,0 +1,60 @@
+"""The smallest row multiple that makes the lowered target batch-invariant, measured at lowering.
+
+A token's logits should not depend on how many rows its call had: a decode step has 1, a DFlash verify step
+up to block_size. ONNX Runtime's CPU matmuls (MLAS, float and int4 with int8 activations alike) run rows in
+pairs and give a lone odd row a kernel that rounds differently; then greedy and DFlash can pick different
+tokens where the top two logits nearly tie. For each candidate multiple this runs a block of rows once as
+one call and once in calls of 1, 3, 2, ... rows (each padded to the multiple, runners.py) and keeps the
+smallest multiple whose rows agree bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash_onnx.manifest import Manifest
+from dflash_onnx.runners import open_runners
+from dflash_onnx.session import Session
+
+CANDIDATES = (1, 2, 4, 8)
+PREFIX = 20  # committed context before the block
+
+
+def _call_sizes(rows: int) -> list[int]:
+    """Uneven call sizes that add up to `rows`: odd sizes and odd offsets, as a DFlash run produces them."""
+    sizes, pattern = [], (1, 3, 2, 1, 4, 5)
+    while sum(sizes) < rows:
+        sizes.append(min(pattern[len(sizes) % len(pattern)], rows - sum(sizes)))
+    return sizes
+
+
+def _rows(manifest: Manifest, session: Session, multiple: int, ids: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """The target's logits (its hidden features when it returns no logits) for ids[PREFIX:], called in
+    `sizes` rows after a prefill of ids[:PREFIX], each call padded to `multiple` rows."""
+    runner, _ = open_runners(manifest, session, None, 256, multiple)
+    runner.forward(ids[:PREFIX])
+    runner.commit(PREFIX)
+    logits = "logits" in manifest.target.output_names()
+    parts, start = [], PREFIX
+    for size in sizes:
+        out = runner.forward(ids[start : start + size], size if logits else 0)
+        parts.append(np.array(out.logits if logits else out.context))
+        start += size
+        runner.commit(start)
+    return np.concatenate(parts)
+
+
+def measure_row_multiple(manifest: Manifest, session: Session) -> dict:
+    """{"row_multiple": the smallest candidate whose rows agree exactly (1 when none does), "invariant":
+    whether one did, "differences": largest difference per candidate relative to the largest |value|}."""
+    block = manifest.block_size
+    ids = np.random.default_rng(0).integers(0, manifest.vocab_size, PREFIX + block)
+    differences, chosen = {}, None
+    for multiple in CANDIDATES:
+        whole = _rows(manifest, session, multiple, ids, [block])
+        split = _rows(manifest, session, multiple, ids, _call_sizes(block))
+        scale = max(float(np.abs(whole).max()), 1e-30)
+        differences[str(multiple)] = float(np.abs(split.astype(np.float64) - whole).max()) / scale
+        if differences[str(multiple)] == 0.0:
+            chosen = multiple
+            break
+    return {"row_multiple": chosen or 1, "invariant": chosen is not None, "differences": differences}
