@@ -29,6 +29,8 @@ VARIANTS = {
                                             "session_config": {"session.force_spinning_stop": "1"}},
     "dynamic blocks (base 4)": {"session_config": {"session.dynamic_block_base": "4"}},
     "no spinning + dynamic blocks": {"allow_spinning": False, "session_config": {"session.dynamic_block_base": "4"}},
+    "no spinning + dynamic blocks (base 1)": {"allow_spinning": False,
+                                              "session_config": {"session.dynamic_block_base": "1"}},
     "spin within calls only": {"session_config": {"session.force_spinning_stop": "1"}},
     "spin within calls + dynamic blocks": {"session_config": {"session.force_spinning_stop": "1",
                                                              "session.dynamic_block_base": "4"}},
@@ -36,7 +38,7 @@ VARIANTS = {
 
 
 def ours(directory: Path, settings: dict):
-    decoder = open_decoder(directory, **settings)
+    decoder = open_decoder(directory, batch_invariant=False, **settings)  # one row per step, as the peer runs
 
     def once(ids: list[int], new: int) -> tuple[list[int], float]:
         result = decoder.generate(ids, new, "greedy", stop_token_ids=[])

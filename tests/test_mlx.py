@@ -86,6 +86,9 @@ def test_quantized_mlx_is_lossless_against_its_own_greedy(bits, exported, mlx_lo
     weights = load_manifest(directory).lowering.report["weights"]
     assert weights["target"]["quantized"] >= 4 * 7 and weights["draft"]["quantized"] >= 7
     decoder = open_decoder(directory, backend="mlx")
+    measured = load_manifest(directory).lowering.report["batch_invariance"]  # targets/row_invariance.py
+    assert set(measured["differences"]) <= {"1", "2", "4", "8"}
+    assert decoder.row_multiple == (measured["row_multiple"] if measured["invariant"] else 1)
     taus = []
     for prompt in _prompts(6, exported("agree_b8").spec.vocab_size, seed=3):
         dflash = decoder.generate(prompt, 32, "dflash", stop_token_ids=[])

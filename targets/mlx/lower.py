@@ -21,6 +21,7 @@ from dflash_onnx.publish import copy_tokenizer_files
 
 from ..backend import LowerRequest
 from ..lowering import lowered_costs, lowered_output, start_lowering
+from ..row_invariance import record_row_multiple
 from .options import MlxOptions
 from .session import import_mlx, open_session
 
@@ -134,6 +135,7 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
         copy_tokenizer_files(source, tmp)
         lowered = replace(manifest, lowering=Lowering(backend="mlx", options=asdict(options),
                                                       shared_with_target=shared, report={"weights": report}))
+        record_row_multiple(lowered, open_session(tmp, lowered, "target"))
         lowered.costs = lowered_costs(tmp, lowered, open_session)
         lowered.save(tmp)
     return lowered

@@ -24,8 +24,19 @@ def _summary(manifest: Manifest, out: Path) -> str:
     return (f"lowered to {out} for ONNX Runtime ({options.provider}; {kv}; passes "
             f"{', '.join(options.passes) or 'none'}; ORT optimizations '{options.optimization_level}' saved; "
             f"{len(manifest.lowering.shared_with_target)} draft tensors shared with the target; largest difference "
-            f"to the export {manifest.lowering.max_relative_difference:.1g} of scale; threads spin: "
-            f"{_spinning(options, manifest)})")
+            f"to the export {manifest.lowering.max_relative_difference:.1g} of scale; {_rows(manifest)}; threads "
+            f"spin: {_spinning(options, manifest)})")
+
+
+def _rows(manifest: Manifest) -> str:
+    """What the batch-invariance measurement found (targets/row_invariance.py)."""
+    measured = manifest.lowering.report.get("batch_invariance")
+    if not measured:
+        return "batch invariance not measured"
+    if not measured["invariant"]:
+        return "rows NOT batch-invariant (greedy and DFlash may differ at near ties)"
+    multiple = measured["row_multiple"]
+    return f"calls padded to {multiple} rows (batch-invariant)" if multiple > 1 else "rows batch-invariant"
 
 
 def _spinning(options: OrtOptions, manifest: Manifest) -> str:

@@ -27,9 +27,9 @@ from passes.pipeline import apply_pipeline
 
 from ..backend import LowerRequest
 from ..lowering import lowered_costs, lowered_output, start_lowering
+from ..row_invariance import record_row_multiple
 from .check import check_lowering
 from .options import OrtOptions
-from .row_invariance import measure_row_multiple
 from .session import open_session, ort_level, provider_name
 from .spinning_measure import measure_spinning
 
@@ -112,13 +112,7 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
             backend="ort", options={**asdict(options), "passes": list(options.passes)}, provider=options.provider,
             draft_kv="rows" if rows else "concat", shared_with_target=shared, rewrites=rewrites))
         lowered.lowering.max_relative_difference = check_lowering(Path(source), manifest, tmp, lowered)
-        invariance = measure_row_multiple(lowered, open_session(tmp, lowered, "target"))
-        lowered.lowering.row_multiple = invariance["row_multiple"]
-        lowered.lowering.report["batch_invariance"] = invariance
-        if not invariance["invariant"]:
-            print("warning: no call padding made the target's rows independent of the call's size "
-                  f"({invariance['differences']}): greedy and DFlash may pick different tokens where logits nearly "
-                  "tie", file=sys.stderr)
+        record_row_multiple(lowered, open_session(tmp, lowered, "target"))
         if options.spinning == "auto":  # measured before the cost curve, which the chosen mode's sessions run
             if request.progress:
                 print("timing the spinning modes, quiet and beside one busy process", file=sys.stderr)

@@ -1,13 +1,16 @@
-"""The smallest row multiple that makes the lowered target batch-invariant, measured at lowering.
+"""The smallest row multiple that makes a lowered target batch-invariant, measured at lowering (ORT, MLX).
 
 A token's logits should not depend on how many rows its call had: a decode step has 1, a DFlash verify step
 up to block_size. ONNX Runtime's CPU matmuls (MLAS, float and int4 with int8 activations alike) run rows in
 pairs and give a lone odd row a kernel that rounds differently; then greedy and DFlash can pick different
-tokens where the top two logits nearly tie. For each candidate multiple this runs a block of rows once as
-one call and once in calls of 1, 3, 2, ... rows (each padded to the multiple, runners.py) and keeps the
-smallest multiple whose rows agree bit for bit."""
+tokens where the top two logits nearly tie. For each candidate multiple this runs a block of rows once as one
+call and once in calls of 1, 3, 2, ... rows (each padded to the multiple, runners.py) and keeps the smallest
+multiple whose rows agree bit for bit. A backend's lowering records the result (Lowering.row_multiple and
+report["batch_invariance"]) and warns when no candidate makes the rows agree."""
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -58,3 +61,14 @@ def measure_row_multiple(manifest: Manifest, session: Session) -> dict:
             chosen = multiple
             break
     return {"row_multiple": chosen or 1, "invariant": chosen is not None, "differences": differences}
+
+
+def record_row_multiple(manifest: Manifest, session: Session) -> None:
+    """Measure on `session` (the lowered target) and record in `manifest.lowering`; warn when none agrees."""
+    measured = measure_row_multiple(manifest, session)
+    manifest.lowering.row_multiple = measured["row_multiple"]
+    manifest.lowering.report["batch_invariance"] = measured
+    if not measured["invariant"]:
+        print("warning: no call padding made the target's rows independent of the call's size "
+              f"({measured['differences']}): greedy and DFlash may pick different tokens where logits nearly "
+              "tie", file=sys.stderr)
