@@ -47,7 +47,12 @@ class TinySpec:
     favourite_token: int = 7
     eos_token_id: int = 1
     max_positions: int = 1024
+    rope_theta: float | None = None  # None: the model type's default
     seed: int = 0
+    # written tensor by tensor from meta-device shapes (shaped.py), never holding the model: published sizes
+    streamed: bool = False
+    dtype: str = "float32"  # the checkpoint's dtype (streamed pairs)
+    shard_bytes: int = 2 * 1024**3
 
 
 # Full-size shapes with random weights: for measuring speed and size where no checkpoint can be downloaded.
@@ -60,6 +65,16 @@ PRESETS = {
 # always, so DFlash runs at the top of its acceptance range; bench's implied speedup covers lower tau.
 PRESETS["qwen3-0.6b-shaped-agree"] = replace(PRESETS["qwen3-0.6b-shaped"], agree=True, tie_embeddings=False,
                                              damp_layers=0.002)
+# The seeds' workloads: Qwen3-4B with its 5-layer Qwen3-4B-DFlash-b16 draft, LLaMA-3.1-8B with z-lab's draft
+# (taps as the reference package's build_target_layer_ids gives them), bfloat16 like the published weights.
+PRESETS["qwen3-4b-shaped"] = TinySpec(
+    vocab_size=151936, hidden_size=2560, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=9728,
+    target_layers=36, draft_layers=5, target_layer_ids=[1, 9, 17, 25, 33], block_size=16, max_positions=40960,
+    rope_theta=1_000_000.0, tie_embeddings=True, streamed=True, dtype="bfloat16")
+PRESETS["llama3.1-8b-shaped"] = TinySpec(
+    model_type="llama", vocab_size=128256, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+    intermediate_size=14336, target_layers=32, draft_layers=5, target_layer_ids=[1, 8, 15, 22, 29], block_size=16,
+    max_positions=131072, rope_theta=500_000.0, tie_embeddings=False, streamed=True, dtype="bfloat16")
 
 
 def _target_config(spec: TinySpec) -> dict:
@@ -71,6 +86,8 @@ def _target_config(spec: TinySpec) -> dict:
         "rms_norm_eps": 1e-6, "tie_word_embeddings": spec.tie_embeddings, "eos_token_id": spec.eos_token_id,
         "bos_token_id": 0, "pad_token_id": 0,
     }
+    if spec.rope_theta is not None:
+        config["rope_theta"] = spec.rope_theta
     if spec.target_sliding_window is not None:  # hybrid: every other layer slides (Qwen3 / Qwen2 style)
         config["use_sliding_window"] = True
         config["sliding_window"] = spec.target_sliding_window
@@ -91,7 +108,7 @@ def _draft_config(spec: TinySpec) -> dict:
         "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
         "max_position_embeddings": spec.max_positions,
         "rms_norm_eps": 1e-6, "attention_bias": spec.attention_bias, "num_target_layers": spec.target_layers,
-        "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "rope_theta": spec.rope_theta or 10000.0, "tie_word_embeddings": False,
         "dflash_config": {"target_layer_ids": spec.target_layer_ids, "block_size": spec.block_size,
                           "mask_token_id": spec.vocab_size - 1},
     }
@@ -177,13 +194,40 @@ def build_draft(spec: TinySpec, directory: Path, target) -> None:
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
 
 
-def build_pair(spec: TinySpec, root: Path) -> tuple[Path, Path]:
+def build_pair(spec: TinySpec, root: Path, progress: bool = False) -> tuple[Path, Path]:
     """Write ROOT/target and ROOT/draft; return both paths."""
     root = Path(root)
     target_dir, draft_dir = root / "target", root / "draft"
+    if spec.streamed:
+        _write_streamed(spec, target_dir, draft_dir, progress)
+        return target_dir, draft_dir
     target = build_target(spec, target_dir)
     build_draft(spec, draft_dir, target)
     return target_dir, draft_dir
+
+
+def _write_streamed(spec: TinySpec, target_dir: Path, draft_dir: Path, progress: bool) -> None:
+    """A published-size pair, one safetensors shard in memory at a time (shaped.py)."""
+    import sys
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from .shaped import draft_shapes, target_shapes, write_checkpoint
+
+    if spec.agree:
+        raise ValueError("streamed pairs are plain random weights: agree=True needs the whole model (build_target)")
+    config = AutoConfig.for_model(spec.model_type, **_target_config(spec), torch_dtype=spec.dtype)
+    draft_config = {**_draft_config(spec), "torch_dtype": spec.dtype}
+    for directory, shapes, seed in ((target_dir, target_shapes(config), spec.seed),
+                                    (draft_dir, draft_shapes(draft_config), spec.seed + 1)):
+        directory.mkdir(parents=True, exist_ok=True)
+        for file in write_checkpoint(directory, shapes, spec.dtype, seed, spec.shard_bytes):
+            if progress:
+                print(f"wrote {directory / file}", file=sys.stderr, flush=True)
+    config.save_pretrained(str(target_dir))
+    GenerationConfig.from_model_config(config).save_pretrained(str(target_dir))
+    write_char_tokenizer(target_dir, spec.vocab_size)
+    (draft_dir / "config.json").write_text(json.dumps(draft_config, indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    target_dir, draft_dir = build_pair(PRESETS[args.preset], args.out)
+    target_dir, draft_dir = build_pair(PRESETS[args.preset], args.out, progress=True)
     print(f"wrote {target_dir} and {draft_dir}")
 
 
