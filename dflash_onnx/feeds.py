@@ -33,9 +33,4 @@ def draft_feeds(manifest: Manifest, context: int) -> dict[str, np.ndarray]:
     rows = np.random.default_rng(1).standard_normal((1, block, features)).astype(manifest.numpy_dtype)
     return {"input_ids": np.full((1, block), manifest.mask_token_id, np.int64), "target_hidden": rows,
             "position_ids": np.arange(context, context + 2 * block, dtype=np.int64)[None],
-            **({} if _rows_kept(manifest) else _kv(manifest, manifest.draft, context))}
-
-
-def _rows_kept(manifest: Manifest) -> bool:
-    """The ORT lowering's rows-form draft: its session holds the K/V (past = the call's first position)."""
-    return manifest.form == "buffer" and manifest.lowering is not None and manifest.lowering.draft_kv == "rows"
+            **({} if manifest.draft_returns_rows else _kv(manifest, manifest.draft, context))}

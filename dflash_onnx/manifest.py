@@ -164,6 +164,12 @@ class Manifest:
         """The backend this directory was lowered for; None for an export."""
         return self.lowering.backend if self.lowering else None
 
+    @property
+    def draft_returns_rows(self) -> bool:
+        """The ORT lowering's buffer-form draft: its graph returns only the new context rows' K/V (runners.RowsDraft
+        keeps them, or its session does), instead of past + new."""
+        return self.form == "buffer" and self.lowering is not None and self.lowering.draft_kv == "rows"
+
     @classmethod
     def from_dict(cls, raw: dict) -> Manifest:
         data = dict(raw)

@@ -82,7 +82,7 @@ def genai_build(manifest: Manifest) -> tuple[str, str]:
     return precision, "cuda" if provider == "cuda" else "cpu"
 
 
-def _genai_model_dir(target_dir: Path, precision: str, provider: str) -> Path:
+def genai_model_dir(target_dir: Path, precision: str, provider: str) -> Path:
     """The target rebuilt by onnxruntime-genai's model builder, cached per checkpoint (path, file sizes and
     modification times: cheap for multi-GB weights), precision and provider."""
     import hashlib
@@ -230,7 +230,7 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
             print(f"peers: ort-genai (model builder {' '.join(genai_build(manifest))}, then greedy and n-gram "
                   "speculative) ...", file=sys.stderr, flush=True)
         build = genai_build(manifest)
-        model = og.Model(str(_genai_model_dir(Path(target_dir), *build)))
+        model = og.Model(str(genai_model_dir(Path(target_dir), *build)))
         rows.append(_genai(model, build, prompts, options.max_new_tokens, options.repeats, None))
         speculative = {"ngram_size": 3, "max_draft_tokens": min(16, manifest.block_size)}
         rows.append(_genai(model, build, prompts, options.max_new_tokens, options.repeats, speculative))

@@ -129,6 +129,34 @@ def _size(count: int) -> str:
     return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
+MEMORY_CHECK_ENV = "DFLASH_ONNX_NO_MEMORY_CHECK"
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel can still hand out (MemAvailable + SwapFree); None where it does not say (not Linux)."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    values = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        if rest.split():
+            values[key] = int(rest.split()[0]) * 1024
+    return values["MemAvailable"] + values.get("SwapFree", 0) if "MemAvailable" in values else None
+
+
+def _check_memory(out: Path, need_bytes: int) -> None:
+    """Refuse up front a stage whose measured peak (its factor times its weights) exceeds what is available."""
+    if need_bytes <= 0 or os.environ.get(MEMORY_CHECK_ENV):
+        return
+    available = available_memory()
+    if available is not None and need_bytes > available:
+        raise DFlashError(f"writing {out} needs about {_size(need_bytes)} of memory at its peak and this machine has "
+                          f"{_size(available)} available (RAM + swap): close other programs or use a machine with "
+                          f"more memory (set {MEMORY_CHECK_ENV}=1 to try anyway)")
+
+
 def _check_space(out: Path, need_bytes: int) -> None:
     free = shutil.disk_usage(out.parent).free
     if need_bytes > free:
@@ -138,14 +166,16 @@ def _check_space(out: Path, need_bytes: int) -> None:
 
 @contextmanager
 def staged_directory(out: Path, sources: tuple[Path, ...] = (), overwrite: bool = False,
-                     need_bytes: int = 0) -> Iterator[Path]:
+                     need_bytes: int = 0, need_memory: int = 0) -> Iterator[Path]:
     """A staging directory to write `out` into, published whole on success and removed on any error. Under
-    the lock of `out`: the --out checks again, stale staging of dead runs removed, free space checked."""
+    the lock of `out`: the --out checks again, stale staging of dead runs removed, free space and (where the
+    caller estimates it) memory checked."""
     out = Path(out)
     with lock_out(out):
         check_out_dir(out, sources, overwrite)
         _clean_stale(out)
         _check_space(out, need_bytes)
+        _check_memory(out, need_memory)
         staging = _side_directory(out, "staging")
         try:
             yield staging

@@ -355,9 +355,8 @@ def open_runners(manifest: Manifest, target: Session, draft: Session | None, pre
     if manifest.form == "concat":
         return ConcatTarget(target, manifest, prefill_chunk, row_multiple), draft and ConcatDraft(draft, manifest)
     if manifest.form == "buffer":  # the draft's attention is not causal: no GroupQueryAttention buffers for it
-        rows = manifest.lowering is not None and manifest.lowering.draft_kv == "rows"
         return BufferTarget(target, manifest, prefill_chunk, row_multiple), draft and (
-            RowsDraft(draft, manifest) if rows else ConcatDraft(draft, manifest))
+            RowsDraft(draft, manifest) if manifest.draft_returns_rows else ConcatDraft(draft, manifest))
     if manifest.form == "retained":
         return RetainedTarget(target, manifest), draft and RetainedDraft(draft, manifest)
     raise DFlashError(f"unknown graph form {manifest.form!r} in the manifest")

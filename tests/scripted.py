@@ -415,7 +415,7 @@ def fake_sessions(manifest: Manifest, model, script, on_device: bool = True, con
         return Pair(manifest, ConcatTargetSession(manifest, model),
                     ConcatDraftSession(manifest, model, script, confident=confident))
     if manifest.form == "buffer":
-        rows = manifest.lowering is not None and manifest.lowering.draft_kv == "rows"
+        rows = manifest.draft_returns_rows
         return Pair(manifest, BufferTargetSession(manifest, model),
                     ConcatDraftSession(manifest, model, script, rows=rows, confident=confident,
                                        kept=rows and kept_rows))

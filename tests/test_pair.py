@@ -101,3 +101,32 @@ def test_a_failure_mid_export_leaves_no_output_and_keeps_the_old_one(tmp_path, p
 def test_stop_tokens_come_from_generation_config(pair_dirs):
     target_dir, _ = pair_dirs
     assert TargetInfo.from_dir(target_dir).stop_token_ids == [1]
+
+
+def test_a_stage_the_machine_cannot_hold_is_refused_up_front(tmp_path, pair_dirs, exported, monkeypatch):
+    """Export, optimize and the ORT lowering estimate their peak memory from their weights (measured factors)
+    and refuse, naming both figures, before anything is written; the environment variable lets a user try."""
+    import dflash_onnx.publish as publish
+    from dflash_onnx.publish import MEMORY_CHECK_ENV, available_memory, staged_directory
+
+    assert available_memory() is None or available_memory() > 0
+    target_dir, draft_dir = pair_dirs
+    source = exported("agree_b8").out
+    monkeypatch.setattr(publish, "available_memory", lambda: 1024)
+    with pytest.raises(DFlashError, match=r"needs about .* of memory at its peak and this machine has 0.0 MiB "
+                                          r"available .*DFLASH_ONNX_NO_MEMORY_CHECK=1"):
+        export_pair(target_dir, draft_dir, tmp_path / "out", progress=False)
+    from passes.pipeline import apply_pipeline
+    from targets import LowerRequest
+    from targets.ort.lower import lower_ort
+
+    with pytest.raises(DFlashError, match="of memory at its peak"):
+        apply_pipeline(source, ["int4"], tmp_path / "int4", {}, progress=False)
+    apply_pipeline(source, ["cleanup"], tmp_path / "cleaned", {}, progress=False)  # structure only: no estimate
+    with pytest.raises(DFlashError, match="of memory at its peak"):
+        lower_ort(source, tmp_path / "ort", request=LowerRequest(progress=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cleaned"]
+    monkeypatch.setenv(MEMORY_CHECK_ENV, "1")
+    with staged_directory(tmp_path / "forced", need_memory=10**15) as staging:
+        (staging / "file").write_text("x")
+    assert (tmp_path / "forced" / "file").read_text() == "x"

@@ -233,6 +233,6 @@ def open_session(directory: Path, manifest: Manifest, graph: str, **overrides) -
     path = Path(directory) / getattr(manifest, graph).file
     if manifest.form == "buffer" and graph == "target":
         return OrtBufferSession(path, manifest, **settings)
-    if manifest.form == "buffer" and manifest.lowering is not None and manifest.lowering.draft_kv == "rows":
+    if manifest.draft_returns_rows:
         return OrtRowsSession(path, manifest, **settings)
     return OrtSession(path, **settings)
