@@ -42,3 +42,13 @@ def test_fp16_parity_with_pytorch(exported, decoders):
     report = run_parity(pair.out, pair.target_dir, pair.draft_dir, num_prompts=2, max_new_tokens=12,
                         decoder=decoders("agree_b4_fp16"))
     assert report.ok, report.table()
+
+
+def test_lowering_a_float16_export_for_cpu_warns_about_memory(exported, tmp_path, capsys):
+    """ORT's CPU provider widens float16 weights to float32 per session: the lowering says so and names int4."""
+    from dflash_onnx.cli import main
+
+    assert main(["lower", str(exported("agree_b4_fp16").out), "--target", "ort", "--out", str(tmp_path / "ort"),
+                 "--ctx-len", "128", "--spinning", "off", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "no float16 MatMul" in err and "--passes int4" in err
