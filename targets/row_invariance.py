@@ -32,21 +32,26 @@ def _call_sizes(rows: int) -> list[int]:
     return sizes
 
 
-def _rows(manifest: Manifest, session: Session, multiple: int, ids: np.ndarray, context: int,
-          sizes: list[int]) -> np.ndarray:
-    """The target's logits (its hidden features when it returns no logits) for ids[context:], called in
-    `sizes` rows after a prefill of ids[:context], each call padded to `multiple` rows."""
+def _difference(manifest: Manifest, session: Session, multiple: int, ids: np.ndarray, context: int) -> float:
+    """After one prefill of ids[:context], the rows of ids[context:] as one call and, rolled back, in uneven
+    calls, each padded to `multiple` rows: their largest difference relative to the largest |value| (logits,
+    or the hidden features where the graph returns no logits)."""
     runner, _ = open_runners(manifest, session, None, 256, multiple)
     runner.forward(ids[:context])
     runner.commit(context)
     logits = "logits" in manifest.target.output_names()
-    parts, start = [], context
-    for size in sizes:
-        out = runner.forward(ids[start : start + size], size if logits else 0)
-        parts.append(np.array(out.logits if logits else out.context))
-        start += size
-        runner.commit(start)
-    return np.concatenate(parts)
+    results = []
+    for sizes in ([len(ids) - context], _call_sizes(len(ids) - context)):
+        runner.commit(context)  # rollback is a length change: the prefix is shared
+        parts, start = [], context
+        for size in sizes:
+            out = runner.forward(ids[start : start + size], size if logits else 0)
+            parts.append(np.array(out.logits if logits else out.context))
+            start += size
+            runner.commit(start)
+        results.append(np.concatenate(parts))
+    whole, split = results
+    return float(np.abs(split.astype(np.float64) - whole).max()) / max(float(np.abs(whole).max()), 1e-30)
 
 
 def measure_row_multiple(manifest: Manifest, session: Session) -> dict:
@@ -60,11 +65,7 @@ def measure_row_multiple(manifest: Manifest, session: Session) -> dict:
     for multiple in CANDIDATES:
         worst = 0.0
         for context in contexts:
-            chunk = ids[: context + block]
-            whole = _rows(manifest, session, multiple, chunk, context, [block])
-            split = _rows(manifest, session, multiple, chunk, context, _call_sizes(block))
-            scale = max(float(np.abs(whole).max()), 1e-30)
-            worst = max(worst, float(np.abs(split.astype(np.float64) - whole).max()) / scale)
+            worst = max(worst, _difference(manifest, session, multiple, ids[: context + block], context))
             if worst > 0.0:
                 break
         differences[str(multiple)] = worst
