@@ -135,7 +135,11 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
         copy_tokenizer_files(source, tmp)
         lowered = replace(manifest, lowering=Lowering(backend="mlx", options=asdict(options),
                                                       shared_with_target=shared, report={"weights": report}))
+        if request.progress:
+            print("measuring batch invariance (the target's rows in calls of each size)", file=sys.stderr)
         record_row_multiple(lowered, open_session(tmp, lowered, "target"))
+        if request.progress:
+            print("measuring the cost curve (target steps of 1..block tokens, a draft step)", file=sys.stderr)
         lowered.costs = lowered_costs(tmp, lowered, open_session)
         lowered.save(tmp)
     return lowered

@@ -123,6 +123,8 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
             backend="ort", options={**asdict(options), "passes": list(options.passes)}, provider=options.provider,
             draft_kv="rows" if rows else "concat", shared_with_target=shared, rewrites=rewrites))
         lowered.lowering.max_relative_difference = check_lowering(Path(source), manifest, tmp, lowered)
+        if request.progress:
+            print("measuring batch invariance (the target's rows in calls of each size)", file=sys.stderr)
         record_row_multiple(lowered, open_session(tmp, lowered, "target"))
         if options.spinning == "auto":  # measured before the cost curve, which the chosen mode's sessions run
             if request.progress:
@@ -131,6 +133,8 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
                                                                                 spinning=mode))
             lowered.lowering.options["spinning"] = spinning["chosen"]
             lowered.lowering.report["spinning"] = spinning
+        if request.progress:
+            print("measuring the cost curve (target steps of 1..block tokens, a draft step)", file=sys.stderr)
         lowered.costs = lowered_costs(tmp, lowered, open_session)
         if unshared:
             print(f"warning: draft tensors {unshared} are stored twice (no identical target tensor after ORT's "
