@@ -165,6 +165,12 @@ class Manifest:
         return self.lowering.backend if self.lowering else None
 
     @property
+    def weight_quantization(self) -> str | None:
+        """The weight-only quantization pass the graphs went through last ("int4" or "int8"); None if none."""
+        quantized = [p["name"] for p in self.passes if p.get("name") in ("int4", "int8")]
+        return quantized[-1] if quantized else None
+
+    @property
     def draft_returns_rows(self) -> bool:
         """The ORT lowering's buffer-form draft: its graph returns only the new context rows' K/V (runners.RowsDraft
         keeps them, or its session does), instead of past + new."""

@@ -75,9 +75,8 @@ def _reference(draft, lm, prompts: list[dict], max_new_tokens: int, repeats: int
 def genai_build(manifest: Manifest) -> tuple[str, str]:
     """The model builder's precision and execution provider that match this directory: its weight-only
     quantization (int4 against `-p int4`, int8 against `-p int8`), else its float dtype, and its provider."""
-    quantized = [p["name"] for p in manifest.passes if p["name"] in ("int4", "int8")]
     dtype = manifest.dtype if manifest.backend != "coreml" else "float32"
-    precision = quantized[-1] if quantized else {"float32": "fp32", "float16": "fp16"}[dtype]
+    precision = manifest.weight_quantization or {"float32": "fp32", "float16": "fp16"}[dtype]
     provider = manifest.lowering.provider if manifest.backend == "ort" and manifest.lowering else "cpu"
     return precision, "cuda" if provider == "cuda" else "cpu"
 

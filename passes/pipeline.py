@@ -89,7 +89,8 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
     pass_options = pass_options or {}
     report: list[dict] = []
     source_bytes = sum(p.stat().st_size for p in Path(source).glob("*.onnx*"))
-    # a pass that loads the weights peaked at 1.4x (int4, Qwen3-4B shape, float16) to 1.6x (Qwen3-0.6B) the source
+    # a pass that loads the weights peaked at 1.4x (int4, Qwen3-4B shape, float16, measured) to 1.6x (Qwen3-0.6B,
+    # issue 19's figure) the source
     memory = int(1.3 * source_bytes) if any(p.loads_weights for p in chosen) else 0
     with staged_directory(out, (Path(source),), overwrite, int(1.1 * source_bytes), memory) as tmp:
         feeds = {}

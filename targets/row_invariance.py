@@ -38,7 +38,6 @@ def _difference(manifest: Manifest, session: Session, multiple: int, ids: np.nda
     or the hidden features where the graph returns no logits)."""
     runner, _ = open_runners(manifest, session, None, 256, multiple)
     runner.forward(ids[:context])
-    runner.commit(context)
     logits = "logits" in manifest.target.output_names()
     results = []
     for sizes in ([len(ids) - context], _call_sizes(len(ids) - context)):

@@ -70,10 +70,6 @@ def pipeline(options: OrtOptions, block_size: int) -> tuple[list[str], dict[str,
                    "rope-cache": {"rows": str(options.ctx_len + block_size)}}
 
 
-def _quantized(manifest: Manifest) -> bool:
-    return any(p.get("name") in ("int4", "int8") for p in manifest.passes)
-
-
 def _by_pass(report: list[dict]) -> dict[str, dict[str, dict]]:
     rewrites: dict[str, dict[str, dict]] = {}
     for row in report:
@@ -91,13 +87,14 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
         raise DFlashError("--provider cuda: the buffer form's GroupQueryAttention runs float16 (or bfloat16) on "
                           "CUDA only: export with --dtype float16, or lower with --kv-buffer off")
     provider = provider_name(options.provider)
-    if options.provider == "cpu" and manifest.dtype == "float16" and not _quantized(manifest):
+    if options.provider == "cpu" and manifest.dtype == "float16" and not manifest.weight_quantization:
         print("warning: ONNX Runtime's CPU provider has no float16 MatMul: its sessions convert float16 weights to "
-              "float32 when they open, so memory is about twice the files (the Qwen3-4B shape's 8.5 GiB export "
-              "took 23.8 GB); on CPU quantize instead: optimize --passes int4 --pass-option int4.lm_head=true",
+              "float32 when they open, so memory is about twice the files (the Qwen3-4B shape's float16 export "
+              "peaked at 23.8 GB, as measured for issue 19); on CPU quantize instead: optimize --passes int4 "
+              "--pass-option int4.lm_head=true",
               file=sys.stderr)
-    # disk: the pipeline's copy, then ORT's; peak memory measured at 1.6x (Qwen3-0.6B shape, float32) to 3.6x
-    # (Qwen3-4B shape, float16 int4) the export
+    # disk: the pipeline's copy, then ORT's; peak memory 1.6x (Qwen3-0.6B shape, float32, issue 19's figure) to
+    # 3.6x (Qwen3-4B shape, float16 int4, measured) the export
     with lowered_output(source, out, request, size_factor=2.2, memory_factor=1.5) as tmp:
         names, pass_options = pipeline(options, manifest.block_size)
         fused_dir, fused, rewrites = tmp / "fused", manifest, {}
