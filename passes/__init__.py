@@ -8,8 +8,9 @@ convert inside. `details` is what the pass found and did; the pipeline writes it
 to the largest |logit| of the untransformed graph (tested on the tiny random pairs, whose 64-wide random
 matrices are far harder to quantize than trained checkpoints).
 
-Passes with a `lowering` are rewrites that backend's lowering applies (they change the graph form the
-runners feed, so the manifest must say so): `optimize` and `export --passes` refuse them.
+Passes with `lowerings` are rewrites those backends' lowerings apply (they change the graph form the
+runners feed, so the manifest must say so): `optimize` and `export --passes` refuse them. The ORT and MLX
+lowerings share them: MLX runs the same fused buffer-form graphs (targets/mlx/ops.py has the contrib ops).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def registry() -> dict[str, GraphPass]:
         tidy,
     )
 
+    LOWERINGS = ("ort", "mlx")
     passes = [
         GraphPass("cleanup", cleanup.run, 1e-5, False, "constant folding, dead code and CSE, shape inference"),
         GraphPass("rope-fusion", rope_fusion.run, 1e-5, False,
@@ -48,15 +50,15 @@ def registry() -> dict[str, GraphPass]:
                   calibrated=True, loads_weights=True),
         GraphPass("draft-attention", draft_attention.run, 1e-5, False,
                   "draft: grouped-query MultiHeadAttention over per-head repeated K/V -> one ONNX Attention",
-                  lowering="ort"),
+                  lowerings=LOWERINGS),
         GraphPass("rope-cache", rope_cache.run, 1e-5, False,
                   "draft: RotaryEmbedding reads a constant cos/sin cache at the call's positions (rows=N)",
-                  lowering="ort"),
+                  lowerings=LOWERINGS),
         GraphPass("kv-buffer", kv_buffer.run, 1e-4, False,
                   "target: attention -> GroupQueryAttention over preallocated K/V buffers (ctx_len=N)",
-                  lowering="ort"),
+                  lowerings=LOWERINGS),
         GraphPass("draft-rows", draft_rows.run, 1e-5, False,
-                  "draft: K/V outputs -> the new context rows only", lowering="ort"),
+                  "draft: K/V outputs -> the new context rows only", lowerings=LOWERINGS),
         GraphPass("tidy", tidy.run, 1e-5, False, "dead nodes, reshape round trips, topological order"),
     ]
     return {p.name: p for p in passes}

@@ -46,7 +46,7 @@ class GraphPass:
     help: str
     calibrated: bool = False  # the pipeline records calibration feeds first (context.calibration_feeds)
     loads_weights: bool = False  # built on protobuf tools: reads every weight into memory (loaded_proto)
-    lowering: str | None = None  # applied only by this backend's lowering
+    lowerings: tuple[str, ...] = ()  # applied only by these backends' lowerings
 
 
 def loaded_proto(model: ir.Model) -> onnx.ModelProto:

@@ -43,12 +43,14 @@ def select_passes(names: list[str], lowering: str | None) -> list[GraphPass]:
     passes = registry()
     unknown = [n for n in names if n not in passes]
     if unknown or not names:
-        public = [n for n, p in passes.items() if p.lowering is None]
+        public = [n for n, p in passes.items() if not p.lowerings]
         raise DFlashError(f"unknown passes {unknown or names}: choose from {', '.join(public)}")
-    foreign = [n for n in names if passes[n].lowering not in (None, lowering)]
+    foreign = [n for n in names if passes[n].lowerings and lowering not in passes[n].lowerings]
     if foreign:
-        raise DFlashError(f"{', '.join(foreign)}: applied by 'dflash-onnx lower --target "
-                          f"{passes[foreign[0]].lowering}', not on their own")
+        first, *others = passes[foreign[0]].lowerings
+        also = "".join(f" (and --target {o})" for o in others)
+        raise DFlashError(f"{', '.join(foreign)}: applied by 'dflash-onnx lower --target {first}'{also}, "
+                          "not on their own")
     return [passes[n] for n in names]
 
 

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import KV_BUFFER
 from reference import (  # skips the module when the oracle is missing
     DFlashDraftModel,
     dflash_model,
@@ -26,13 +27,17 @@ from targets.mlx.session import MlxSession  # noqa: E402
 
 @pytest.fixture(scope="session")
 def mlx_lowered(exported, tmp_path_factory):
+    """The MLX lowering of a pair: the fused buffer form where the ORT lowering takes it (conftest.KV_BUFFER: not
+    a sliding-window target), else the exported graphs op by op."""
     cache = {}
 
-    def get(name: str, bits: int | None = None, group_size: int = 32):
-        key = (name, bits, group_size)
+    def get(name: str, bits: int | None = None, group_size: int = 32, kv_buffer: bool | None = None):
+        kv_buffer = KV_BUFFER[name] if kv_buffer is None else kv_buffer
+        key = (name, bits, group_size, kv_buffer)
         if key not in cache:
-            out = tmp_path_factory.mktemp("mlx") / f"{name}_{bits}"
-            lower_mlx(exported(name).out, out, MlxOptions(bits, group_size), LowerRequest(progress=False))
+            out = tmp_path_factory.mktemp("mlx") / f"{name}_{bits}_{kv_buffer}"
+            lower_mlx(exported(name).out, out, MlxOptions(bits, group_size, kv_buffer, ctx_len=512),
+                      LowerRequest(progress=False))
             cache[key] = out
         return cache[key]
 
@@ -44,9 +49,11 @@ def _prompts(n, vocab, seed=0):
     return [rng.integers(2, vocab - 1, size=int(rng.integers(1, 12))).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("name", ["agree_b8", "causal_gqa4_b4", "llama_sliding_b16"])
-def test_mlx_decodes_exactly_like_ort(name, exported, decoders, mlx_lowered):
-    mlx, ort = open_decoder(mlx_lowered(name), backend="mlx"), decoders(name)
+@pytest.mark.parametrize("name,kv_buffer", [("agree_b8", True), ("agree_b8", False), ("causal_gqa4_b4", False),
+                                            ("llama_sliding_b16", True), ("agree_b4_fp16", True)])
+def test_mlx_decodes_exactly_like_ort(name, kv_buffer, exported, decoders, mlx_lowered):
+    mlx, ort = open_decoder(mlx_lowered(name, kv_buffer=kv_buffer), backend="mlx"), decoders(name)
+    assert mlx.manifest.form == ("buffer" if kv_buffer else "concat")
     for prompt in _prompts(5, exported(name).spec.vocab_size, seed=1):
         for mode in ("dflash", "greedy"):
             ours = mlx.generate(prompt, 24, mode, stop_token_ids=[], verify="full")  # the same steps as the export
@@ -69,7 +76,8 @@ def test_mlx_equals_the_reference(exported, mlx_lowered):
 
 def test_graph_outputs_match_ort(exported, decoders, mlx_lowered):
     ort = decoders("agree_b8")
-    session = MlxSession(mlx_lowered("agree_b8"), load_manifest(mlx_lowered("agree_b8")), "target")
+    session = MlxSession(mlx_lowered("agree_b8", kv_buffer=False), load_manifest(mlx_lowered("agree_b8",
+                                                                                        kv_buffer=False)), "target")
     spec = ort.manifest.target
     feeds = {"input_ids": np.array([[5, 9, 11, 3]]), "position_ids": np.arange(4)[None],
              **{n: np.zeros((1, 0, spec.num_kv_heads, spec.head_dim), np.float32) for n in spec.kv_inputs}}
@@ -78,6 +86,49 @@ def test_graph_outputs_match_ort(exported, decoders, mlx_lowered):
         np.testing.assert_allclose(got[name], want[name], atol=1e-4, rtol=1e-4)
     assert isinstance(got["present.0.key"], mx.array)  # the cache stays in MLX
     assert isinstance(got["greedy_ids"], np.ndarray) and got["greedy_ids"].dtype == np.int64
+
+
+def test_buffer_form_keeps_kv_in_place_and_matches_the_export(exported, decoders, mlx_lowered):
+    """The fused target keeps its K/V buffers: a prefill, then a decode step after rolling back one token, equal
+    to the export's concat-form calls on ORT."""
+    directory = mlx_lowered("agree_b8")
+    manifest = load_manifest(directory)
+    session = MlxSession(directory, manifest, "target")
+    assert session.retains_state and not set(manifest.target.kv_inputs) & set(session.input_names)
+    ops = {label.split()[0] for *_, label in session.nodes}
+    assert {"GroupQueryAttention", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"} <= ops
+    assert all("rope_freqs" in attrs for _, _, _, attrs, label in session.nodes if label.startswith("GroupQuery"))
+    ort, spec = decoders("agree_b8").target, manifest.target
+
+    def buffer_call(ids, start):
+        total = start + len(ids)
+        return session.run({"input_ids": np.array([ids]), "position_ids": np.arange(start, total)[None],
+                            "seqlens_k": np.array([total - 1], np.int32),
+                            "total_sequence_length": np.array(total, np.int32)}, ["logits"])["logits"]
+
+    prompt = [5, 9, 11, 3, 7]
+    empty = {n: np.zeros((1, 0, spec.num_kv_heads, spec.head_dim), np.float32) for n in spec.kv_inputs}
+    want = ort.run({"input_ids": np.array([prompt]), "position_ids": np.arange(5)[None], **empty})
+    np.testing.assert_allclose(buffer_call(prompt, 0), want["logits"], atol=1e-4, rtol=1e-4)
+    past = {n: want[o][:, :4] for n, o in zip(spec.kv_inputs, spec.kv_outputs)}  # roll back the last token
+    step = ort.run({"input_ids": np.array([[42]]), "position_ids": np.array([[4]]), **past})
+    np.testing.assert_allclose(buffer_call([42], 4), step["logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_the_lowering_check_refuses_a_wrong_graph(exported, mlx_lowered, tmp_path, monkeypatch):
+    """The MLX lowering runs its graphs against the export: a sliding-window target loses its mask in the buffer
+    form and is refused, as is a wrong op."""
+    with pytest.raises(DFlashError, match="the MLX lowering changes target logits .* --kv-buffer off"):
+        lower_mlx(exported("causal_gqa4_b4").out, tmp_path / "sliding", MlxOptions(kv_buffer=True, ctx_len=512),
+                  LowerRequest(progress=False))
+    from targets.mlx import ops
+
+    monkeypatch.setitem(ops.OPS, ("", "SimplifiedLayerNormalization"),
+                        lambda inputs, attrs: [mx.fast.rms_norm(ops.device(inputs[0]), ops.device(inputs[1]), 1e-2)])
+    with pytest.raises(DFlashError, match="the MLX lowering changes"):
+        lower_mlx(exported("agree_b8").out, tmp_path / "eps", MlxOptions(ctx_len=512), LowerRequest(progress=False))
+    assert not (tmp_path / "sliding").exists() and not (tmp_path / "eps").exists()
+    assert load_manifest(mlx_lowered("agree_b8")).lowering.max_relative_difference < 1e-5
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -2,10 +2,17 @@
 source of truth) and its weights as MLX safetensors, optionally with MatMul weights quantized by
 `mx.quantize` (4 or 8 bits, per-group scales and biases) for `mx.quantized_matmul`. The draft's embedding
 and lm_head are not written twice: the manifest maps them to the target's tensors.
+
+By default (`--kv-buffer on`) the graphs are first rewritten by the passes the ORT lowering runs (rope-fusion,
+ort-fusions, the draft's grouped Attention, the rope cache, the target's GroupQueryAttention over K/V buffers,
+the draft's new-rows outputs): a few fused nodes per layer, which the session runs on MLX's fast kernels
+(mx.fast.rms_norm, mx.fast.rope, mx.fast.scaled_dot_product_attention on grouped K/V) with K/V in
+preallocated buffers written in place (ops.py, session.py).
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -15,11 +22,13 @@ import onnx
 from onnx import numpy_helper
 
 from dflash_onnx.errors import DFlashError
-from dflash_onnx.graph_files import checked_graph
+from dflash_onnx.graph_files import checked_graph, share_initializers
 from dflash_onnx.manifest import Lowering, Manifest
 from dflash_onnx.publish import copy_tokenizer_files
+from passes.pipeline import apply_pipeline
 
 from ..backend import LowerRequest
+from ..check import compare_lowering
 from ..lowering import lowered_costs, lowered_output, start_lowering
 from ..row_invariance import record_row_multiple
 from .options import MlxOptions
@@ -113,9 +122,14 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
     options, request = options or MlxOptions(), request or LowerRequest()
     mx = import_mlx()
     manifest, _ = start_lowering(source, out, options, request)
+    manifest_of_export = manifest
     bits = options.bits
-    with lowered_output(source, out, request) as tmp:
-        structures = {g: checked_graph(Path(source) / getattr(manifest, g).file) for g in ("target", "draft")}
+    with lowered_output(source, out, request, size_factor=2.2) as tmp:
+        origin = Path(source)
+        if options.kv_buffer:
+            origin = tmp / "fused"
+            manifest = _fused(Path(source), origin, options, manifest, request.progress)
+        structures = {g: checked_graph(origin / getattr(manifest, g).file) for g in ("target", "draft")}
         unsupported = _unsupported_ops(structures)
         if unsupported:
             raise DFlashError(f"{source} uses ops the MLX backend does not run: {', '.join(unsupported)} "
@@ -126,23 +140,62 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
         for graph in ("target", "draft"):
             if request.progress:
                 print(f"lowering {graph} to MLX{f' ({bits}-bit)' if bits else ''}", file=sys.stderr)
-            model = onnx.load(str(Path(source) / getattr(manifest, graph).file))
+            model = onnx.load(str(origin / getattr(manifest, graph).file))
             skip = set(shared) if graph == "draft" else set()
             arrays, report[graph] = _convert_weights(model, bits, options.group_size, skip)
             mx.save_safetensors(str(tmp / f"{graph}.safetensors"), arrays)
             onnx.save_model(_strip_weights(model), str(tmp / getattr(manifest, graph).file))
             del arrays, model
+        shutil.rmtree(tmp / "fused", ignore_errors=True)
         copy_tokenizer_files(source, tmp)
         lowered = replace(manifest, lowering=Lowering(backend="mlx", options=asdict(options),
-                                                      shared_with_target=shared, report={"weights": report}))
+                                                      shared_with_target=shared, report={"weights": report},
+                                                      draft_kv="rows" if options.kv_buffer else "concat"))
         if request.progress:
             print("measuring batch invariance (the target's rows in calls of each size)", file=sys.stderr)
+        lowered.lowering.max_relative_difference = _check(Path(source), manifest_of_export, tmp, lowered, bits)
         record_row_multiple(lowered, open_session(tmp, lowered, "target"))
         if request.progress:
             print("measuring the cost curve (target steps of 1..block tokens, a draft step)", file=sys.stderr)
         lowered.costs = lowered_costs(tmp, lowered, open_session)
         lowered.save(tmp)
     return lowered
+
+
+# Largest difference allowed between the MLX graphs and the export on ONNX Runtime, relative to the largest
+# |output|: float kernels that round differently (measured on the tiny pairs: float32 ~1e-6); quantized weights
+# are held to the int8/int4 passes' bounds, which a wrong rewrite or a wrong op (its outputs unrelated) exceeds.
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, 8: 0.15, 4: 0.75}
+
+
+def _check(source: Path, exported: Manifest, directory: Path, lowered: Manifest, bits: int | None) -> float:
+    """The MLX graphs against the export on ONNX Runtime (targets/check.py); refused beyond TOLERANCE."""
+    from targets.ort.session import OrtSession
+
+    differences = compare_lowering(source, exported, lambda g: OrtSession(source / getattr(exported, g).file),
+                                   lambda g: open_session(directory, lowered, g), lowered)
+    allowed = TOLERANCE[bits or lowered.dtype]
+    for name, difference in differences:
+        if difference > allowed:
+            raise DFlashError(f"the MLX lowering changes {name} by {difference:.2g} of its scale (allowed "
+                              f"{allowed:g}): lower with --kv-buffer off, or report the graph")
+    return max(d for _, d in differences)
+
+
+FUSED_PASSES = ["rope-fusion", "ort-fusions", "draft-attention", "rope-cache", "kv-buffer", "draft-rows", "tidy"]
+
+
+def _fused(source: Path, out: Path, options: MlxOptions, manifest: Manifest, progress: bool) -> Manifest:
+    """The export rewritten into the fused buffer form (the ORT lowering's passes), the draft's vocab tensors
+    pointed back at the target's; its manifest."""
+    names = [n for n in FUSED_PASSES if n not in {p["name"] for p in manifest.passes}]
+    pass_options = {"kv-buffer": {"ctx_len": str(options.ctx_len)},
+                    "rope-cache": {"rows": str(options.ctx_len + manifest.block_size)}}
+    fused, _ = apply_pipeline(source, names, out, pass_options, progress=progress, lowering="mlx")
+    (out / "passes_report.json").unlink()
+    share_initializers(out, manifest.draft.file, manifest.target.file, manifest.vocab_size)
+    return replace(fused, passes=manifest.passes, form="buffer", ctx_len=options.ctx_len,
+                   kv_layout="batch,kv_heads,seq,head_dim")
 
 
 def _unsupported_ops(structures: dict[str, onnx.ModelProto]) -> list[str]:

@@ -1,9 +1,12 @@
-"""ONNX operator semantics in MLX, one function per op, for the graphs dflash-onnx exports.
+"""ONNX operator semantics in MLX, one function per op, for the graphs dflash-onnx exports and the fused
+buffer form the MLX lowering rewrites them into (ONNX Runtime's contrib ops, on MLX's fast kernels).
 
 Values are numpy arrays (host: graph inputs, shapes and the index arithmetic derived from them) or
 mx.arrays (device: weights and everything computed from them). An op whose inputs are all on the host
 runs in numpy, so shape bookkeeping never enters MLX's graph; any device input moves the op to MLX.
-`QuantizedWeight` stands for a MatMul weight that lowering quantized with `mx.quantize`.
+`QuantizedWeight` stands for a MatMul weight that lowering quantized with `mx.quantize`. A rotation whose
+cos/sin tables the session recognised as cos/sin(position * inv_freq) carries `rope_freqs` in its
+attributes and runs as one `mx.fast.rope`; other tables are read row by row.
 """
 
 from __future__ import annotations
@@ -218,6 +221,12 @@ def _rotary(inputs, attrs, contrib: bool):
         x, positions, cos, sin = inputs
     else:
         x, cos, sin, positions = (inputs + [None])[:4]
+    freqs = attrs.get("rope_freqs")
+    start = None if positions is None or freqs is None or not on_device(x) else _consecutive_from(host(positions))
+    if start is not None and x.ndim == 3 and attrs.get("num_heads") and not attrs.get("interleaved"):
+        heads = attrs["num_heads"]
+        if x.shape[-1] == heads * 2 * cos.shape[-1]:  # whole heads rotated
+            return [_seq_first(_fast_rope(_heads_first(x, heads), start, freqs))]
     if positions is not None:
         index = host(positions)
         cos, sin = cos[index], sin[index]  # [b, s, h/2] rows at the positions
@@ -230,6 +239,141 @@ def _rotary(inputs, attrs, contrib: bool):
         return [out.reshape(b, s, width)]
     c, s_ = _xp(cos).expand_dims(cos, 1), _xp(sin).expand_dims(sin, 1)
     return [_rotate(x, c, s_, bool(attrs.get("interleaved")))]
+
+
+def rope_frequencies(cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
+    """The wavelengths 1 / inv_freq (mx.fast.rope's `freqs`) when the [rows, half] tables are exactly
+    cos/sin(position * inv_freq) in float32 (HF's default RoPE; scaled tables are not), else None."""
+    if cos.ndim != 2 or cos.shape != sin.shape or len(cos) < 2:
+        return None
+    inv_freq = np.arctan2(sin[1].astype(np.float64), cos[1].astype(np.float64)).astype(np.float32)
+    if not np.all(inv_freq > 0):
+        return None
+    angles = np.arange(len(cos), dtype=np.float32)[:, None] * inv_freq[None]
+    tolerance = 2e-5 * max(1.0, float(angles.max()))
+    if np.abs(np.cos(angles) - cos).max() > tolerance or np.abs(np.sin(angles) - sin).max() > tolerance:
+        return None
+    return (1.0 / inv_freq).astype(np.float32)
+
+
+def _fast_rope(x: mx.array, offset: int, freqs: mx.array) -> mx.array:
+    """x [b, heads, s, head_dim] rotated at positions offset.. (HF's rotate_half convention)."""
+    return mx.fast.rope(x, x.shape[-1], traditional=False, base=None, scale=1.0, offset=offset, freqs=freqs)
+
+
+def _table_rope(x: mx.array, start: int, cos: mx.array, sin: mx.array) -> mx.array:
+    end = start + x.shape[2]
+    return _rotate(x, cos[start:end], sin[start:end], interleaved=False)
+
+
+def _consecutive_from(positions: np.ndarray) -> int | None:
+    """The first position when every row holds consecutive positions from the same start, else None."""
+    first = int(positions.reshape(-1)[0])
+    rows = positions.reshape(-1, positions.shape[-1])
+    steps = np.arange(first, first + rows.shape[-1])
+    return first if np.array_equal(rows, np.broadcast_to(steps, rows.shape)) else None
+
+
+def _rms_norm(inputs, attrs):
+    """SimplifiedLayerNormalization over the last axis."""
+    x, scale = inputs[:2]
+    if attrs.get("axis", -1) not in (-1, x.ndim - 1):
+        raise NotImplementedError("SimplifiedLayerNormalization over an axis other than the last")
+    return [mx.fast.rms_norm(device(x), device(scale), float(attrs.get("epsilon", 1e-5)))]
+
+
+def _skip_rms_norm(inputs, attrs):
+    """com.microsoft SkipSimplifiedLayerNormalization: (norm(input + skip [+ bias]), -, -, input + skip [+ bias])."""
+    x, skip, scale, bias = (inputs + [None])[:4]
+    total = device(x) + device(skip)
+    if bias is not None:
+        total = total + device(bias)
+    return [mx.fast.rms_norm(total, device(scale), float(attrs.get("epsilon", 1e-5))), None, None, total]
+
+
+def _fused_matmul(inputs, attrs):
+    """com.microsoft FusedMatMul: alpha * A @ B, B optionally transposed (a tied lm_head)."""
+    a, b = inputs
+    if attrs.get("transA", 0) or attrs.get("transBatchA", 0) or attrs.get("transBatchB", 0):
+        raise NotImplementedError("FusedMatMul with transA or batch transposes")
+    if isinstance(b, QuantizedWeight):
+        out = mx.quantized_matmul(device(a), b.weight, b.scales, b.biases, transpose=True, group_size=b.group_size,
+                                  bits=b.bits)
+    else:
+        b = device(b)
+        out = device(a) @ (mx.swapaxes(b, -1, -2) if attrs.get("transB", 0) else b)
+    alpha = float(attrs.get("alpha", 1.0))
+    return [out if alpha == 1.0 else out * alpha]
+
+
+def _heads_first(x: mx.array, heads: int) -> mx.array:
+    """[b, s, heads * d] -> [b, heads, s, d]."""
+    b, s, width = x.shape
+    return x.reshape(b, s, heads, width // heads).transpose(0, 2, 1, 3)
+
+
+def _seq_first(x: mx.array) -> mx.array:
+    """[b, heads, s, d] -> [b, s, heads * d]."""
+    b, heads, s, d = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b, s, heads * d)
+
+
+def _group_query_attention(inputs, attrs):
+    """com.microsoft GroupQueryAttention over [b, kv_heads, ctx_len, d] buffers shared by past and present: the
+    call's rows are written in place at [total - s, total) and attended causally (grouped heads, no repeat)."""
+    query, key, value, past_key, past_value, _, total = inputs[:7]
+    cos, sin = (inputs + [None, None])[7:9]
+    if key is None:
+        raise NotImplementedError("GroupQueryAttention with packed QKV")
+    if attrs.get("local_window_size", -1) != -1 or attrs.get("softcap", 0.0) or attrs.get("rotary_interleaved", 0):
+        raise NotImplementedError("GroupQueryAttention with a local window, softcap or interleaved rotary")
+    heads, kv_heads = attrs["num_heads"], attrs["kv_num_heads"]
+    steps, end = query.shape[1], int(host(total))
+    start = end - steps
+    q, k, v = _heads_first(device(query), heads), _heads_first(device(key), kv_heads), _heads_first(device(value),
+                                                                                                   kv_heads)
+    if attrs.get("do_rotary", 0):
+        freqs = attrs.get("rope_freqs")
+        if freqs is not None:
+            q, k = _fast_rope(q, start, freqs), _fast_rope(k, start, freqs)
+        else:
+            q, k = _table_rope(q, start, cos, sin), _table_rope(k, start, cos, sin)
+    past_key[:, :, start:end] = k.astype(past_key.dtype)  # in place: the buffer is the session's
+    past_value[:, :, start:end] = v.astype(past_value.dtype)
+    scale = attrs.get("scale") or q.shape[-1] ** -0.5
+    out = mx.fast.scaled_dot_product_attention(q, past_key[:, :, :end], past_value[:, :, :end], scale=float(scale),
+                                               mask="causal" if steps > 1 else None)
+    return [_seq_first(out), past_key, past_value]
+
+
+def _attention(inputs, attrs):
+    """ONNX Attention (opset 23), the draft's form: 3D [b, s, heads * d] inputs, grouped, not causal, an optional
+    boolean or additive mask (a causal draft's)."""
+    query, key, value, mask = (inputs + [None])[:4]
+    if any(v is not None for v in inputs[4:]) or attrs.get("is_causal", 0) or attrs.get("softcap", 0.0):
+        raise NotImplementedError("Attention with past K/V, is_causal or softcap")
+    q = _heads_first(device(query), attrs["q_num_heads"])
+    k, v = _heads_first(device(key), attrs["kv_num_heads"]), _heads_first(device(value), attrs["kv_num_heads"])
+    scale = attrs.get("scale") or q.shape[-1] ** -0.5
+    if mask is not None:
+        mask = device(mask)
+        mask = mask if mask.dtype == mx.bool_ else mask.astype(q.dtype)
+    return [_seq_first(mx.fast.scaled_dot_product_attention(q, k, v, scale=float(scale), mask=mask))]
+
+
+def _multi_head_attention(inputs, attrs):
+    """com.microsoft MultiHeadAttention as the draft has it (kv heads = query heads): [b, s, heads * d] query, 3D
+    or heads-first K/V, an optional additive attention_bias (a sliding window's)."""
+    query, key, value, bias, padding, attention_bias = (inputs + [None] * 6)[:6]
+    if bias is not None or padding is not None or any(v is not None for v in inputs[6:]) or \
+            attrs.get("unidirectional", 0):
+        raise NotImplementedError("MultiHeadAttention with a bias, key padding mask, past K/V or unidirectional")
+    heads = attrs["num_heads"]
+    q = _heads_first(device(query), heads)
+    k, v = (device(x) if x.ndim == 4 else _heads_first(device(x), heads) for x in (key, value))
+    scale = attrs.get("scale") or q.shape[-1] ** -0.5
+    mask = None if attention_bias is None else device(attention_bias).astype(q.dtype)
+    return [_seq_first(mx.fast.scaled_dot_product_attention(q, k, v, scale=float(scale), mask=mask))]
 
 
 OPS: dict[tuple[str, str], Callable] = {
@@ -279,4 +423,11 @@ OPS: dict[tuple[str, str], Callable] = {
     ("", "ArgMax"): _argmax,
     ("", "RotaryEmbedding"): lambda inputs, attrs: _rotary(inputs, attrs, contrib=False),
     ("com.microsoft", "RotaryEmbedding"): lambda inputs, attrs: _rotary(inputs, attrs, contrib=True),
+    ("", "SimplifiedLayerNormalization"): _rms_norm,
+    ("com.microsoft", "SimplifiedLayerNormalization"): _rms_norm,
+    ("com.microsoft", "SkipSimplifiedLayerNormalization"): _skip_rms_norm,
+    ("com.microsoft", "FusedMatMul"): _fused_matmul,
+    ("com.microsoft", "GroupQueryAttention"): _group_query_attention,
+    ("", "Attention"): _attention,
+    ("com.microsoft", "MultiHeadAttention"): _multi_head_attention,
 }

@@ -1,10 +1,15 @@
-"""The MLX Session: an exported ONNX graph executed op by op in MLX (ops.py), K/V kept as mx.arrays.
+"""The MLX Session: a lowered ONNX graph executed node by node in MLX (ops.py).
 
-MLX is lazy, so a call builds the computation of the requested outputs and evaluates it once. K/V outputs
-are returned as mx.arrays and fed back as such: the cache never leaves MLX, and rollback is the loop's
-slice of the committed prefix. Argmax runs inside the graph, so greedy decoding copies only ids and
-features to the host. The draft's embedding and lm_head are the target's tensors, loaded once for both
-sessions. numpy, onnx (the graph structure) and mlx only.
+MLX is lazy, so a call builds the computation of the requested outputs and evaluates it once. Argmax runs
+inside the graph, so greedy decoding copies only ids and features to the host. The draft's embedding and
+lm_head are the target's tensors, loaded once for both sessions. numpy, onnx (the graph structure) and mlx only.
+
+K/V: in the fused buffer form (the default lowering) the session keeps them. The target's
+[1, kv_heads, ctx_len, head_dim] buffers are written in place by its GroupQueryAttention nodes at the call's
+positions (rollback is the runner's shorter length on the next call); the draft's graph returns its new
+context rows, which the session writes into [1, ctx_len, kv_heads, head_dim] buffers at the call's first
+position and feeds back as a view of the filled prefix. In the concat form (`--kv-buffer off`, and lowerings
+made before it) K/V come back as mx.arrays that the runners feed in again.
 """
 
 from __future__ import annotations
@@ -61,14 +66,68 @@ def _attributes(node: onnx.NodeProto) -> dict:
     return attrs
 
 
-class MlxSession:
-    """One lowered graph run in MLX; the Session protocol with K/V kept as mx.arrays."""
+class _TargetBuffers:
+    """The buffer-form target's K/V: one [1, kv_heads, ctx_len, head_dim] buffer per K/V input, which the graph's
+    GroupQueryAttention writes in place and returns as the paired output."""
 
-    retains_state = False  # K/V come back as mx.arrays that the runners feed in again
+    def __init__(self, mx, spec, ctx_len: int, dtype):
+        self.pairs = list(zip(spec.kv_inputs, spec.kv_outputs))
+        self.arrays = {i: mx.zeros((1, spec.num_kv_heads, ctx_len, spec.head_dim), dtype) for i in spec.kv_inputs}
+
+    def feeds(self, feeds: dict) -> dict:
+        return self.arrays
+
+    def keep(self, values: dict, feeds: dict) -> list:
+        for name, output in self.pairs:
+            self.arrays[name] = values[output]
+        return list(self.arrays.values())
+
+
+class _DraftRows:
+    """The buffer-form draft's context K/V: its graph reads `past` and returns the call's new rows, which are
+    written here at the call's first position (the runner's committed length; context rows never roll back)."""
+
+    def __init__(self, mx, spec, ctx_len: int, dtype):
+        self.pairs = list(zip(spec.kv_inputs, spec.kv_outputs))
+        self.ctx_len = ctx_len
+        self.arrays = {i: mx.zeros((1, ctx_len, spec.num_kv_heads, spec.head_dim), dtype) for i in spec.kv_inputs}
+
+    def _start(self, feeds: dict) -> int:
+        return int(np.asarray(feeds["position_ids"]).reshape(-1)[0])
+
+    def feeds(self, feeds: dict) -> dict:
+        start = self._start(feeds)
+        return {name: array[:, :start] for name, array in self.arrays.items()}
+
+    def keep(self, values: dict, feeds: dict) -> list:
+        start = self._start(feeds)
+        for name, output in self.pairs:
+            rows = values[output]
+            end = start + rows.shape[1]
+            if end > self.ctx_len:
+                raise DFlashError(f"the draft's context of {end} rows exceeds the {self.ctx_len} rows this lowering "
+                                  "holds: lower again with a larger --ctx-len")
+            self.arrays[name][:, start:end] = rows
+        return list(self.arrays.values())
+
+
+ROPE_TABLES = {"GroupQueryAttention": (7, 8), "RotaryEmbedding": (1, 2)}  # cos, sin inputs (contrib: 2, 3)
+
+
+def _rope_tables(node: onnx.NodeProto) -> tuple[int, int] | None:
+    if node.op_type == "RotaryEmbedding" and node.domain == "com.microsoft":
+        return 2, 3
+    if node.op_type == "GroupQueryAttention" and not any(a.name == "do_rotary" and a.i for a in node.attribute):
+        return None
+    return ROPE_TABLES.get(node.op_type)
+
+
+class MlxSession:
+    """One lowered graph run in MLX (the Session protocol)."""
 
     def __init__(self, directory: Path, manifest: Manifest, graph: str):
         mx = import_mlx()
-        from .ops import OPS, QuantizedWeight
+        from .ops import OPS, QuantizedWeight, rope_frequencies
 
         directory = Path(directory)
         spec = getattr(manifest, graph)
@@ -93,9 +152,11 @@ class MlxSession:
         nodes = []
         for node in model.graph.node:
             inputs = list(node.input)
-            if node.op_type == "MatMul" and quantized(inputs[1], "q") is not None:
-                inputs[1] = f"{inputs[1]}@q"  # x @ W with W quantized
-                self.values[inputs[1]] = quantized(node.input[1], "q")
+            transposed = node.op_type == "FusedMatMul" and any(a.name == "transB" and a.i for a in node.attribute)
+            suffix = "qt" if transposed else "q"
+            if node.op_type in ("MatMul", "FusedMatMul") and quantized(inputs[1], suffix) is not None:
+                inputs[1] = f"{inputs[1]}@{suffix}"  # x @ W or x @ W^T with W quantized
+                self.values[inputs[1]] = quantized(node.input[1], suffix)
             if node.op_type == "Transpose" and quantized(inputs[0], "qt") is not None:
                 self.values[node.output[0]] = quantized(inputs[0], "qt")  # read as x @ W^T: already that form
                 continue
@@ -105,11 +166,34 @@ class MlxSession:
                 if name and name not in self.values and stored(name) is not None:
                     array = stored(name)
                     self.values[name] = np.array(array) if array.size <= 64 else array  # small constants: host
+        frequencies: dict[tuple[str, str], object] = {}
+
+        def attributes(node: onnx.NodeProto, inputs: list[str]) -> dict:
+            attrs, tables = _attributes(node), _rope_tables(node)
+            if tables and max(tables) < len(inputs) and all(stored(inputs[i]) is not None for i in tables):
+                key = (inputs[tables[0]], inputs[tables[1]])
+                if key not in frequencies:
+                    found = rope_frequencies(*(np.array(stored(name)) for name in key))
+                    frequencies[key] = None if found is None else mx.array(found)
+                if frequencies[key] is not None:
+                    attrs["rope_freqs"] = frequencies[key]
+            return attrs
+
         self.nodes = [(OPS[(n.domain if n.domain != "ai.onnx" else "", n.op_type)], inputs, list(n.output),
-                       _attributes(n), f"{n.op_type} {n.name}") for n, inputs in nodes]
-        self.input_names = [i.name for i in model.graph.input if i.name not in self.values]
+                       attributes(n, inputs), f"{n.op_type} {n.name}") for n, inputs in nodes]
         self.output_names = [o.name for o in model.graph.output]
         self.kv_outputs = set(spec.kv_outputs)
+        dtype = mx.float16 if manifest.dtype == "float16" else mx.float32
+        self.state = None
+        if manifest.form == "buffer" and graph == "target":
+            self.state = _TargetBuffers(mx, spec, int(manifest.ctx_len), dtype)
+        elif manifest.form == "buffer" and manifest.draft_returns_rows:
+            self.state = _DraftRows(mx, spec, int(manifest.ctx_len), dtype)
+        # a session that keeps K/V takes no K/V inputs and returns none unless asked
+        self.retains_state = self.state is not None
+        kept = set(spec.kv_inputs) if self.retains_state else set()
+        self.input_names = [i.name for i in model.graph.input if i.name not in self.values and i.name not in kept]
+        self._kept_outputs = tuple(spec.kv_outputs) if self.retains_state else ()
         self._mx = mx
         self._plans: dict[tuple[str, ...], list] = {}
         self._weights = (own, target)  # keep the shared loads alive while this session lives
@@ -132,16 +216,22 @@ class MlxSession:
             raise DFlashError(f"mlx session: missing inputs {missing}")
         values = dict(self.values)
         values.update(feeds)
-        for run, inputs, outputs, attrs, label in self._plan(names):
+        if self.state is not None:
+            values.update(self.state.feeds(feeds))
+        for run, inputs, outputs, attrs, label in self._plan(names + self._kept_outputs):
             try:
                 results = run([values[i] if i else None for i in inputs], attrs)
             except Exception as exc:  # numpy and MLX raise many types; name the node
                 raise DFlashError(f"mlx session: {label} failed: {exc}") from exc
             values.update(zip(outputs, results))
-        device = [values[n] for n in names if isinstance(values[n], self._mx.array)]
+        results = {n: values[n] for n in names}
+        device = [v for v in results.values() if isinstance(v, self._mx.array)]
+        if self.state is not None:
+            device += self.state.keep(values, feeds)
+        del values  # the buffers' only references are the session's: MLX then updates them in place
         self._mx.eval(*device)
-        return {n: values[n] if n in self.kv_outputs or not isinstance(values[n], self._mx.array)
-                else np.array(values[n]) for n in names}
+        return {n: v if n in self.kv_outputs or not isinstance(v, self._mx.array) else np.array(v)
+                for n, v in results.items()}
 
 
 def open_session(directory: Path, manifest: Manifest, graph: str) -> MlxSession:

@@ -49,7 +49,7 @@ def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None
 
 
 def _refuse_own_rewrites(passes: tuple[str, ...]) -> None:
-    own = sorted({n for n in passes if n in registry() and registry()[n].lowering == "ort"})
+    own = sorted({n for n in passes if n in registry() and "ort" in registry()[n].lowerings})
     if own:
         raise DFlashError(f"--passes {','.join(own)}: the ORT lowering applies its own rewrites itself (see "
                           "--kv-buffer); --passes takes the portable passes, e.g. rope-fusion,ort-fusions")

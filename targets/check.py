@@ -1,0 +1,92 @@
+"""A lowering's output check: the lowered graphs against the export (run on ONNX Runtime) on the same inputs,
+through the same runners, so a buffer form's in-place K/V, rollback and the draft's rows are exercised. Each
+lowering that can run its graphs here calls `compare_lowering` with its sessions and its tolerance."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from dflash_onnx.feeds import draft_feeds, target_feeds
+from dflash_onnx.manifest import Manifest
+from dflash_onnx.runners import open_runners
+from dflash_onnx.session import Session
+
+
+def _sample_calls(manifest: Manifest, target: bool) -> list[tuple[str, dict]]:
+    calls = [("draft", draft_feeds(manifest, 0)), ("draft", draft_feeds(manifest, 9))]
+    if target:
+        calls += [("target", target_feeds(manifest, 0, 5)), ("target", target_feeds(manifest, 7, manifest.block_size)),
+                  ("target", target_feeds(manifest, 12, 1))]
+    return calls
+
+
+def _target_sequence(manifest: Manifest, session) -> dict[str, np.ndarray]:
+    """A prefill, a verify, a partial commit, another verify and a decode through the manifest's runner (the
+    buffer form's rollback included): (name, output) per call, the same ids for every graph form."""
+    runner, _ = open_runners(manifest, session, None, 256)
+    rng = np.random.default_rng(0)
+    outputs, length = {}, 0
+    for step, (count, keep) in enumerate(((20, 20), (manifest.block_size, 2), (3, 3), (1, 1))):
+        out = runner.forward(rng.integers(0, manifest.vocab_size, size=count), count)
+        outputs.update({f"target logits (step {step})": out.logits, f"target_hidden (step {step})": out.context})
+        length += keep
+        runner.commit(length)
+    return outputs
+
+
+def _draft_sequence(manifest: Manifest, sessions: dict) -> dict[str, np.ndarray]:
+    """Draft logits over four proposals through the manifest's draft runner, its context cache growing by
+    20, a block, 3 and 1 rows (the same features and ids for every form)."""
+    _, runner = open_runners(manifest, sessions["target"], sessions["draft"], 256)
+    rng = np.random.default_rng(1)
+    outputs = {}
+    for step, rows in enumerate((20, manifest.block_size, 3, 1)):
+        features = rng.standard_normal((rows, manifest.num_taps * manifest.target_hidden_size))
+        context = features.astype(manifest.numpy_dtype)
+        block = rng.integers(0, manifest.vocab_size, size=manifest.block_size)
+        outputs[f"draft logits (proposal {step})"] = runner.propose(block, context, True).logits
+    return outputs
+
+
+def _outputs(manifest: Manifest, sessions: dict, calls: list[tuple[str, dict]],
+             sequence: bool) -> dict[str, np.ndarray]:
+    """The float outputs of the sample calls (of the draft's K/V, the call's new rows: all a rows-form draft
+    returns), then of the target and draft call sequences when `sequence`, by name."""
+    outputs = {}
+    for index, (graph, feeds) in enumerate(calls):
+        if sessions[graph].retains_state:  # its K/V are its own, not the call's: the sequences below cover it
+            continue
+        for name, value in sessions[graph].run(feeds).items():
+            value = np.asarray(value)  # K/V a session keeps on its device (MLX) included
+            if value.dtype.kind == "f":
+                if graph == "draft" and name in manifest.draft.kv_outputs:
+                    value = value[:, value.shape[1] - feeds["target_hidden"].shape[1]:]
+                outputs[f"{graph} output {name} (call {index})"] = value
+    if sequence:
+        outputs.update({**_target_sequence(manifest, sessions["target"]), **_draft_sequence(manifest, sessions)})
+    return outputs
+
+
+def compare_lowering(source: Path, exported: Manifest, open_reference: Callable[[str], Session],
+                     open_lowered: Callable[[str], Session], manifest: Manifest) -> list[tuple[str, float]]:
+    """(name, difference relative to the largest |output|) of every compared output of the lowered graphs
+    (`manifest`, sessions from `open_lowered(graph)`) against the export (`exported`, `open_reference(graph)`).
+    The export's outputs are computed and its sessions closed before the lowered sessions open, so the check
+    holds one model's sessions at a time."""
+    calls, sequence = _sample_calls(exported, target=manifest.form == "concat"), manifest.form == "buffer"
+    reference = {g: open_reference(g) for g in ("target", "draft")}
+    wanted = _outputs(exported, reference, calls, sequence)
+    del reference
+    lowered = {g: open_lowered(g) for g in ("target", "draft")}
+    got = _outputs(manifest, lowered, calls, sequence)
+    del lowered
+    differences = []
+    for name, want in wanted.items():
+        if name not in got and "(call " in name:  # a sample call a state-keeping session skipped
+            continue
+        scale = max(float(np.abs(want).max()), 1e-6)
+        differences.append((name, float(np.abs(np.asarray(got[name], np.float64) - want).max()) / scale))
+    return differences
