@@ -148,3 +148,44 @@ def test_bad_coreml_options(options, message, exported, tmp_path):
     with pytest.raises(DFlashError, match=message):
         lower_coreml(exported("agree_b8").out, tmp_path / "out", options, LowerRequest(progress=False))
     assert not list(tmp_path.iterdir())
+
+
+def _operations(package) -> list:
+    """The MIL operations of a package's main function (read from its spec: no CoreML runtime needed)."""
+    spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
+    main = spec.mlProgram.functions["main"]
+    return list(main.block_specializations[main.opset].operations)
+
+
+def test_packages_use_fused_attention_on_grouped_kv(coreml_lowered, exported):
+    """The golden spec: one fused scaled_dot_product_attention per layer over the kv heads' buffers (no K/V
+    tiled per query head: the one `tile` repeats the [T, ctx] mask per query group), and each layer's K/V
+    written to its state by a slice_update."""
+    spec = exported("agree_b8").spec
+    for graph, layers in (("target", spec.target_layers), ("draft", spec.draft_layers)):
+        ops = _operations(coreml_lowered / f"{graph}.mlpackage")
+        kinds = [op.type for op in ops]
+        assert kinds.count("scaled_dot_product_attention") == layers
+        assert kinds.count("write_state") == 2 * layers and kinds.count("slice_update") == 2 * layers
+        assert kinds.count("tile") <= 1
+        assert "softmax" not in kinds[: kinds.index("reduce_argmax")]  # attention is fused (the draft's confidence
+        # softmax comes after its argmax)
+
+
+def test_int4_packages(exported, coreml_lowered, tmp_path):
+    out = tmp_path / "int4"
+    lower_coreml(exported("agree_b8").out, out, CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL, bits=4),
+                 LowerRequest(progress=False))
+    spec = exported("agree_b8").spec
+    for graph, layers in (("target", spec.target_layers), ("draft", spec.draft_layers)):
+        kinds = [op.type for op in _operations(out / f"{graph}.mlpackage")]
+        # q, o, gate, up and down at least (coremltools leaves tensors under 2048 values in float16: the tiny
+        # pair's k/v projections, norms)
+        assert kinds.count("constexpr_blockwise_shift_scale") >= 5 * layers
+        assert kinds.count("scaled_dot_product_attention") == layers
+        size = sum(p.stat().st_size for p in (out / f"{graph}.mlpackage").rglob("*") if p.is_file())
+        float16 = sum(p.stat().st_size for p in (coreml_lowered / f"{graph}.mlpackage").rglob("*") if p.is_file())
+        assert size < 0.6 * float16
+    assert load_manifest(out).lowering.options["bits"] == 4
+    with pytest.raises(DFlashError, match="--bits 3"):
+        CoremlOptions(bits=3).validate(8)

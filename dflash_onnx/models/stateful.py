@@ -32,6 +32,21 @@ def _cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
     return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
 
 
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+                      heads: int, kv_heads: int, dim: int) -> torch.Tensor:
+    """SDPA of q [1, heads, T, D] over K/V [1, kv_heads, S, D] without repeating K/V per query head: each kv
+    head's query group is folded into the query rows ([1, kv_heads, groups * T, D]; HF's head h reads kv head
+    h // groups), the mask [1, 1, T, S] repeated per group. `scale` is left out where it is SDPA's default, so
+    coremltools emits its fused scaled_dot_product_attention op (it decomposes the op when given a scale).
+    Sizes are Python ints: ints read from traced shapes do not convert."""
+    groups = heads // kv_heads
+    folded = q.reshape(1, kv_heads, -1, dim)
+    mask = mask.repeat(1, groups, 1, 1).flatten(1, 2)[:, None]
+    default = abs(scale - dim**-0.5) <= 1e-9 * dim**-0.5
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, **({} if default else {"scale": scale}))
+    return out.reshape(1, heads, -1, dim)
+
+
 def _buffers(module: nn.Module, layers: int, kv_heads: int, ctx_len: int, head_dim: int, dtype) -> list[str]:
     names = []
     for i in range(layers):
@@ -85,12 +100,7 @@ class StatefulTarget(nn.Module):
         window = tapped.sliding_window if self.layer_types[index] == "sliding_attention" else None
         key_pos = torch.arange(self.ctx_len)[None, None, :]
         mask = visible(position_ids[:, :, None], key_pos, True, window)[:, None]
-        groups = heads // kv_heads  # repeat K/V per query group with static sizes
-        keys = keys.to(q.dtype)[:, :, None].expand(1, kv_heads, groups, self.ctx_len, dim).reshape(
-            1, heads, self.ctx_len, dim)
-        values = values.to(q.dtype)[:, :, None].expand(1, kv_heads, groups, self.ctx_len, dim).reshape(
-            1, heads, self.ctx_len, dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
+        out = grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, attn.scaling, heads, kv_heads, dim)
         return attn.o_proj(out.transpose(1, 2).reshape(1, steps, heads * dim))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
@@ -148,12 +158,9 @@ class StatefulDraft(nn.Module):
             cached = visible(query_pos, key_pos, attn.is_causal, attn.sliding_window) & (key_pos < block_start)
             in_block = visible(query_pos, position_ids[:, None, :], attn.is_causal, attn.sliding_window)
             mask = torch.cat([cached, in_block], dim=-1)[:, None]
-            groups, width = heads // kv_heads, self.ctx_len + steps
-            all_keys = torch.cat([keys.to(q.dtype), k_blk], dim=2)[:, :, None].expand(
-                1, kv_heads, groups, width, dim).reshape(1, heads, width, dim)
-            all_values = torch.cat([values.to(q.dtype), v_blk], dim=2)[:, :, None].expand(
-                1, kv_heads, groups, width, dim).reshape(1, heads, width, dim)
-            out = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask, scale=dim**-0.5)
+            all_keys = torch.cat([keys.to(q.dtype), k_blk], dim=2)
+            all_values = torch.cat([values.to(q.dtype), v_blk], dim=2)
+            out = grouped_attention(q, all_keys, all_values, mask, dim**-0.5, heads, kv_heads, dim)
             out = out.transpose(1, 2).reshape(1, steps, heads * dim)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -20,7 +20,8 @@ def _lower(source: Path, out: Path, options: CoremlOptions, request: LowerReques
 
 def _summary(manifest: Manifest, out: Path) -> str:
     options = recorded_options(CoremlOptions, manifest)
-    return (f"lowered to {out} for CoreML (stateful mlprogram, float16, ctx_len {options.ctx_len}, seq_len "
+    weights = f"int{options.bits} weights (blocks of {options.group_size})" if options.bits else "float16"
+    return (f"lowered to {out} for CoreML (stateful mlprogram, {weights}, ctx_len {options.ctx_len}, seq_len "
             f"{manifest.block_size} or {options.prefill_len}); run it on macOS 15+ with --backend coreml")
 
 

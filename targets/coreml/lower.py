@@ -33,7 +33,21 @@ TESTED_WITH = ("coremltools 9.0 with torch 2.13.0 (TorchScript frontend; coremlt
                "torch 2.7)")
 
 
-def _convert(module, example: tuple, inputs: list, outputs: list[str], path: Path) -> None:
+def _quantized(model, bits: int, group_size: int):
+    """`model` with its weights block-wise quantized (symmetric int4/int8, one scale per `group_size` inputs)."""
+    ct = import_coremltools()
+    from coremltools.optimize.coreml import OpLinearQuantizerConfig, OptimizationConfig, linear_quantize_weights
+
+    config = OpLinearQuantizerConfig(mode="linear_symmetric", dtype=f"int{bits}", granularity="per_block",
+                                     block_size=group_size)
+    try:
+        return linear_quantize_weights(model, config=OptimizationConfig(global_config=config))
+    except Exception as exc:  # coremltools raises many types; keep its message
+        raise DFlashError(f"coremltools could not quantize to {bits} bits: {exc} ({ct.__version__})") from exc
+
+
+def _convert(module, example: tuple, inputs: list, outputs: list[str], path: Path,
+             bits: int | None = None, group_size: int = 32) -> None:
     ct = import_coremltools()
     with torch.no_grad():
         traced = torch.jit.trace(module, example, check_trace=False)
@@ -45,6 +59,8 @@ def _convert(module, example: tuple, inputs: list, outputs: list[str], path: Pat
                            compute_precision=ct.precision.FLOAT16)
     except Exception as exc:  # coremltools raises many types; keep its message
         raise DFlashError(f"coremltools could not convert {type(module).__name__}: {exc} ({TESTED_WITH})") from exc
+    if bits:
+        model = _quantized(model, bits, group_size)
     model.save(str(path))
 
 
@@ -75,7 +91,8 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
             positions = torch.arange(block, dtype=torch.int32)[None]
             _convert(target, (ids, positions), [ct.TensorType("input_ids", shape=sizes, dtype=np.int32),
                                                  ct.TensorType("position_ids", shape=sizes, dtype=np.int32)],
-                     ["greedy_ids", "logits", "context_hidden"], tmp / "target.mlpackage")
+                     ["greedy_ids", "logits", "context_hidden"], tmp / "target.mlpackage", options.bits,
+                     options.group_size)
         with stages.stage("converting the draft (stateful mlprogram)"):
             stateful_draft = StatefulDraft(draft, options.ctx_len, block, torch.float32).eval()
             hidden = torch.zeros(1, block, draft.spec.config.hidden_size)
@@ -87,7 +104,8 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                           default=(1, block, hidden.shape[-1])), dtype=np.float16),
                       ct.TensorType("ctx_position_ids", shape=sizes, dtype=np.int32),
                       ct.TensorType("position_ids", shape=block_shape, dtype=np.int32)],
-                     ["draft_ids", "draft_confidence", "logits"], tmp / "draft.mlpackage")
+                     ["draft_ids", "draft_confidence", "logits"], tmp / "draft.mlpackage", options.bits,
+                     options.group_size)
         hidden_size, vocab = draft.spec.config.hidden_size, manifest.vocab_size
         graphs = {
             "target": _spec("target.mlpackage", {"input_ids": ("int32", [1, "seq_len"]),

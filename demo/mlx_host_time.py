@@ -1,0 +1,168 @@
+"""The MLX lowering against mlx-lm's native model of the same target (issue 18), side by side in one process.
+
+Builds a random Qwen3 pair with the Qwen3-4B layer count (36 layers) at a narrow width, exports it (float32),
+lowers it for MLX in the fused buffer form (default) and op by op (`--kv-buffer off`), loads the same target
+checkpoint with mlx-lm, and reports per target call at 1 and 16 tokens:
+
+- host: the time to build the call's computation (MLX is lazy: the Python work before `mx.eval`),
+- step: the whole call, evaluated, after prefilling `--contexts` tokens (each step rolled back, so the
+  context stays put), and each backend's step relative to mlx-lm's.
+
+Needs mlx (mlx[cpu] on Linux) and mlx-lm (`pip install mlx-lm`); torch + transformers to build and export.
+
+    python demo/mlx_host_time.py --work /tmp/mlxbench [--contexts 256,4000] [--repeats 20] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from dflash_onnx.export import export_pair
+from dflash_onnx.manifest import load_manifest
+from dflash_onnx.tiny import TinySpec, build_pair
+from targets.backend import LowerRequest
+from targets.mlx.lower import lower_mlx
+from targets.mlx.options import MlxOptions
+from targets.mlx.session import MlxSession
+
+SPEC = TinySpec(vocab_size=8192, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=128, intermediate_size=1536,
+                target_layers=36, draft_layers=2, target_layer_ids=[1, 9, 17, 25, 33], block_size=16,
+                max_positions=8192, seed=18)
+
+
+class _DeferredEval:
+    """Stands in for mlx.core in a session so that its `eval` is timed apart from building the call."""
+
+    def __init__(self):
+        self.pending: list = []
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    def eval(self, *arrays):
+        self.pending = list(arrays)
+
+
+def _ours(session: MlxSession, graph):
+    """A call of `ids` at position `start` on our session -> (host seconds, total seconds). The buffer form keeps
+    its K/V; the concat form's come back and are fed again (their prefix: a rollback to `start`)."""
+    deferred = _DeferredEval()
+    session._mx = deferred  # eval deferred, then timed here
+    buffer = session.retains_state
+    kv_inputs, kv_outputs = graph.kv_inputs, graph.kv_outputs
+    kv = {n: np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), np.float32) for n in kv_inputs}
+
+    def call(ids: list[int], start: int) -> tuple[float, float]:
+        total = start + len(ids)
+        feeds = {"input_ids": np.array([ids]), "position_ids": np.arange(start, total)[None]}
+        if buffer:
+            feeds.update(seqlens_k=np.array([total - 1], np.int32), total_sequence_length=np.array(total, np.int32))
+        else:
+            feeds.update({n: kv[n][:, :start] for n in kv_inputs})
+        names = ["greedy_ids", "target_hidden"] + ([] if buffer else kv_outputs)
+        began = time.perf_counter()
+        out = session.run(feeds, names)
+        built = time.perf_counter()
+        mx.eval(*deferred.pending)
+        done = time.perf_counter()
+        if not buffer:
+            kv.update({n: out[o] for n, o in zip(kv_inputs, kv_outputs)})
+        return built - began, done - began
+
+    return call
+
+
+def _native(model, cache):
+    def call(ids: list[int], start: int) -> tuple[float, float]:
+        for c in cache:
+            c.trim(c.offset - start)
+        began = time.perf_counter()
+        logits = model(mx.array([ids]), cache=cache)
+        greedy = mx.argmax(logits, axis=-1)
+        built = time.perf_counter()
+        mx.eval(greedy, [c.state for c in cache])
+        return built - began, time.perf_counter() - began
+
+    return call
+
+
+def _measure(call, context: int, rows: int, repeats: int, prefill) -> tuple[float, float]:
+    prefill(context)
+    ids = list(range(3, 3 + rows))
+    call(ids, context)  # warm (shapes, kernels)
+    samples = [call(ids, context) for _ in range(repeats)]
+    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--contexts", default="256,4000")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    work = args.work
+    target_dir, draft_dir = work / "pair" / "target", work / "pair" / "draft"
+    if not (target_dir / "config.json").exists():
+        build_pair(SPEC, work / "pair")
+    if not (work / "onnx" / "dflash.json").exists():
+        export_pair(target_dir, draft_dir, work / "onnx", progress=False)
+    ctx_len = max(contexts) + 64
+    lowered = {}
+    for name, kv_buffer in (("fused", True), ("op by op", False)):
+        out = work / f"mlx-{'fused' if kv_buffer else 'concat'}-{ctx_len}"
+        if not (out / "dflash.json").exists():
+            lower_mlx(work / "onnx", out, MlxOptions(kv_buffer=kv_buffer, ctx_len=ctx_len),
+                      LowerRequest(progress=False))
+        lowered[name] = out
+
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    config = json.loads((target_dir / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta there; mlx-lm reads it top-level
+    model, _ = load_model(target_dir, model_config={"rope_theta": config.get("rope_theta", rope.get("rope_theta"))})
+    cache = make_prompt_cache(model)
+    runs = {}
+    for name, directory in lowered.items():
+        manifest = load_manifest(directory)
+        session = MlxSession(directory, manifest, "target")
+        runs[name] = (session, _ours(session, manifest.target))
+    rows_table = []
+    for context in contexts:
+        for rows in (1, 16):
+            row = {"context": context, "rows": rows, "nodes": {}}
+            native = _native(model, cache)
+
+            def native_prefill(n, native=native):
+                for c in cache:
+                    c.trim(c.offset)
+                for start in range(0, n, 256):
+                    native(list(range(3, 3 + min(256, n - start))), start)
+            row["mlx-lm"] = _measure(native, context, rows, args.repeats, native_prefill)
+            for name, (session, call) in runs.items():
+                def prefill(n, call=call):
+                    for start in range(0, n, 256):
+                        call(list(range(3, 3 + min(256, n - start))), start)
+                row[name] = _measure(call, context, rows, args.repeats, prefill)
+                row["nodes"][name] = len(session.nodes)
+            rows_table.append(row)
+            native_step = row["mlx-lm"][1]
+            print(f"context {context:5d}, {rows:2d} rows: " + "; ".join(
+                f"{k} host {row[k][0] * 1e3:.2f} ms, step {row[k][1] * 1e3:.2f} ms ({row[k][1] / native_step:.2f}x)"
+                for k in ("mlx-lm", *runs)), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"spec": SPEC.__dict__, "mlx": mx.__version__, "rows": rows_table}, indent=1,
+                                        default=str))
+
+
+if __name__ == "__main__":
+    main()
