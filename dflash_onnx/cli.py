@@ -404,8 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--contexts", default="256,1024", help="context lengths of the cost curve")
     bench.add_argument("--curve-repeats", type=int, default=10)
     bench.add_argument("--peers", help="also run hf (transformers greedy) and/or reference (dflash_generate at "
-                       "block 1 and B) and/or ort-genai (greedy and n-gram speculative) on the checkpoints, e.g. "
-                       "hf,reference,ort-genai")
+                       "block 1 and B) and/or ort-genai (greedy and n-gram speculative) and/or mlx-lm (greedy, at the "
+                       "directory's precision) on the checkpoints, e.g. hf,reference,ort-genai")
     bench.add_argument("--target", type=Path, help="target checkpoint for --peers (default: recorded at export)")
     bench.add_argument("--draft", type=Path, help="draft checkpoint for --peers (default: recorded at export)")
     bench.add_argument("--load", type=int, default=0, metavar="N",

@@ -6,6 +6,9 @@
 - `ort-genai`: onnxruntime-genai on the target rebuilt by its model builder (cached): greedy, and its
   speculative decoding on CPU, n-gram lookup (draft-free). It cannot run our draft: its block drafters are
   DFlash 2 and DSpark checkpoints (paged attention), not DFlash.
+- `mlx-lm`: mlx-lm's native model of the target and its `generate_step` (greedy, its pipelined loop), at the
+  directory's precision: its dtype, and for an MLX lowering with --bits the same bits and group size
+  (`nn.quantize`, as mlx-lm's own conversion quantizes).
 Timing follows the reference's definitions: tokens/s = output tokens over decode time (prefill
 excluded, the first token counted), TTFT = prefill. HF's TTFT is taken when its streamer receives the
 first generated token.
@@ -24,7 +27,7 @@ from .errors import DFlashError
 from .manifest import Manifest
 from .model_dirs import read_config, weight_files
 
-PEERS = ("hf", "reference", "ort-genai")
+PEERS = ("hf", "reference", "ort-genai", "mlx-lm")
 
 
 def _hf_greedy(lm, prompts: list[dict], max_new_tokens: int, repeats: int) -> dict:
@@ -159,6 +162,36 @@ def _genai(model, build: tuple[str, str], prompts: list[dict], max_new_tokens: i
     return _collect(label, prompts, repeats, once, tau=bool(speculative))
 
 
+def _mlx_lm(target_dir: Path, manifest: Manifest, prompts: list[dict], max_new_tokens: int, repeats: int) -> dict:
+    import json
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import load_model
+
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta; mlx-lm reads it at the top
+    model, _ = load_model(Path(target_dir), model_config={"rope_theta": config.get("rope_theta",
+                                                                                      rope.get("rope_theta"))})
+    model.set_dtype(mx.float16 if manifest.dtype == "float16" else mx.float32)
+    options = manifest.lowering.options if manifest.backend == "mlx" else {}
+    precision = manifest.dtype
+    if options.get("bits"):
+        nn.quantize(model, group_size=options["group_size"], bits=options["bits"])
+        precision = f"{options['bits']}-bit, group {options['group_size']}"
+
+    def once(ids: list[int]):
+        tokens, started, first_at = [], time.perf_counter(), None
+        for token, _ in generate_step(mx.array(ids), model, max_tokens=max_new_tokens):
+            tokens.append(int(token))
+            first_at = first_at or time.perf_counter()
+        return tokens, first_at - started, time.perf_counter() - first_at
+
+    return _collect(f"mlx-lm greedy ({precision}; its own model and generate_step)", prompts, repeats, once,
+                    tau=False)
+
+
 def _collect(name: str, prompts: list[dict], repeats: int, once, tau: bool) -> dict:
     """Runs `once(ids) -> (tokens, ttft_s, decode_s[, acceptance lengths])` per prompt, medians of timings."""
     tokens, decode_s, ttft_s, lengths, outputs = 0, 0.0, [], [], []
@@ -233,6 +266,12 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
         rows.append(_genai(model, build, prompts, options.max_new_tokens, options.repeats, None))
         speculative = {"ngram_size": 3, "max_draft_tokens": min(16, manifest.block_size)}
         rows.append(_genai(model, build, prompts, options.max_new_tokens, options.repeats, speculative))
+    if "mlx-lm" in names:
+        if not _installed("mlx_lm"):
+            raise DFlashError("peer 'mlx-lm' needs mlx-lm: pip install mlx-lm")
+        if progress:
+            print("peers: mlx-lm greedy ...", file=sys.stderr, flush=True)
+        rows.append(_mlx_lm(Path(target_dir), manifest, prompts, options.max_new_tokens, options.repeats))
     for row in rows:  # every peer decodes greedily (or losslessly): its tokens must be ours
         row["identical_to_ours"] = row.pop("outputs") == our_tokens
     return {"rows": rows, "ratios": _ratios(rows, ours)}
@@ -250,6 +289,9 @@ def _ratios(rows: list[dict], ours: dict) -> dict:
         elif row["name"].startswith("hf greedy"):
             ratios["ours greedy / hf greedy"] = ours["greedy"]["tokens_per_second"] / row["tokens_per_second"]
             ratios["ours dflash / hf greedy"] = ours["dflash"]["tokens_per_second"] / row["tokens_per_second"]
+        elif row["name"].startswith("mlx-lm greedy"):
+            ratios["ours greedy / mlx-lm greedy"] = ours["greedy"]["tokens_per_second"] / row["tokens_per_second"]
+            ratios["ours dflash / mlx-lm greedy"] = ours["dflash"]["tokens_per_second"] / row["tokens_per_second"]
         elif row["tau"] is None:
             ratios["ours greedy / reference block 1"] = ours["greedy"]["tokens_per_second"] / row["tokens_per_second"]
         else:

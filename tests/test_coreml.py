@@ -24,6 +24,7 @@ from targets import LowerRequest, open_decoder
 
 ct = pytest.importorskip("coremltools", reason="coremltools is not installed: pip install 'coremltools>=9,<10'")
 
+from targets.coreml.check import TorchStatefulSession  # noqa: E402
 from targets.coreml.lower import lower_coreml  # noqa: E402
 from targets.coreml.options import CoremlOptions  # noqa: E402
 
@@ -36,23 +37,6 @@ def coreml_lowered(exported, tmp_path_factory):
     lower_coreml(exported("agree_b8").out, out, CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL),
                  LowerRequest(progress=False))
     return out
-
-
-class TorchStatefulSession:
-    """The module coremltools converts, run in PyTorch with its state buffers: a stand-in for CoreML."""
-
-    retains_state = True
-
-    def __init__(self, module: torch.nn.Module, output_names: list[str]):
-        self.module, self.output_names = module, output_names
-        self.input_names: list[str] = []
-
-    def run(self, feeds, output_names=None):
-        with torch.no_grad():
-            values = self.module(*(torch.from_numpy(np.ascontiguousarray(v)) for v in feeds.values()))
-        out = dict(zip(self.output_names, values))
-        return {n: out[n].numpy().astype(np.int64) if n.endswith("_ids") else out[n].numpy()
-                for n in (output_names or self.output_names)}
 
 
 def _stateful_decoder(pair, lowered_manifest) -> Decoder:
@@ -189,3 +173,21 @@ def test_int4_packages(exported, coreml_lowered, tmp_path):
     assert load_manifest(out).lowering.options["bits"] == 4
     with pytest.raises(DFlashError, match="--bits 3"):
         CoremlOptions(bits=3).validate(8)
+
+
+def test_packages_evaluated_in_numpy_match_the_modules(coreml_lowered, exported, tmp_path, monkeypatch):
+    """The lowering evaluates the packages it wrote from their spec in numpy (targets/coreml/mil_eval.py) on a
+    prefill, a verify with a partial commit, a decode and draft proposals, against the float32 modules: greedy ids
+    equal, logits within float16 rounding. A GQA-4 target with sliding-window layers too; a wrong op is refused."""
+    assert load_manifest(coreml_lowered).lowering.max_relative_difference < 5e-3
+    out = tmp_path / "gqa"
+    lower_coreml(exported("causal_gqa4_b4").out, out, CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL),
+                 LowerRequest(progress=False))
+    assert load_manifest(out).lowering.max_relative_difference < 5e-3
+    from targets.coreml import mil_eval
+
+    monkeypatch.setitem(mil_eval.OPS, "rsqrt", lambda a: 1.0 / np.sqrt(a["x"].astype(np.float32) + 1.0))
+    with pytest.raises(DFlashError, match="the CoreML packages change target logits"):
+        lower_coreml(exported("agree_b8").out, tmp_path / "wrong", CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL),
+                     LowerRequest(progress=False))
+    assert not (tmp_path / "wrong").exists()

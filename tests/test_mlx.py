@@ -97,7 +97,10 @@ def test_buffer_form_keeps_kv_in_place_and_matches_the_export(exported, decoders
     assert session.retains_state and not set(manifest.target.kv_inputs) & set(session.input_names)
     ops = {label.split()[0] for *_, label in session.nodes}
     assert {"GroupQueryAttention", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"} <= ops
-    assert all("rope_freqs" in attrs for _, _, _, attrs, label in session.nodes if label.startswith("GroupQuery"))
+    config = json.loads((exported("agree_b8").target_dir / "config.json").read_text())
+    theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
+    assert all(attrs["rope"][0] == theta for _, _, _, attrs, label in session.nodes  # mx.fast.rope(base=theta)
+               if label.startswith("GroupQuery"))
     ort, spec = decoders("agree_b8").target, manifest.target
 
     def buffer_call(ids, start):
@@ -197,3 +200,16 @@ def test_lower_and_generate_commands(exported, tmp_path, capsys):
     assert main(["lower", str(exported("agree_b2").out), "--target", "mlx", "--out", str(tmp_path / "o"),
                  "--threads", "0"]) == 2  # a zero is given as much as any other value
     assert "--threads is an option of --target ort" in capsys.readouterr().err
+
+
+def test_mlx_lm_peer_decodes_our_tokens(exported, mlx_lowered):
+    """`bench --peers mlx-lm`: mlx-lm's native model of the target (same weights, float) greedy-decodes the tokens
+    our fused MLX lowering does, and its figures sit beside ours."""
+    pytest.importorskip("mlx_lm", reason="mlx-lm (the test extra installs it)")
+    from dflash_onnx.bench import BenchOptions, run_bench
+
+    options = BenchOptions(max_new_tokens=12, repeats=1, num_prompts=2, contexts=[16], curve_repeats=1)
+    report = run_bench(mlx_lowered("agree_b8"), "mlx", None, options, ["mlx-lm"], (None, None), progress=False)
+    (row,) = report["peers"]["rows"]
+    assert row["name"].startswith("mlx-lm greedy (float32") and row["identical_to_ours"]
+    assert "ours greedy / mlx-lm greedy" in report["peers"]["ratios"]

@@ -26,6 +26,7 @@ from dflash_onnx.publish import copy_tokenizer_files
 
 from ..backend import LowerRequest
 from ..lowering import lowered_output, start_lowering
+from .check import check_packages
 from .options import CoremlOptions
 from .session import import_coremltools
 
@@ -77,7 +78,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     options, request = options or CoremlOptions(), request or LowerRequest()
     ct = import_coremltools()
     manifest, (target_dir, draft_dir) = start_lowering(source, out, options, request, reexport=True)
-    stages = Stages(4, enabled=request.progress)
+    stages = Stages(5, enabled=request.progress)
     block, chunk = manifest.block_size, options.prefill_len
     sizes = ct.EnumeratedShapes(shapes=[(1, block), (1, chunk)], default=(1, block))
     with lowered_output(source, out, request, (target_dir, draft_dir)) as tmp:
@@ -130,5 +131,8 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                                                 "states": {"target": target.state_names,
                                                            "draft": stateful_draft.state_names},
                                                 "converter": TESTED_WITH}))
+        with stages.stage("checking the packages (evaluated in numpy) against the converted modules"):
+            lowered.lowering.max_relative_difference = check_packages(tmp, lowered, target, stateful_draft,
+                                                                      options.bits)
         lowered.save(tmp)
     return lowered

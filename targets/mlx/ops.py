@@ -5,7 +5,7 @@ Values are numpy arrays (host: graph inputs, shapes and the index arithmetic der
 mx.arrays (device: weights and everything computed from them). An op whose inputs are all on the host
 runs in numpy, so shape bookkeeping never enters MLX's graph; any device input moves the op to MLX.
 `QuantizedWeight` stands for a MatMul weight that lowering quantized with `mx.quantize`. A rotation whose
-cos/sin tables the session recognised as cos/sin(position * inv_freq) carries `rope_freqs` in its
+cos/sin tables the session recognised as cos/sin(position * inv_freq) carries `rope` (base, wavelengths) in its
 attributes and runs as one `mx.fast.rope`; other tables are read row by row.
 """
 
@@ -221,12 +221,12 @@ def _rotary(inputs, attrs, contrib: bool):
         x, positions, cos, sin = inputs
     else:
         x, cos, sin, positions = (inputs + [None])[:4]
-    freqs = attrs.get("rope_freqs")
-    start = None if positions is None or freqs is None or not on_device(x) else _consecutive_from(host(positions))
+    rope = attrs.get("rope")
+    start = None if positions is None or rope is None or not on_device(x) else _consecutive_from(host(positions))
     if start is not None and x.ndim == 3 and attrs.get("num_heads") and not attrs.get("interleaved"):
         heads = attrs["num_heads"]
         if x.shape[-1] == heads * 2 * cos.shape[-1]:  # whole heads rotated
-            return [_seq_first(_fast_rope(_heads_first(x, heads), start, freqs))]
+            return [_seq_first(_fast_rope(_heads_first(x, heads), start, rope))]
     if positions is not None:
         index = host(positions)
         cos, sin = cos[index], sin[index]  # [b, s, h/2] rows at the positions
@@ -256,8 +256,24 @@ def rope_frequencies(cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
     return (1.0 / inv_freq).astype(np.float32)
 
 
-def _fast_rope(x: mx.array, offset: int, freqs: mx.array) -> mx.array:
-    """x [b, heads, s, head_dim] rotated at positions offset.. (HF's rotate_half convention)."""
+def rope_base(wavelengths: np.ndarray) -> float | None:
+    """The base theta when the wavelengths are theta^(2i/d) (HF's default RoPE): mx.fast.rope then computes the
+    frequencies itself, which builds its call faster than passing them (measured on mlx[cpu]: 9 vs 14 us)."""
+    dim = 2 * len(wavelengths)
+    base = float(wavelengths[1]) ** (dim / 2) if len(wavelengths) > 1 else None
+    if base is None or not np.isfinite(base) or base <= 1:
+        return None
+    base = float(f"{base:.4g}")  # float32 wavelengths give 9999.97 for 10000: configs hold round thetas
+    expected = base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    return base if np.allclose(expected, wavelengths, rtol=1e-5) else None
+
+
+def _fast_rope(x: mx.array, offset: int, rope: tuple[float | None, mx.array]) -> mx.array:
+    """x [b, heads, s, head_dim] rotated at positions offset.. (HF's rotate_half convention); `rope` is the
+    (base, wavelengths) the session recognised."""
+    base, freqs = rope
+    if base is not None:
+        return mx.fast.rope(x, x.shape[-1], traditional=False, base=base, scale=1.0, offset=offset)
     return mx.fast.rope(x, x.shape[-1], traditional=False, base=None, scale=1.0, offset=offset, freqs=freqs)
 
 
@@ -333,9 +349,9 @@ def _group_query_attention(inputs, attrs):
     q, k, v = _heads_first(device(query), heads), _heads_first(device(key), kv_heads), _heads_first(device(value),
                                                                                                    kv_heads)
     if attrs.get("do_rotary", 0):
-        freqs = attrs.get("rope_freqs")
-        if freqs is not None:
-            q, k = _fast_rope(q, start, freqs), _fast_rope(k, start, freqs)
+        rope = attrs.get("rope")
+        if rope is not None:
+            q, k = _fast_rope(q, start, rope), _fast_rope(k, start, rope)
         else:
             q, k = _table_rope(q, start, cos, sin), _table_rope(k, start, cos, sin)
     past_key[:, :, start:end] = k.astype(past_key.dtype)  # in place: the buffer is the session's

@@ -127,7 +127,7 @@ class MlxSession:
 
     def __init__(self, directory: Path, manifest: Manifest, graph: str):
         mx = import_mlx()
-        from .ops import OPS, QuantizedWeight, rope_frequencies
+        from .ops import OPS, QuantizedWeight, rope_base, rope_frequencies
 
         directory = Path(directory)
         spec = getattr(manifest, graph)
@@ -174,9 +174,9 @@ class MlxSession:
                 key = (inputs[tables[0]], inputs[tables[1]])
                 if key not in frequencies:
                     found = rope_frequencies(*(np.array(stored(name)) for name in key))
-                    frequencies[key] = None if found is None else mx.array(found)
+                    frequencies[key] = None if found is None else (rope_base(found), mx.array(found))
                 if frequencies[key] is not None:
-                    attrs["rope_freqs"] = frequencies[key]
+                    attrs["rope"] = frequencies[key]
             return attrs
 
         self.nodes = [(OPS[(n.domain if n.domain != "ai.onnx" else "", n.op_type)], inputs, list(n.output),

@@ -1,0 +1,101 @@
+"""The CoreML lowering's output check, runnable anywhere: the packages written, evaluated in numpy from their
+spec (mil_eval.py), against the PyTorch modules that were converted (float32), on the same call sequence
+through the retained runners (prefill, verify with a partial commit, decode; draft proposals as the context
+grows), with the same state semantics. Refuses packages whose logits leave the tolerance of their weights'
+precision, or whose greedy ids differ where the reference's top two logits are clearly apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_onnx.errors import DFlashError
+from dflash_onnx.manifest import Manifest
+from dflash_onnx.runners import open_runners
+
+from .mil_eval import MilProgram
+
+# Largest logit difference to the float32 modules, relative to their largest |logit|: float16 compute (measured
+# on the tiny pairs: 1e-3), int8 / int4 weights (the int8 / int4 passes' bounds: a wrong op exceeds them)
+TOLERANCE = {None: 2e-2, 8: 0.15, 4: 0.75}
+# a greedy id may differ only where the reference's top two logits are this close (relative to the scale)
+TIE = 2e-2
+
+
+class TorchStatefulSession:
+    """A module coremltools converts, run in PyTorch with its state buffers: the reference, and the stand-in
+    for CoreML where none runs."""
+
+    retains_state = True
+
+    def __init__(self, module: torch.nn.Module, output_names: list[str]):
+        self.module, self.output_names = module, output_names
+        self.input_names: list[str] = []
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
+        with torch.no_grad():
+            values = self.module(*(torch.from_numpy(np.ascontiguousarray(v)) for v in feeds.values()))
+        out = dict(zip(self.output_names, values))
+        return {n: out[n].numpy().astype(np.int64) if n.endswith("_ids") else out[n].numpy()
+                for n in (output_names or self.output_names)}
+
+
+class MilSession:
+    """A package evaluated in numpy with its states kept between calls (the CoreML session's contract)."""
+
+    retains_state = True
+
+    def __init__(self, package: Path):
+        self.program = MilProgram(package)
+        self.states = self.program.initial_states()
+        self.input_names = self.program.input_names
+        self.output_names = self.program.outputs
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
+        inputs = {name: value.astype(np.int32) if value.dtype.kind == "i" else value.astype(np.float16)
+                  for name, value in feeds.items()}
+        out = self.program.run(inputs, self.states)
+        return {n: out[n].astype(np.int64) if n.endswith("_ids") else out[n] for n in output_names or self.output_names}
+
+
+def _sequence(manifest: Manifest, target, draft) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(greedy ids, logits) per call: a prefill of 20, a verify of a block keeping 2, a decode; then draft
+    proposals on the target's features as its context grows by those calls' kept rows."""
+    target_runner, draft_runner = open_runners(manifest, target, draft, int(manifest.prefill_len))
+    rng = np.random.default_rng(0)
+    outputs, length = {}, 0
+    for step, (count, keep) in enumerate(((20, 20), (manifest.block_size, 2), (1, 1))):
+        ids = rng.integers(2, manifest.vocab_size - 1, size=count)
+        out = target_runner.forward(ids, count)
+        outputs[f"target logits (step {step})"] = (out.greedy_ids, out.logits)
+        length += keep
+        target_runner.commit(length)
+        block = np.full(manifest.block_size, manifest.mask_token_id)
+        block[0] = ids[keep - 1]
+        proposal = draft_runner.propose(block, out.context[:keep], True)
+        outputs[f"draft logits (proposal {step})"] = (proposal.ids, proposal.logits)
+    return outputs
+
+
+def check_packages(directory: Path, manifest: Manifest, target_module, draft_module, bits: int | None) -> float:
+    """Largest logit difference of the packages in `directory` to the converted modules, relative to the
+    largest |logit|; refused beyond TOLERANCE, or when a greedy id differs away from a near tie."""
+    reference = _sequence(manifest, TorchStatefulSession(target_module, ["greedy_ids", "logits", "context_hidden"]),
+                          TorchStatefulSession(draft_module, ["draft_ids", "draft_confidence", "logits"]))
+    got = _sequence(manifest, MilSession(Path(directory) / manifest.target.file),
+                    MilSession(Path(directory) / manifest.draft.file))
+    allowed, worst = TOLERANCE[bits], 0.0
+    for name, (want_ids, want) in reference.items():
+        ids, logits = got[name]
+        scale = max(float(np.abs(want).max()), 1e-6)
+        difference = float(np.abs(logits.astype(np.float64) - want).max()) / scale
+        worst = max(worst, difference)
+        top2 = np.sort(want, axis=-1)[..., -2:]
+        clear = (top2[..., 1] - top2[..., 0]) / scale > TIE
+        if difference > allowed or np.any((ids != want_ids) & clear):
+            raise DFlashError(f"the CoreML packages change {name} by {difference:.2g} of its scale (allowed "
+                              f"{allowed:g}; greedy ids {ids.tolist()} vs {want_ids.tolist()}), evaluated in numpy "
+                              "from their spec: report the model")
+    return worst
