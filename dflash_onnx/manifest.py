@@ -85,11 +85,15 @@ class Lowering:
     shared_with_target: dict[str, str] = field(default_factory=dict)  # draft tensor -> the target tensor it reads
     rewrites: dict[str, dict[str, dict]] = field(default_factory=dict)  # pass -> graph -> what it did
     calibration: dict | None = None  # float16 range measured on calibration prompts (AI 100, CoreML)
-    max_relative_difference: float | None = None  # lowered vs exported outputs, relative to their scale (ORT)
+    max_relative_difference: float | None = None  # lowered vs exported outputs, relative to their scale
     # the target's calls padded to a multiple of this many rows give each row the same result in any call
     # (measured by the ORT lowering; runners.py, Row multiple); 1: no padding needed, or none found
     row_multiple: int = 1
     compiled: bool = False  # the backend's compiler ran (AI 100)
+    # multifunction packages (CoreML): per graph, the input whose rows pick the function, and each function's
+    # rows ({"input": "input_ids", "rows": {"decode": 1, "verify": 16, "prefill": 64}}); the retained runners
+    # pad a call to the smallest; empty: one function with the sizes block_size and prefill_len
+    functions: dict[str, dict] = field(default_factory=dict)
     report: dict = field(default_factory=dict)  # other findings of the lowering, by the backend's own keys
 
 

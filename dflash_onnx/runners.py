@@ -203,10 +203,13 @@ def _pad(rows: np.ndarray, size: int, fill) -> np.ndarray:
 class _Retained:
     """Shared by the retained-form target and draft: buffers, specialization sizes, the scratch slot."""
 
-    def __init__(self, session: Session, manifest: Manifest, graph: GraphSpec):
+    def __init__(self, session: Session, manifest: Manifest, graph_name: str):
+        graph = getattr(manifest, graph_name)
         self.session, self.graph = session, graph
         self.ctx_len = int(manifest.ctx_len)
-        self.sizes = sorted({manifest.block_size, int(manifest.prefill_len)})
+        functions = manifest.lowering.functions.get(graph_name) if manifest.lowering is not None else None
+        self.sizes = sorted(set(functions["rows"].values()) if functions else
+                            {manifest.block_size, int(manifest.prefill_len)})
         self.scratch = self.ctx_len - 1
         self.consecutive = manifest.lowering is not None and manifest.lowering.padding == "consecutive"
         # a padded call's slots (consecutive), or the scratch slot and the draft's block past the last token
@@ -255,7 +258,7 @@ class _Retained:
 
 class RetainedTarget(_Retained):
     def __init__(self, session: Session, manifest: Manifest):
-        super().__init__(session, manifest, manifest.target)
+        super().__init__(session, manifest, "target")
         self.length = 0
 
     def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
@@ -279,7 +282,7 @@ class RetainedTarget(_Retained):
 
 class RetainedDraft(_Retained):
     def __init__(self, session: Session, manifest: Manifest):
-        super().__init__(session, manifest, manifest.draft)
+        super().__init__(session, manifest, "draft")
         self.length = 0
 
     def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool) -> Proposal:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import platform
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,26 +82,39 @@ def test_stateful_target_matches_the_hf_model(exported):
     assert torch.allclose(torch.cat([first, second], dim=1), want, atol=1e-4)
 
 
-def test_packages_convert_with_states_and_enumerated_shapes(coreml_lowered, exported):
+def test_one_multifunction_package_with_states_and_fixed_shapes(coreml_lowered, exported):
+    """model.mlpackage: the target's decode (1), verify (block) and prefill functions and the draft's two, each with
+    fixed shapes and its graph's float16 states; each weight stored once (the draft's embedding and lm_head are
+    the target's)."""
     manifest = load_manifest(coreml_lowered)
     spec = exported("agree_b8").spec
     assert manifest.backend == "coreml" and manifest.form == "retained" and manifest.lowering.padding == "consecutive"
+    assert manifest.lowering.functions == {
+        "target": {"input": "input_ids", "rows": {"decode": 1, "verify": spec.block_size, "prefill": PREFILL}},
+        "draft": {"input": "context_hidden", "rows": {"draft": spec.block_size, "draft_prefill": PREFILL}}}
+    package = coreml_lowered / "model.mlpackage"
+    assert manifest.target.file == manifest.draft.file == "model.mlpackage"
+    model_spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
+    described = {f.name: f for f in model_spec.description.functions}
+    assert model_spec.description.defaultFunctionName == "decode" and model_spec.specificationVersion >= 9
     for graph, inputs, outputs, layers in (
             ("target", ["input_ids", "position_ids"], ["greedy_ids", "logits", "context_hidden"], spec.target_layers),
             ("draft", ["input_ids", "context_hidden", "ctx_position_ids", "position_ids"],
              ["draft_ids", "draft_confidence", "logits"], spec.draft_layers)):
-        model = ct.models.MLModel(str(coreml_lowered / f"{graph}.mlpackage"), skip_model_load=True)
-        description = model.get_spec().description
-        assert [i.name for i in description.input] == inputs
-        assert [o.name for o in description.output] == outputs
-        states = {s.name: list(s.type.stateType.arrayType.shape) for s in description.state}
-        assert len(states) == 2 * layers
-        assert set(map(tuple, states.values())) == {(1, spec.num_kv_heads, CTX_LEN, spec.head_dim)}
-        assert all(s.type.stateType.arrayType.dataType == ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT16
-                   for s in description.state)
-        sizes = description.input[0 if graph == "target" else 2].type.multiArrayType.enumeratedShapes.shapes
-        assert sorted(list(s.shape) for s in sizes) == [[1, spec.block_size], [1, PREFILL]]
-        assert model.get_spec().specificationVersion >= 9  # macOS 15 / iOS 18: states
+        for name, rows in manifest.lowering.functions[graph]["rows"].items():
+            function = described[name]
+            assert [i.name for i in function.input] == inputs and [o.name for o in function.output] == outputs
+            states = {s.name: list(s.type.stateType.arrayType.shape) for s in function.state}
+            assert len(states) == 2 * layers
+            assert set(map(tuple, states.values())) == {(1, spec.num_kv_heads, CTX_LEN, spec.head_dim)}
+            assert all(s.type.stateType.arrayType.dataType == ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT16
+                       for s in function.state)
+            sized = function.input[0 if graph == "target" else 1].type.multiArrayType.shape
+            assert list(sized)[:2] == [1, rows]  # fixed shapes: no enumerated or range dims
+    weights = package / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"
+    vocab_tensor = spec.vocab_size * spec.hidden_size * 2  # float16 bytes of the embedding
+    layer = 2 * spec.hidden_size * (spec.num_heads + spec.num_kv_heads) * spec.head_dim * 2
+    assert weights.stat().st_size < 2 * vocab_tensor + spec.target_layers * 8 * layer  # nothing stored per function
 
 
 @pytest.mark.skipif(platform.system() == "Darwin", reason="on macOS the CoreML session runs")
@@ -134,10 +148,10 @@ def test_bad_coreml_options(options, message, exported, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def _operations(package) -> list:
-    """The MIL operations of a package's main function (read from its spec: no CoreML runtime needed)."""
+def _operations(package, function: str) -> list:
+    """The MIL operations of a package's function (read from its spec: no CoreML runtime needed)."""
     spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
-    main = spec.mlProgram.functions["main"]
+    main = spec.mlProgram.functions[function]
     return list(main.block_specializations[main.opset].operations)
 
 
@@ -146,9 +160,9 @@ def test_packages_use_fused_attention_on_grouped_kv(coreml_lowered, exported):
     tiled per query head: the one `tile` repeats the [T, ctx] mask per query group), and each layer's K/V
     written to its state by a slice_update."""
     spec = exported("agree_b8").spec
-    for graph, layers in (("target", spec.target_layers), ("draft", spec.draft_layers)):
-        ops = _operations(coreml_lowered / f"{graph}.mlpackage")
-        kinds = [op.type for op in ops]
+    for function, layers in (("decode", spec.target_layers), ("verify", spec.target_layers),
+                             ("prefill", spec.target_layers), ("draft", spec.draft_layers)):
+        kinds = [op.type for op in _operations(coreml_lowered / "model.mlpackage", function)]
         assert kinds.count("scaled_dot_product_attention") == layers
         assert kinds.count("write_state") == 2 * layers and kinds.count("slice_update") == 2 * layers
         assert kinds.count("tile") <= 1
@@ -161,15 +175,14 @@ def test_int4_packages(exported, coreml_lowered, tmp_path):
     lower_coreml(exported("agree_b8").out, out, CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL, bits=4),
                  LowerRequest(progress=False))
     spec = exported("agree_b8").spec
-    for graph, layers in (("target", spec.target_layers), ("draft", spec.draft_layers)):
-        kinds = [op.type for op in _operations(out / f"{graph}.mlpackage")]
+    for function, layers in (("verify", spec.target_layers), ("draft", spec.draft_layers)):
+        kinds = [op.type for op in _operations(out / "model.mlpackage", function)]
         # q, o, gate, up and down at least (coremltools leaves tensors under 2048 values in float16: the tiny
         # pair's k/v projections, norms)
         assert kinds.count("constexpr_blockwise_shift_scale") >= 5 * layers
         assert kinds.count("scaled_dot_product_attention") == layers
-        size = sum(p.stat().st_size for p in (out / f"{graph}.mlpackage").rglob("*") if p.is_file())
-        float16 = sum(p.stat().st_size for p in (coreml_lowered / f"{graph}.mlpackage").rglob("*") if p.is_file())
-        assert size < 0.6 * float16
+    weights = Path("model.mlpackage", "Data", "com.apple.CoreML", "weights", "weight.bin")
+    assert (out / weights).stat().st_size < 0.5 * (coreml_lowered / weights).stat().st_size  # the tiny pair: 0.36
     assert load_manifest(out).lowering.options["bits"] == 4
     with pytest.raises(DFlashError, match="--bits 3"):
         CoremlOptions(bits=3).validate(8)

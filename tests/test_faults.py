@@ -227,7 +227,7 @@ def _cases(w: World) -> list[Case]:
     run("optimize_lowering_pass", "kv-buffer: applied by 'dflash-onnx lower --target ort'",
         ["optimize", x, "--passes", "kv-buffer", "--out", r / "out_opt_kv"], [x])
     cases[-1].out = r / "out_opt_kv"
-    run("lower_foreign_flag", "--bits is an option of --target mlx, not of --target ort",
+    run("lower_foreign_flag", "--bits is an option of --target mlx/coreml, not of --target ort",
         ["lower", x, "--target", "ort", "--bits", "4", "--out", r / "out_low_bits"], [x])
     cases[-1].out = r / "out_low_bits"
     run("lower_zero_cores", "--target-cores 0 must be in 1..16",

@@ -87,13 +87,13 @@ class StatefulTarget(nn.Module):
     def _attention(self, index: int, layer: nn.Module, x: torch.Tensor, cos, sin, position_ids, start, end):
         """HF's attention math for one layer, K/V written into this module's state."""
         attn, tapped = layer.self_attn, self.tapped
-        steps, heads, kv_heads, dim = x.shape[1], self.num_heads, tapped.num_kv_heads, tapped.head_dim
-        q = attn.q_proj(x).view(1, steps, heads, dim)
-        k = attn.k_proj(x).view(1, steps, kv_heads, dim)
+        heads, kv_heads, dim = self.num_heads, tapped.num_kv_heads, tapped.head_dim  # Python ints (see _rotate)
+        q = attn.q_proj(x).view(1, -1, heads, dim)
+        k = attn.k_proj(x).view(1, -1, kv_heads, dim)
         if hasattr(attn, "q_norm"):  # Qwen3
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = _rotate(q.transpose(1, 2), cos, sin, dim // 2), _rotate(k.transpose(1, 2), cos, sin, dim // 2)
-        v = attn.v_proj(x).view(1, steps, kv_heads, dim).transpose(1, 2)
+        v = attn.v_proj(x).view(1, -1, kv_heads, dim).transpose(1, 2)
         keys, values = getattr(self, self.state_names[2 * index]), getattr(self, self.state_names[2 * index + 1])
         keys[:, :, start:end] = k.to(keys.dtype)
         values[:, :, start:end] = v.to(values.dtype)
@@ -101,7 +101,7 @@ class StatefulTarget(nn.Module):
         key_pos = torch.arange(self.ctx_len)[None, None, :]
         mask = visible(position_ids[:, :, None], key_pos, True, window)[:, None]
         out = grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, attn.scaling, heads, kv_heads, dim)
-        return attn.o_proj(out.transpose(1, 2).reshape(1, steps, heads * dim))
+        return attn.o_proj(out.transpose(1, 2).reshape(1, -1, heads * dim))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
         tapped, decoder = self.tapped, self.tapped.lm.get_decoder()

@@ -21,8 +21,11 @@ def _lower(source: Path, out: Path, options: CoremlOptions, request: LowerReques
 def _summary(manifest: Manifest, out: Path) -> str:
     options = recorded_options(CoremlOptions, manifest)
     weights = f"int{options.bits} weights (blocks of {options.group_size})" if options.bits else "float16"
-    return (f"lowered to {out} for CoreML (stateful mlprogram, {weights}, ctx_len {options.ctx_len}, seq_len "
-            f"{manifest.block_size} or {options.prefill_len}); run it on macOS 15+ with --backend coreml")
+    functions = "; ".join(f"{graph}: " + ", ".join(f"{name} ({rows})" for name, rows in spec["rows"].items())
+                          for graph, spec in manifest.lowering.functions.items())
+    return (f"lowered to {out} for CoreML (stateful multifunction mlprogram, {weights}, ctx_len {options.ctx_len}; "
+            f"{functions}; checked in numpy: {manifest.lowering.max_relative_difference:.2g} of the logit scale); "
+            "run it on macOS 15+ with --backend coreml")
 
 
 BACKEND = Backend(name="coreml", title="CoreML", options_type=CoremlOptions, flags=FLAGS, reexports=True,

@@ -15,7 +15,7 @@ from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest
 from dflash_onnx.runners import open_runners
 
-from .mil_eval import MilProgram
+from .mil_eval import MilProgram, read_spec
 
 # Largest logit difference to the float32 modules, relative to their largest |logit|: float16 compute (measured
 # on the tiny pairs: 1e-3), int8 / int4 weights (the int8 / int4 passes' bounds: a wrong op exceeds them)
@@ -43,20 +43,23 @@ class TorchStatefulSession:
 
 
 class MilSession:
-    """A package evaluated in numpy with its states kept between calls (the CoreML session's contract)."""
+    """A graph's functions of a package evaluated in numpy, sharing their states between calls (the CoreML
+    session's contract): each call runs the function whose rows its `functions["input"]` has."""
 
     retains_state = True
 
-    def __init__(self, package: Path):
-        self.program = MilProgram(package)
-        self.states = self.program.initial_states()
-        self.input_names = self.program.input_names
-        self.output_names = self.program.outputs
+    def __init__(self, package: Path, functions: dict):
+        spec = read_spec(package)
+        self.by, rows = functions["input"], functions["rows"]
+        self.programs = {size: MilProgram(package, name, spec) for name, size in rows.items()}
+        first = next(iter(self.programs.values()))
+        self.states = first.initial_states()
+        self.input_names, self.output_names = first.input_names, first.outputs
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
         inputs = {name: value.astype(np.int32) if value.dtype.kind == "i" else value.astype(np.float16)
                   for name, value in feeds.items()}
-        out = self.program.run(inputs, self.states)
+        out = self.programs[feeds[self.by].shape[1]].run(inputs, self.states)
         return {n: out[n].astype(np.int64) if n.endswith("_ids") else out[n] for n in output_names or self.output_names}
 
 
@@ -84,8 +87,9 @@ def check_packages(directory: Path, manifest: Manifest, target_module, draft_mod
     largest |logit|; refused beyond TOLERANCE, or when a greedy id differs away from a near tie."""
     reference = _sequence(manifest, TorchStatefulSession(target_module, ["greedy_ids", "logits", "context_hidden"]),
                           TorchStatefulSession(draft_module, ["draft_ids", "draft_confidence", "logits"]))
-    got = _sequence(manifest, MilSession(Path(directory) / manifest.target.file),
-                    MilSession(Path(directory) / manifest.draft.file))
+    functions = manifest.lowering.functions
+    got = _sequence(manifest, MilSession(Path(directory) / manifest.target.file, functions["target"]),
+                    MilSession(Path(directory) / manifest.draft.file, functions["draft"]))
     allowed, worst = TOLERANCE[bits], 0.0
     for name, (want_ids, want) in reference.items():
         ids, logits = got[name]

@@ -1,15 +1,22 @@
-"""`lower --target coreml`: stateful mlprogram packages converted from the PyTorch modules.
+"""`lower --target coreml`: one stateful multifunction mlprogram package converted from the PyTorch modules.
 
 coremltools has no ONNX frontend since 6.0, so the lowering converts the PyTorch modules behind the
 export (the checkpoints recorded in OUT's manifest, the same weights) with `torch.jit.trace` +
-`ct.convert`: mlprogram, float16 compute, K/V as `ct.StateType` (macOS 15 / iOS 18). The modules are
-the conversion-friendly forms in dflash_onnx/models/stateful.py (the same math as the HF model; tested
-against it). Sequence lengths are `ct.EnumeratedShapes`: the verify step specialized to block_size and
-one prefill chunk size; the retained runners pad a call up to one of them with consecutive positions.
+`ct.convert`: mlprogram, float16 compute, K/V as `ct.StateType` (macOS 15 / iOS 18), optionally block-wise
+int4/int8 weights (`--bits`). The modules are the conversion-friendly forms in dflash_onnx/models/stateful.py
+(the same math as the HF model; tested against it). Each call size is its own function with fixed shapes
+(coremltools' recommendation for LLMs: the Neural Engine takes fixed shapes): the target's `decode` (1
+token), `verify` (block_size) and `prefill` (--prefill-len), the draft's `draft` (up to a block of new
+context rows) and `draft_prefill` (a prefill chunk of them). `ct.utils.save_multifunction` writes them into
+model.mlpackage with each weight stored once: the three target functions share theirs, and the draft's
+embedding and lm_head are the target's. Target functions share one state object (its K/V), the draft's
+theirs; the retained runners pad a call to the smallest function with consecutive positions. The package
+is then evaluated in numpy from its spec against the converted modules (check.py).
 """
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -65,6 +72,24 @@ def _convert(module, example: tuple, inputs: list, outputs: list[str], path: Pat
     model.save(str(path))
 
 
+PACKAGE = "model.mlpackage"
+
+
+def _combine(parts: Path, names: list[str], package: Path) -> None:
+    """The single-function packages in `parts` as the functions of one package (identical weights stored once;
+    the default function the first), the parts removed."""
+    ct = import_coremltools()
+    descriptor = ct.utils.MultiFunctionDescriptor()
+    for name in names:
+        descriptor.add_function(str(parts / f"{name}.mlpackage"), src_function_name="main", target_function_name=name)
+    descriptor.default_function_name = names[0]
+    try:
+        ct.utils.save_multifunction(descriptor, str(package))
+    except Exception as exc:  # coremltools raises many types; keep its message
+        raise DFlashError(f"coremltools could not write the multifunction package: {exc} ({TESTED_WITH})") from exc
+    shutil.rmtree(parts)
+
+
 def _spec(file: str, inputs: dict[str, tuple[str, list]], outputs: dict[str, tuple[str, list]], layers: int,
           kv_heads: int, head_dim: int) -> GraphSpec:
     return GraphSpec(file=file, inputs=[TensorSpec(n, d, s) for n, (d, s) in inputs.items()],
@@ -78,43 +103,49 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     options, request = options or CoremlOptions(), request or LowerRequest()
     ct = import_coremltools()
     manifest, (target_dir, draft_dir) = start_lowering(source, out, options, request, reexport=True)
-    stages = Stages(5, enabled=request.progress)
+    stages = Stages(9, enabled=request.progress)
     block, chunk = manifest.block_size, options.prefill_len
-    sizes = ct.EnumeratedShapes(shapes=[(1, block), (1, chunk)], default=(1, block))
+    functions = {"target": {"input": "input_ids", "rows": {"decode": 1, "verify": block, "prefill": chunk}},
+                 "draft": {"input": "context_hidden", "rows": {"draft": block, "draft_prefill": chunk}}}
     with lowered_output(source, out, request, (target_dir, draft_dir)) as tmp:
         with stages.stage("loading target and draft"):
             tapped, draft = load_tapped_pair(target_dir, draft_dir, manifest.target_layer_ids, "float32")
         with stages.stage("calibrating float16 range"):
             calibration = calibrate_for_fp16(tapped, draft, manifest)
-        with stages.stage("converting the target (stateful mlprogram)"):
-            target = StatefulTarget(tapped, draft, options.ctx_len, calibration["fc_scale"], torch.float32).eval()
-            ids = torch.zeros(1, block, dtype=torch.int32)
-            positions = torch.arange(block, dtype=torch.int32)[None]
-            _convert(target, (ids, positions), [ct.TensorType("input_ids", shape=sizes, dtype=np.int32),
-                                                 ct.TensorType("position_ids", shape=sizes, dtype=np.int32)],
-                     ["greedy_ids", "logits", "context_hidden"], tmp / "target.mlpackage", options.bits,
-                     options.group_size)
-        with stages.stage("converting the draft (stateful mlprogram)"):
-            stateful_draft = StatefulDraft(draft, options.ctx_len, block, torch.float32).eval()
-            hidden = torch.zeros(1, block, draft.spec.config.hidden_size)
-            block_shape = (1, block)
-            _convert(stateful_draft, (ids, hidden, positions, positions + block),
-                     [ct.TensorType("input_ids", shape=block_shape, dtype=np.int32),
-                      ct.TensorType("context_hidden", shape=ct.EnumeratedShapes(
-                          shapes=[(1, block, hidden.shape[-1]), (1, chunk, hidden.shape[-1])],
-                          default=(1, block, hidden.shape[-1])), dtype=np.float16),
-                      ct.TensorType("ctx_position_ids", shape=sizes, dtype=np.int32),
-                      ct.TensorType("position_ids", shape=block_shape, dtype=np.int32)],
-                     ["draft_ids", "draft_confidence", "logits"], tmp / "draft.mlpackage", options.bits,
-                     options.group_size)
+        parts = tmp / "functions"
+        target = StatefulTarget(tapped, draft, options.ctx_len, calibration["fc_scale"], torch.float32).eval()
+        for name, rows in functions["target"]["rows"].items():
+            with stages.stage(f"converting the target's {name} function ({rows} tokens)"):
+                ids = torch.zeros(1, rows, dtype=torch.int32)
+                positions = torch.arange(rows, dtype=torch.int32)[None]
+                _convert(target, (ids, positions), [ct.TensorType("input_ids", shape=(1, rows), dtype=np.int32),
+                                                     ct.TensorType("position_ids", shape=(1, rows), dtype=np.int32)],
+                         ["greedy_ids", "logits", "context_hidden"], parts / f"{name}.mlpackage", options.bits,
+                         options.group_size)
+        stateful_draft = StatefulDraft(draft, options.ctx_len, block, torch.float32).eval()
+        width = draft.spec.config.hidden_size
+        for name, rows in functions["draft"]["rows"].items():
+            with stages.stage(f"converting the draft's {name} function ({rows} context rows)"):
+                ids = torch.zeros(1, block, dtype=torch.int32)
+                context = torch.arange(rows, dtype=torch.int32)[None]
+                _convert(stateful_draft, (ids, torch.zeros(1, rows, width), context, context[:, :1] + rows +
+                                          torch.arange(block, dtype=torch.int32)[None]),
+                         [ct.TensorType("input_ids", shape=(1, block), dtype=np.int32),
+                          ct.TensorType("context_hidden", shape=(1, rows, width), dtype=np.float16),
+                          ct.TensorType("ctx_position_ids", shape=(1, rows), dtype=np.int32),
+                          ct.TensorType("position_ids", shape=(1, block), dtype=np.int32)],
+                         ["draft_ids", "draft_confidence", "logits"], parts / f"{name}.mlpackage", options.bits,
+                         options.group_size)
+        with stages.stage("writing model.mlpackage (one copy of each weight)"):
+            _combine(parts, [n for graph in functions.values() for n in graph["rows"]], tmp / PACKAGE)
         hidden_size, vocab = draft.spec.config.hidden_size, manifest.vocab_size
         graphs = {
-            "target": _spec("target.mlpackage", {"input_ids": ("int32", [1, "seq_len"]),
+            "target": _spec(PACKAGE, {"input_ids": ("int32", [1, "seq_len"]),
                                                  "position_ids": ("int32", [1, "seq_len"])},
                             {"greedy_ids": ("int32", [1, "seq_len"]), "logits": ("float16", [1, "seq_len", vocab]),
                              "context_hidden": ("float16", [1, "seq_len", hidden_size])},
                             tapped.num_layers, tapped.num_kv_heads, tapped.head_dim),
-            "draft": _spec("draft.mlpackage", {"input_ids": ("int32", [1, block]),
+            "draft": _spec(PACKAGE, {"input_ids": ("int32", [1, block]),
                                                "context_hidden": ("float16", [1, "seq_len", hidden_size]),
                                                "ctx_position_ids": ("int32", [1, "seq_len"]),
                                                "position_ids": ("int32", [1, block])},
@@ -127,6 +158,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                           ctx_len=options.ctx_len, prefill_len=chunk, dtype="float16",
                           kv_layout="state: batch,kv_heads,ctx_len,head_dim",
                           lowering=Lowering(backend="coreml", options=asdict(options), padding="consecutive",
+                                            functions=functions,
                                             calibration=calibration, report={
                                                 "states": {"target": target.state_names,
                                                            "draft": stateful_draft.state_names},

@@ -155,21 +155,35 @@ OPS: dict[str, Callable[[dict], np.ndarray]] = {
 }
 
 
-class MilProgram:
-    """The main function of an mlprogram package, run in numpy: `run(feeds, states)` updates `states` (name ->
-    array, as the package's state descriptions) in place and returns the outputs."""
+def read_spec(package: Path):
+    """A package's spec, read without a CoreML runtime."""
+    ct = import_coremltools()
+    return ct.models.MLModel(str(package), skip_model_load=True).get_spec()
 
-    def __init__(self, package: Path):
-        ct = import_coremltools()
+
+def function_states(spec, function: str) -> dict[str, tuple[int, ...]]:
+    """The states a function of the package declares (a single-function package: its description's)."""
+    described = {f.name: f for f in spec.description.functions} or {"main": spec.description}
+    return {s.name: tuple(s.type.stateType.arrayType.shape) for s in described[function].state}
+
+
+class MilProgram:
+    """One function of an mlprogram package, run in numpy: `run(feeds, states)` updates `states` (name -> array,
+    as the function's state descriptions) in place and returns the outputs."""
+
+    def __init__(self, package: Path, function: str = "main", spec=None):
         from coremltools import libmilstoragepython
         from coremltools.proto import MIL_pb2
 
         package = Path(package)
-        spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
-        main = spec.mlProgram.functions["main"]
+        spec = spec or read_spec(package)
+        if function not in spec.mlProgram.functions:
+            raise DFlashError(f"{package.name} has no function {function!r} (it has "
+                              f"{', '.join(spec.mlProgram.functions)})")
+        main = spec.mlProgram.functions[function]
         block = main.block_specializations[main.opset]
         self.operations, self.outputs = list(block.operations), list(block.outputs)
-        self.states = {s.name: tuple(s.type.stateType.arrayType.shape) for s in spec.description.state}
+        self.states = function_states(spec, function)
         self.input_names = [i.name for i in main.inputs if i.name not in self.states]
         self._names = MIL_pb2.DataType.Name
         self._weights = libmilstoragepython._BlobStorageReader(

@@ -30,11 +30,13 @@ def macos_version() -> tuple[int, ...] | None:
 
 
 class CoremlSession:
-    """A stateful CoreML package: K/V live in the model's state object, kept for the session's life."""
+    """A stateful CoreML package: K/V live in a state object kept for the session's life. A graph with several
+    functions (one per call size) loads each and shares one state object between them; each call runs the
+    function whose rows its `functions["input"]` has."""
 
     retains_state = True
 
-    def __init__(self, package: Path, compute_units: str = "all"):
+    def __init__(self, package: Path, compute_units: str = "all", functions: dict | None = None):
         version = macos_version()
         if version is None or version < (15,):
             raise DFlashError(f"CoreML prediction needs macOS 15 or newer (this is {platform.system()} "
@@ -43,21 +45,30 @@ class CoremlSession:
         ct = import_coremltools()
         units = {"all": ct.ComputeUnit.ALL, "cpu_and_ne": ct.ComputeUnit.CPU_AND_NE,
                  "cpu_and_gpu": ct.ComputeUnit.CPU_AND_GPU, "cpu_only": ct.ComputeUnit.CPU_ONLY}
-        self.model = ct.models.MLModel(str(package), compute_units=units[compute_units])
-        self.state = self.model.make_state()
-        spec = self.model.get_spec().description
-        self.input_names = [i.name for i in spec.input]
-        self.output_names = [o.name for o in spec.output]
+        names = functions["rows"] if functions else {None: None}
+        self.by = functions["input"] if functions else None
+        self.models = {rows: ct.models.MLModel(str(package), compute_units=units[compute_units], function_name=name)
+                       for name, rows in names.items()}
+        first = next(iter(self.models.values()))
+        self.state = first.make_state()
+        spec = first.get_spec().description
+        described = {f.name: f for f in spec.functions}
+        description = described[next(iter(names))] if described and functions else spec
+        self.input_names = [i.name for i in description.input]
+        self.output_names = [o.name for o in description.output]
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
         inputs = {name: value.astype(np.int32) if value.dtype.kind == "i" else value.astype(np.float16)
                   for name, value in feeds.items()}
-        out = self.model.predict(inputs, state=self.state)
+        model = self.models[feeds[self.by].shape[1] if self.by else None]
+        out = model.predict(inputs, state=self.state)
         names = output_names or self.output_names
         return {n: np.asarray(out[n]).astype(np.int64) if n.endswith("_ids") else np.asarray(out[n]) for n in names}
 
 
 def open_session(directory: Path, manifest: Manifest, graph: str, compute_units: str | None = None) -> CoremlSession:
-    """The package of `graph`, on the compute units recorded at lowering unless others are given."""
+    """The package of `graph` (its functions, in a multifunction lowering), on the compute units recorded at
+    lowering unless others are given."""
     units = compute_units or recorded_options(CoremlOptions, manifest).compute_units
-    return CoremlSession(Path(directory) / getattr(manifest, graph).file, units)
+    return CoremlSession(Path(directory) / getattr(manifest, graph).file, units,
+                         manifest.lowering.functions.get(graph))
