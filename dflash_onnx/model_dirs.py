@@ -82,6 +82,17 @@ def weight_files(directory: Path, kind: str) -> list[Path]:
     return files
 
 
+def tensor_shapes(directory: Path) -> dict[str, list[int]]:
+    """Every tensor's shape in the directory's safetensors files (read from the headers, nothing loaded)."""
+    shapes = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        found = _header(file)
+        for name, entry in (found[1].items() if found else []):
+            if name != "__metadata__" and isinstance(entry, dict):
+                shapes[name] = list(entry.get("shape", []))
+    return shapes
+
+
 def export_bytes(directories: list[Path], itemsize: int) -> int:
     """Bytes the weights of these directories take at `itemsize` bytes per element (from the headers)."""
     elements = 0

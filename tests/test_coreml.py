@@ -7,6 +7,7 @@ through their spec.
 
 from __future__ import annotations
 
+import json
 import platform
 from dataclasses import replace
 from pathlib import Path
@@ -204,3 +205,20 @@ def test_packages_evaluated_in_numpy_match_the_modules(coreml_lowered, exported,
         lower_coreml(exported("agree_b8").out, tmp_path / "wrong", CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL),
                      LowerRequest(progress=False))
     assert not (tmp_path / "wrong").exists()
+
+
+def test_dry_run_estimates_the_package(exported, coreml_lowered, tmp_path, capsys):
+    """--dry-run converts nothing and estimates from the checkpoints' headers what the lowering writes: its
+    float16 weights within 10 % of the real package's weight.bin, the states exactly."""
+    from dflash_onnx.cli import main
+
+    out = tmp_path / "dry"
+    assert main(["lower", str(exported("agree_b8").out), "--target", "coreml", "--dry-run", "--ctx-len", str(CTX_LEN),
+                 "--prefill-len", str(PREFILL), "--out", str(out), "--quiet"]) == 0
+    assert "dry run, nothing converted: model.mlpackage" in capsys.readouterr().out
+    found = json.loads((out / "estimate.json").read_text())
+    real = (coreml_lowered / "model.mlpackage" / "Data" / "com.apple.CoreML" / "weights" / "weight.bin").stat().st_size
+    assert abs(found["package_bytes"] - real) < 0.1 * real
+    spec = exported("agree_b8").spec
+    assert found["state_bytes"]["target"] == 2 * spec.target_layers * spec.num_kv_heads * CTX_LEN * spec.head_dim * 2
+    assert sorted(p.name for p in out.iterdir()) == ["estimate.json"]  # nothing that could be run

@@ -20,6 +20,10 @@ def _lower(source: Path, out: Path, options: CoremlOptions, request: LowerReques
 
 def _summary(manifest: Manifest, out: Path) -> str:
     options = recorded_options(CoremlOptions, manifest)
+    if options.dry_run:
+        from .sizes import describe
+
+        return f"dry run, nothing converted: {describe(manifest.lowering.report['estimate'])}; in {out}/estimate.json"
     weights = f"int{options.bits} weights (blocks of {options.group_size})" if options.bits else "float16"
     functions = "; ".join(f"{graph}: " + ", ".join(f"{name} ({rows})" for name, rows in spec["rows"].items())
                           for graph, spec in manifest.lowering.functions.items())

@@ -16,6 +16,7 @@ is then evaluated in numpy from its spec against the converted modules (check.py
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -36,6 +37,7 @@ from ..lowering import lowered_output, start_lowering
 from .check import check_packages
 from .options import CoremlOptions
 from .session import import_coremltools
+from .sizes import estimate
 
 TESTED_WITH = ("coremltools 9.0 with torch 2.13.0 (TorchScript frontend; coremltools warns it was tested up to "
                "torch 2.7)")
@@ -73,6 +75,20 @@ def _convert(module, example: tuple, inputs: list, outputs: list[str], path: Pat
 
 
 PACKAGE = "model.mlpackage"
+ESTIMATE = "estimate.json"  # what --dry-run writes
+
+
+def _dry_run(source: Path, out: Path, request: LowerRequest, manifest: Manifest, options: CoremlOptions,
+             functions: dict, checkpoints: tuple[Path, Path]) -> Manifest:
+    """OUT with estimate.json only (no manifest: nothing in it runs): the sizes estimated from the checkpoints.
+    Returns the manifest the lowering would write, the estimate in its report."""
+    found = estimate(*checkpoints, options)
+    with lowered_output(source, out, request, checkpoints) as tmp:
+        (tmp / ESTIMATE).write_text(json.dumps({**found, "options": asdict(options)}, indent=1))
+    return replace(manifest, form="retained", costs=None, ctx_len=options.ctx_len, prefill_len=options.prefill_len,
+                   dtype="float16", lowering=Lowering(backend="coreml", options=asdict(options),
+                                                      padding="consecutive", functions=functions,
+                                                      report={"estimate": found}))
 
 
 def _combine(parts: Path, names: list[str], package: Path) -> None:
@@ -99,7 +115,8 @@ def _spec(file: str, inputs: dict[str, tuple[str, list]], outputs: dict[str, tup
 
 def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                  request: LowerRequest | None = None) -> Manifest:
-    """Write COREML_DIR: target.mlpackage, draft.mlpackage (stateful, fp16) and the manifest."""
+    """Write COREML_DIR: model.mlpackage (stateful, multifunction) and the manifest; with --dry-run the manifest
+    and the estimated sizes only."""
     options, request = options or CoremlOptions(), request or LowerRequest()
     ct = import_coremltools()
     manifest, (target_dir, draft_dir) = start_lowering(source, out, options, request, reexport=True)
@@ -107,6 +124,8 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     block, chunk = manifest.block_size, options.prefill_len
     functions = {"target": {"input": "input_ids", "rows": {"decode": 1, "verify": block, "prefill": chunk}},
                  "draft": {"input": "context_hidden", "rows": {"draft": block, "draft_prefill": chunk}}}
+    if options.dry_run:
+        return _dry_run(source, out, request, manifest, options, functions, (target_dir, draft_dir))
     with lowered_output(source, out, request, (target_dir, draft_dir)) as tmp:
         with stages.stage("loading target and draft"):
             tapped, draft = load_tapped_pair(target_dir, draft_dir, manifest.target_layer_ids, "float32")

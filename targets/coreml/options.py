@@ -20,6 +20,7 @@ class CoremlOptions:
     compute_units: str = "all"
     bits: int | None = None  # block-wise weight quantization after conversion (coremltools.optimize), None: float16
     group_size: int = 32  # the quantization block (input channels per scale)
+    dry_run: bool = False  # estimate the package and state sizes from the checkpoints; convert nothing
 
     def validate(self, block_size: int) -> None:
         if self.compute_units not in COMPUTE_UNITS:
@@ -45,4 +46,6 @@ FLAGS = (
          "constexpr_blockwise_shift_scale); default float16", type=int, choices=BITS),
     Flag("--group-size", "group_size", "input channels per quantization scale (with --bits)", type=int,
          choices=GROUP_SIZES),
+    Flag("--dry-run", "dry_run", "estimate the package and K/V state sizes from the checkpoints' headers and write "
+         "only the manifest (nothing converted: for sizes beyond this machine)", switch=True),
 )

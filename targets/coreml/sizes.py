@@ -1,0 +1,57 @@
+"""What a CoreML lowering will weigh, from the checkpoints' safetensors headers (nothing loaded or converted):
+the package's weights at the chosen precision, and the K/V state buffers a session allocates at --ctx-len.
+
+The rules follow what the lowering writes: every checkpoint tensor stored once (the multifunction package
+deduplicates the functions' weights; the draft reads the target's embedding and lm_head, which its
+checkpoint does not hold), float16, or with --bits the tensors coremltools quantizes (2-D, at least 2048
+values: its weight_threshold) as `bits` per value plus a float16 scale per --group-size values.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from dflash_onnx.model_dirs import read_config, tensor_shapes
+
+from .options import CoremlOptions
+
+QUANTIZED_FROM = 2048  # coremltools' default weight_threshold: smaller tensors stay float16
+
+
+def _tensor_bytes(shape: list[int], bits: int | None, group_size: int) -> int:
+    values = math.prod(shape)
+    if bits and len(shape) == 2 and values >= QUANTIZED_FROM:
+        return values * bits // 8 + 2 * math.ceil(values / group_size)
+    return 2 * values
+
+
+def _state_bytes(layers: int, kv_heads: int, head_dim: int, ctx_len: int) -> int:
+    return 2 * layers * kv_heads * ctx_len * head_dim * 2  # K and V, float16
+
+
+def estimate(target_dir: Path, draft_dir: Path, options: CoremlOptions) -> dict:
+    """Bytes of the package's weights (target, draft) and of each graph's states, estimated from the headers."""
+    weights = {kind: sum(_tensor_bytes(shape, options.bits, options.group_size)
+                         for shape in tensor_shapes(directory).values())
+               for kind, directory in (("target", target_dir), ("draft", draft_dir))}
+    text = read_config(Path(target_dir), "target")
+    text = text.get("text_config", text)
+    draft = read_config(Path(draft_dir), "draft")
+    head_dim = lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]  # noqa: E731
+    states = {"target": _state_bytes(text["num_hidden_layers"], text.get("num_key_value_heads") or
+                                     text["num_attention_heads"], head_dim(text), options.ctx_len),
+              "draft": _state_bytes(draft["num_hidden_layers"], draft.get("num_key_value_heads") or
+                                    draft["num_attention_heads"], head_dim(draft), options.ctx_len)}
+    return {"method": "estimate from the checkpoints' headers (nothing converted)",
+            "precision": f"int{options.bits}, blocks of {options.group_size}" if options.bits else "float16",
+            "weights_bytes": weights, "package_bytes": sum(weights.values()), "state_bytes": states,
+            "ctx_len": options.ctx_len}
+
+
+def describe(found: dict) -> str:
+    gib = 1024**3
+    return (f"model.mlpackage ~{found['package_bytes'] / gib:.2f} GiB ({found['precision']}: target "
+            f"{found['weights_bytes']['target'] / gib:.2f}, draft {found['weights_bytes']['draft'] / gib:.2f}); "
+            f"K/V states at ctx_len {found['ctx_len']}: target {found['state_bytes']['target'] / gib:.2f} GiB, "
+            f"draft {found['state_bytes']['draft'] / gib:.2f} GiB ({found['method']})")
