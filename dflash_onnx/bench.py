@@ -39,6 +39,7 @@ class BenchOptions:
     verify: str | int = "auto"  # the DFlash runs' verify policy; with auto, full blocks are measured beside it
     load: int = 0  # busy processes beside a second, loaded measurement of the runs (and peers)
     batch_invariant: bool = True  # pad target calls to the lowering's row multiple (decode.Decoder)
+    session_overrides: dict = field(default_factory=dict)  # the backend's session options (CoreML: compute_units)
 
 
 class ClockedSession:
@@ -301,7 +302,8 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
 
         check_peer_names(peers)
     backend = backend_for(directory, manifest, backend).name
-    decoder = open_decoder(directory, backend=backend, batch_invariant=options.batch_invariant)
+    decoder = open_decoder(directory, backend=backend, batch_invariant=options.batch_invariant,
+                           **options.session_overrides)
     decoder.costs = costs or decoder.costs
     codec = TextCodec(directory) if has_tokenizer(directory) else None
     prompts = load_prompts(prompts_file, codec, options.num_prompts, manifest.vocab_size)

@@ -82,7 +82,8 @@ def _generate(args) -> int:
         except UnicodeEncodeError:  # undecodable bytes on the command line arrive as lone surrogates
             raise DFlashError("--prompt is not valid UTF-8 text: pass UTF-8, or --prompt-ids") from None
     verify = parse_verify(args.verify)
-    decoder = open_decoder(args.out, backend=args.backend, batch_invariant=args.batch_invariant == "on")
+    decoder = open_decoder(args.out, backend=args.backend, batch_invariant=args.batch_invariant == "on",
+                           **_session_overrides(args))
     decoder.costs = _cost_model(args, decoder.manifest) or decoder.costs
     codec = TextCodec(args.out) if (args.prompt is not None or has_tokenizer(args.out)) else None
     prompt = codec.prompt_ids(args.prompt, raw=args.raw) if args.prompt is not None else _parse_ids(args.prompt_ids)
@@ -245,7 +246,8 @@ def _bench(args) -> int:
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_prompts=args.num_prompts,
         verify_lengths=_int_list(args.block_sizes, "--block-sizes") if args.block_sizes else None,
         contexts=_int_list(args.contexts, "--contexts"), curve_repeats=args.curve_repeats,
-        verify=parse_verify(args.verify), load=args.load, batch_invariant=args.batch_invariant == "on")
+        verify=parse_verify(args.verify), load=args.load, batch_invariant=args.batch_invariant == "on",
+        session_overrides=_session_overrides(args))
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
     costs = _cost_model(args, load_manifest(args.dir)) if args.cost_model else None
     report = run_bench(args.dir, args.backend, args.prompts, options, peers, (args.target, args.draft),
@@ -261,6 +263,11 @@ def _bench(args) -> int:
         print(f"wrote {args.plot}")
     identical = report["aggregate"]["all_identical_to_greedy"]
     return 0 if identical and report.get("loaded", {}).get("aggregate", {}).get("all_identical_to_greedy", True) else 1
+
+
+def _session_overrides(args) -> dict:
+    """Session options given on the command line (a backend whose sessions take none refuses them)."""
+    return {"compute_units": args.compute_units} if args.compute_units else {}
 
 
 def _demo(args) -> int:
@@ -282,6 +289,9 @@ def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-model", type=Path, metavar="FILE",
                         help="a cost curve to use instead of the recorded one: JSON with verify_ms (t(1)..t(B)) "
                              "and draft_ms, e.g. measured on another machine")
+    parser.add_argument("--compute-units", choices=("all", "cpu_and_ne", "cpu_and_gpu", "cpu_only"),
+                        help="coreml: where CoreML may run the packages (default: as lowered): all (it chooses "
+                             "among CPU, GPU and Neural Engine), cpu_and_ne, cpu_and_gpu, cpu_only")
 
 
 BACKEND_HELP = ("backend to run on; default: the directory's own (ort for exports and for ORT and AI 100 "

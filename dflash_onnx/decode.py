@@ -120,7 +120,8 @@ class Decoder:
         target, draft = open_runners(self.manifest, self.target, self.draft, self.prefill_chunk,
                                      self.row_multiple)
         if target.capacity is not None and len(prompt) + max_new_tokens > target.capacity:
-            padding = f" ({self.row_multiple - 1} kept for padding calls)" if self.row_multiple > 1 else ""
+            padding = f" ({self.row_multiple - 1} kept for padding calls)" if self.row_multiple > 1 and \
+                self.manifest.form != "retained" else ""
             raise DFlashError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceed the "
                               f"{target.capacity} positions this lowering holds{padding}: lower with a larger "
                               "--ctx-len")

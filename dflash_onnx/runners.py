@@ -257,8 +257,12 @@ class _Retained:
 
 
 class RetainedTarget(_Retained):
-    def __init__(self, session: Session, manifest: Manifest):
+    def __init__(self, session: Session, manifest: Manifest, row_multiple: int = 1):
+        """`row_multiple`: calls run only the functions of at least that many rows (a CoreML lowering's decode
+        function is a separately compiled program: greedy steps padded to the verify function give each token
+        the same result as in a verify call)."""
         super().__init__(session, manifest, "target")
+        self.sizes = [s for s in self.sizes if s >= row_multiple] or self.sizes
         self.length = 0
 
     def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
@@ -352,7 +356,8 @@ class BufferTarget:
 def open_runners(manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int,
                  row_multiple: int = 1):
     """The target and draft runners for the manifest's graph form; the target's calls padded to `row_multiple`
-    rows (concat and buffer forms; the retained forms pad to their compiled sizes)."""
+    rows (concat and buffer forms; the retained forms pad to their compiled sizes, the smallest at least
+    `row_multiple`)."""
     if row_multiple < 1:
         raise DFlashError(f"row_multiple must be at least 1, got {row_multiple}")
     if manifest.form == "concat":
@@ -361,5 +366,5 @@ def open_runners(manifest: Manifest, target: Session, draft: Session | None, pre
         return BufferTarget(target, manifest, prefill_chunk, row_multiple), draft and (
             RowsDraft(draft, manifest) if manifest.draft_returns_rows else ConcatDraft(draft, manifest))
     if manifest.form == "retained":
-        return RetainedTarget(target, manifest), draft and RetainedDraft(draft, manifest)
+        return RetainedTarget(target, manifest, row_multiple), draft and RetainedDraft(draft, manifest)
     raise DFlashError(f"unknown graph form {manifest.form!r} in the manifest")

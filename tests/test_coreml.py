@@ -136,6 +136,11 @@ def test_consecutive_padding_reserves_the_tail(coreml_lowered):
     assert runner.positions(10, 3, 8).tolist() == [list(range(10, 18))]  # padding continues the positions
     with pytest.raises(DFlashError, match="larger --ctx-len"):
         runner.positions(CTX_LEN - PREFILL, 1, 8)
+    manifest = load_manifest(coreml_lowered)
+    assert runner.chunks(1) == [(0, 1, 1)]  # --batch-invariant off: a greedy step runs the decode function
+    assert manifest.lowering.row_multiple == manifest.block_size  # on (default): the verify function's program
+    invariant = RetainedTarget(TorchStatefulSession(None, []), manifest, manifest.lowering.row_multiple)
+    assert invariant.chunks(1) == [(0, 1, manifest.block_size)]
 
 
 @pytest.mark.parametrize("options, message", [

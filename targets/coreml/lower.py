@@ -177,7 +177,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                           ctx_len=options.ctx_len, prefill_len=chunk, dtype="float16",
                           kv_layout="state: batch,kv_heads,ctx_len,head_dim",
                           lowering=Lowering(backend="coreml", options=asdict(options), padding="consecutive",
-                                            functions=functions,
+                                            functions=functions, row_multiple=block,
                                             calibration=calibration, report={
                                                 "states": {"target": target.state_names,
                                                            "draft": stateful_draft.state_names},
