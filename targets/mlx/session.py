@@ -77,10 +77,10 @@ class _TargetBuffers:
     def feeds(self, feeds: dict) -> dict:
         return self.arrays
 
-    def keep(self, values: dict, feeds: dict) -> list:
+    def keep(self, outputs: dict, feeds: dict) -> list:
         for name, output in self.pairs:
-            self.arrays[name] = values[output]
-        return list(self.arrays.values())
+            self.arrays[name] = outputs[output]
+        return []
 
 
 class _DraftRows:
@@ -99,10 +99,10 @@ class _DraftRows:
         start = self._start(feeds)
         return {name: array[:, :start] for name, array in self.arrays.items()}
 
-    def keep(self, values: dict, feeds: dict) -> list:
+    def keep(self, outputs: dict, feeds: dict) -> list:
         start = self._start(feeds)
         for name, output in self.pairs:
-            rows = values[output]
+            rows = outputs[output]
             end = start + rows.shape[1]
             if end > self.ctx_len:
                 raise DFlashError(f"the draft's context of {end} rows exceeds the {self.ctx_len} rows this lowering "
@@ -226,10 +226,11 @@ class MlxSession:
             values.update(zip(outputs, results))
         results = {n: values[n] for n in names}
         device = [v for v in results.values() if isinstance(v, self._mx.array)]
-        if self.state is not None:
-            device += self.state.keep(values, feeds)
-        del values  # the buffers' only references are the session's: MLX then updates them in place
-        self._mx.eval(*device)
+        kept = [values[n] for n in self._kept_outputs]
+        del values
+        self._mx.eval(*device, *kept)
+        if self.state is not None:  # after the call: the draft's past views are gone, so its row writes update the
+            self._mx.eval(*self.state.keep(dict(zip(self._kept_outputs, kept)), feeds))  # buffers in place
         return {n: v if n in self.kv_outputs or not isinstance(v, self._mx.array) else np.array(v)
                 for n, v in results.items()}
 
