@@ -213,3 +213,23 @@ def test_mlx_lm_peer_decodes_our_tokens(exported, mlx_lowered):
     (row,) = report["peers"]["rows"]
     assert row["name"].startswith("mlx-lm greedy (float32") and row["identical_to_ours"]
     assert "ours greedy / mlx-lm greedy" in report["peers"]["ratios"]
+
+
+def test_rope_tables_are_recognised_only_when_exact():
+    """cos/sin tables of HF's default RoPE run as mx.fast.rope by base theta; frequencies that no base gives (e.g.
+    LLaMA 3's scaled ones) by wavelengths; scaled tables (attention scaling) row by row. Each equals the tables."""
+    from targets.mlx import ops
+
+    half, rows = 8, 64
+    default = 1.0 / 1e6 ** (np.arange(0, 2 * half, 2, dtype=np.float32) / (2 * half))
+    llama3 = default * np.linspace(1.0, 0.125, half, dtype=np.float32)
+    x = mx.random.normal((1, 2, 5, 2 * half))
+    for inv_freq, base in ((default, 1e6), (llama3, None)):
+        angles = np.arange(rows, dtype=np.float32)[:, None] * inv_freq
+        cos, sin = np.cos(angles), np.sin(angles)
+        wavelengths = ops.rope_frequencies(cos, sin)
+        assert wavelengths is not None and ops.rope_base(wavelengths) == base
+        fast = ops._fast_rope(x, 7, (ops.rope_base(wavelengths), mx.array(wavelengths)))
+        table = ops._table_rope(x, 7, mx.array(cos), mx.array(sin))
+        np.testing.assert_allclose(np.array(fast), np.array(table), atol=1e-5)
+    assert ops.rope_frequencies(0.5 * cos, 0.5 * sin) is None
