@@ -139,6 +139,9 @@ def test_quantized_mlx_is_lossless_against_its_own_greedy(bits, exported, mlx_lo
     directory = mlx_lowered("agree_b8", bits=bits)
     weights = load_manifest(directory).lowering.report["weights"]
     assert weights["target"]["quantized"] >= 4 * 7 and weights["draft"]["quantized"] >= 7
+    stored = mx.load(str(directory / "target.safetensors"))
+    embedding = next(k for k in stored if "embed_tokens" in k).split(".qt.")[0]
+    assert embedding not in stored and f"{embedding}.qt.w" in stored  # the embedding is stored quantized only
     decoder = open_decoder(directory, backend="mlx")
     measured = load_manifest(directory).lowering.report["batch_invariance"]  # targets/row_invariance.py
     assert set(measured["differences"]) <= {"1", "2", "4", "8"}

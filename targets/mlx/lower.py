@@ -36,7 +36,8 @@ from .session import import_mlx, open_session
 
 
 def weight_uses(graph: onnx.GraphProto) -> dict[str, set[str]]:
-    """How each initializer is read: "direct" (x @ W), "transposed" (x @ Transpose(W)), "float" (anything else)."""
+    """How each initializer is read: "direct" (x @ W), "transposed" (x @ Transpose(W), or FusedMatMul with
+    transB), "rows" (Gather of whole rows: an embedding lookup), "float" (anything else)."""
     initializers = {t.name for t in graph.initializer}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
@@ -51,10 +52,16 @@ def weight_uses(graph: onnx.GraphProto) -> dict[str, set[str]]:
     uses: dict[str, set[str]] = {}
     for name in initializers:
         for node in consumers.get(name, []):
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             if node.op_type == "MatMul" and node.input[1] == name:
                 kind = "direct"
+            elif node.op_type == "FusedMatMul" and node.input[1] == name and attrs.get("alpha", 1.0) == 1.0 and \
+                    not attrs.get("transA", 0):
+                kind = "transposed" if attrs.get("transB", 0) else "direct"
             elif transposes_into_matmuls(node):
                 kind = "transposed"
+            elif node.op_type == "Gather" and node.input[0] == name and attrs.get("axis", 0) == 0:
+                kind = "rows"
             else:
                 kind = "float"
             uses.setdefault(name, set()).add(kind)
@@ -69,7 +76,8 @@ def _quantizable(array: np.ndarray, group_size: int) -> bool:
 def _convert_weights(model: onnx.ModelProto, bits: int | None, group_size: int,
                      skip: set[str]) -> tuple[dict, dict]:
     """MLX arrays per initializer: the float tensor where something reads it as such, and for MatMul weights
-    (with `bits`) `NAME.q.*` (quantized for x @ W) and/or `NAME.qt.*` (for x @ W^T)."""
+    and embeddings (with `bits`) `NAME.q.*` (quantized for x @ W) and/or `NAME.qt.*` (for x @ W^T, and for row
+    lookups: a tied embedding is stored once, quantized, for both its lookup and the lm_head)."""
     mx = import_mlx()
     uses = weight_uses(model.graph)
     arrays, report = {}, {"quantized": 0, "kept_float": []}
@@ -78,8 +86,10 @@ def _convert_weights(model: onnx.ModelProto, bits: int | None, group_size: int,
             continue
         value = numpy_helper.to_array(tensor)
         kinds = uses[tensor.name]
-        if bits and kinds & {"direct", "transposed"}:
+        if bits and kinds & {"direct", "transposed", "rows"}:
             if _quantizable(value, group_size):
+                if "rows" in kinds:  # a lookup reads whole rows: the layout x @ W^T quantizes (groups along a row)
+                    kinds = (kinds - {"rows"}) | {"transposed"}
                 for kind, suffix, rows in (("direct", "q", value.T), ("transposed", "qt", value)):
                     if kind in kinds:  # mx.quantize takes the [N, K] layout quantized_matmul(transpose=True) reads
                         w, scales, biases = mx.quantize(mx.array(np.ascontiguousarray(rows)), group_size=group_size,

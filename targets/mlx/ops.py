@@ -112,6 +112,10 @@ def _expand(inputs, attrs):
 def _gather(inputs, attrs):
     data, indices = inputs
     axis = attrs.get("axis", 0)
+    if isinstance(data, QuantizedWeight):  # a quantized embedding: its rows, dequantized
+        index = device(indices).astype(mx.int32)
+        return [mx.dequantize(mx.take(data.weight, index, axis=0), mx.take(data.scales, index, axis=0),
+                              mx.take(data.biases, index, axis=0), group_size=data.group_size, bits=data.bits)]
     if isinstance(data, mx.array):
         return [mx.take(data, device(indices).astype(mx.int32), axis=axis)]
     return [np.take(data, host(indices), axis=axis)]

@@ -157,6 +157,9 @@ class MlxSession:
             if node.op_type in ("MatMul", "FusedMatMul") and quantized(inputs[1], suffix) is not None:
                 inputs[1] = f"{inputs[1]}@{suffix}"  # x @ W or x @ W^T with W quantized
                 self.values[inputs[1]] = quantized(node.input[1], suffix)
+            if node.op_type == "Gather" and stored(inputs[0]) is None and quantized(inputs[0], "qt") is not None:
+                inputs[0] = f"{inputs[0]}@qt"  # an embedding stored quantized only: rows dequantized on lookup
+                self.values[inputs[0]] = quantized(node.input[0], "qt")
             if node.op_type == "Transpose" and quantized(inputs[0], "qt") is not None:
                 self.values[node.output[0]] = quantized(inputs[0], "qt")  # read as x @ W^T: already that form
                 continue
