@@ -10,7 +10,7 @@ checkpoint with mlx-lm, and reports per target call at 1 and 16 tokens:
 
 Needs mlx (mlx[cpu] on Linux) and mlx-lm (`pip install mlx-lm`); torch + transformers to build and export.
 
-    python demo/mlx_host_time.py --work /tmp/mlxbench [--contexts 256,4000] [--repeats 20] [--json FILE]
+    python demo/mlx_host_time.py --work /tmp/mlxbench [--contexts 256,4000] [--repeats 20] [--load 1] [--json FILE]
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -93,12 +95,17 @@ def _native(model, cache):
     return call
 
 
-def _measure(call, context: int, rows: int, repeats: int, prefill) -> tuple[float, float]:
-    prefill(context)
+def _measure(call, context: int, rows: int, repeats: int) -> tuple[float, float]:
+    """Median (host, step) seconds of `rows`-token calls at `context` (each rolled back to it)."""
     ids = list(range(3, 3 + rows))
     call(ids, context)  # warm (shapes, kernels)
     samples = [call(ids, context) for _ in range(repeats)]
     return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+
+
+def _prefill(call, context: int) -> None:
+    for start in range(0, context, 256):
+        call(list(range(3, 3 + min(256, context - start))), start)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--contexts", default="256,4000")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="measure beside N busy processes (python -c 'while True: pass'), ended by pid")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     work = args.work
@@ -137,31 +146,33 @@ def main(argv: list[str] | None = None) -> None:
         session = MlxSession(directory, manifest, "target")
         runs[name] = (session, _ours(session, manifest.target))
     rows_table = []
-    for context in contexts:
-        for rows in (1, 16):
-            row = {"context": context, "rows": rows, "nodes": {}}
-            native = _native(model, cache)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    try:
+        _table(contexts, args.repeats, model, cache, runs, rows_table)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    if args.json:
+        args.json.write_text(json.dumps({"spec": SPEC.__dict__, "mlx": mx.__version__, "load": args.load,
+                                         "rows": rows_table}, indent=1, default=str))
 
-            def native_prefill(n, native=native):
-                for c in cache:
-                    c.trim(c.offset)
-                for start in range(0, n, 256):
-                    native(list(range(3, 3 + min(256, n - start))), start)
-            row["mlx-lm"] = _measure(native, context, rows, args.repeats, native_prefill)
-            for name, (session, call) in runs.items():
-                def prefill(n, call=call):
-                    for start in range(0, n, 256):
-                        call(list(range(3, 3 + min(256, n - start))), start)
-                row[name] = _measure(call, context, rows, args.repeats, prefill)
-                row["nodes"][name] = len(session.nodes)
+
+def _table(contexts: list[int], repeats: int, model, cache, runs: dict, rows_table: list) -> None:
+    calls = {"mlx-lm": _native(model, cache), **{name: call for name, (_, call) in runs.items()}}
+    for context in contexts:
+        found = {rows: {"context": context, "rows": rows, "nodes": {n: len(s.nodes) for n, (s, _) in runs.items()}}
+                 for rows in (1, 16)}
+        for name, call in calls.items():
+            _prefill(call, context)  # once per backend and context: every measured call is rolled back to it
+            for rows in (1, 16):
+                found[rows][name] = _measure(call, context, rows, repeats)
+        for rows, row in found.items():
             rows_table.append(row)
             native_step = row["mlx-lm"][1]
             print(f"context {context:5d}, {rows:2d} rows: " + "; ".join(
                 f"{k} host {row[k][0] * 1e3:.2f} ms, step {row[k][1] * 1e3:.2f} ms ({row[k][1] / native_step:.2f}x)"
-                for k in ("mlx-lm", *runs)), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"spec": SPEC.__dict__, "mlx": mx.__version__, "rows": rows_table}, indent=1,
-                                        default=str))
+                for k in calls), flush=True)
 
 
 if __name__ == "__main__":
