@@ -43,13 +43,13 @@ class _TimedEval:
     """Stands in for mlx.core in a session: notes when the session, done building its call, evaluates it."""
 
     def __init__(self):
-        self.called = 0.0
+        self.called: float | None = None  # the first evaluation of the current call
 
     def __getattr__(self, name):
         return getattr(mx, name)
 
     def eval(self, *arrays):
-        self.called = time.perf_counter()
+        self.called = self.called or time.perf_counter()
         mx.eval(*arrays)
 
 
@@ -70,6 +70,7 @@ def _ours(session: MlxSession, graph):
         else:
             feeds.update({n: kv[n][:, :start] for n in kv_inputs})
         names = ["greedy_ids", "target_hidden"] + ([] if buffer else kv_outputs)
+        timed.called = None
         began = time.perf_counter()
         out = session.run(feeds, names)
         done = time.perf_counter()
@@ -95,12 +96,18 @@ def _native(model, cache):
     return call
 
 
-def _measure(call, context: int, rows: int, repeats: int) -> tuple[float, float]:
-    """Median (host, step) seconds of `rows`-token calls at `context` (each rolled back to it)."""
+def _measure(calls: dict, context: int, rows: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """Median (host, step) seconds of `rows`-token calls at `context` (each rolled back to it) per backend, the
+    backends taking turns call by call so that a drift in the machine's speed reaches them alike."""
     ids = list(range(3, 3 + rows))
-    call(ids, context)  # warm (shapes, kernels)
-    samples = [call(ids, context) for _ in range(repeats)]
-    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+    samples: dict[str, list] = {name: [] for name in calls}
+    for call in calls.values():
+        call(ids, context)  # warm (shapes, kernels)
+    for _ in range(repeats):
+        for name, call in calls.items():
+            samples[name].append(call(ids, context))
+    return {name: (statistics.median(s[0] for s in found), statistics.median(s[1] for s in found))
+            for name, found in samples.items()}
 
 
 def _prefill(call, context: int) -> None:
@@ -163,10 +170,10 @@ def _table(contexts: list[int], repeats: int, model, cache, runs: dict, rows_tab
     for context in contexts:
         found = {rows: {"context": context, "rows": rows, "nodes": {n: len(s.nodes) for n, (s, _) in runs.items()}}
                  for rows in (1, 16)}
-        for name, call in calls.items():
+        for call in calls.values():
             _prefill(call, context)  # once per backend and context: every measured call is rolled back to it
-            for rows in (1, 16):
-                found[rows][name] = _measure(call, context, rows, repeats)
+        for rows in (1, 16):
+            found[rows].update(_measure(calls, context, rows, repeats))
         for rows, row in found.items():
             rows_table.append(row)
             native_step = row["mlx-lm"][1]

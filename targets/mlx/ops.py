@@ -47,7 +47,7 @@ def host(value) -> np.ndarray:
 
 
 def device(value) -> mx.array:
-    return value if isinstance(value, mx.array) else mx.array(value)
+    return value if type(value) is mx.array else mx.array(value)
 
 
 def _xp(*values):
@@ -67,7 +67,10 @@ def _axes(value, default=None) -> list[int] | None:
 
 def _binary(numpy_op, mlx_op):
     def run(inputs, attrs):
-        a, b = _both(*inputs)
+        a, b = inputs
+        if type(a) is mx.array and type(b) is mx.array:  # the common case, checked first: a call's hot path
+            return [mlx_op(a, b)]
+        a, b = _both(a, b)
         return [mlx_op(a, b) if isinstance(a, mx.array) else numpy_op(a, b)]
     return run
 
@@ -81,6 +84,8 @@ def _unary(numpy_op, mlx_op):
 
 def _matmul(inputs, attrs):
     x, w = inputs
+    if type(x) is mx.array and type(w) is mx.array:
+        return [x @ w]
     if isinstance(w, QuantizedWeight):
         return [mx.quantized_matmul(device(x), w.weight, w.scales, w.biases, transpose=True,
                                     group_size=w.group_size, bits=w.bits)]
@@ -135,8 +140,8 @@ def _reduce(name: str):
 
 def _reshape(inputs, attrs):
     x, shape = inputs
-    dims = [int(d) for d in host(shape)]
-    if not attrs.get("allowzero", 0):
+    dims = host(shape).tolist()
+    if 0 in dims and not attrs.get("allowzero", 0):
         dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
     return [x.reshape(dims)]
 
@@ -299,16 +304,15 @@ def _rms_norm(inputs, attrs):
     x, scale = inputs[:2]
     if attrs.get("axis", -1) not in (-1, x.ndim - 1):
         raise NotImplementedError("SimplifiedLayerNormalization over an axis other than the last")
-    return [mx.fast.rms_norm(device(x), device(scale), float(attrs.get("epsilon", 1e-5)))]
+    return [mx.fast.rms_norm(device(x), device(scale), attrs.get("epsilon", 1e-5))]
 
 
 def _skip_rms_norm(inputs, attrs):
     """com.microsoft SkipSimplifiedLayerNormalization: (norm(input + skip [+ bias]), -, -, input + skip [+ bias])."""
-    x, skip, scale, bias = (inputs + [None])[:4]
-    total = device(x) + device(skip)
-    if bias is not None:
-        total = total + device(bias)
-    return [mx.fast.rms_norm(total, device(scale), float(attrs.get("epsilon", 1e-5))), None, None, total]
+    total = device(inputs[0]) + device(inputs[1])
+    if len(inputs) > 3 and inputs[3] is not None:
+        total = total + device(inputs[3])
+    return [mx.fast.rms_norm(total, device(inputs[2]), attrs.get("epsilon", 1e-5)), None, None, total]
 
 
 def _fused_matmul(inputs, attrs):
@@ -348,18 +352,17 @@ def _group_query_attention(inputs, attrs):
     if attrs.get("local_window_size", -1) != -1 or attrs.get("softcap", 0.0) or attrs.get("rotary_interleaved", 0):
         raise NotImplementedError("GroupQueryAttention with a local window, softcap or interleaved rotary")
     heads, kv_heads = attrs["num_heads"], attrs["kv_num_heads"]
-    steps, end = query.shape[1], int(host(total))
+    steps, end = query.shape[1], int(total)
     start = end - steps
-    q, k, v = _heads_first(device(query), heads), _heads_first(device(key), kv_heads), _heads_first(device(value),
-                                                                                                   kv_heads)
+    q, k, v = _heads_first(query, heads), _heads_first(key, kv_heads), _heads_first(value, kv_heads)
     if attrs.get("do_rotary", 0):
         rope = attrs.get("rope")
         if rope is not None:
             q, k = _fast_rope(q, start, rope), _fast_rope(k, start, rope)
         else:
             q, k = _table_rope(q, start, cos, sin), _table_rope(k, start, cos, sin)
-    past_key[:, :, start:end] = k.astype(past_key.dtype)  # in place: the buffer is the session's
-    past_value[:, :, start:end] = v.astype(past_value.dtype)
+    past_key[:, :, start:end] = k if k.dtype == past_key.dtype else k.astype(past_key.dtype)  # in place: the
+    past_value[:, :, start:end] = v if v.dtype == past_value.dtype else v.astype(past_value.dtype)  # session's
     scale = attrs.get("scale") or q.shape[-1] ** -0.5
     out = mx.fast.scaled_dot_product_attention(q, past_key[:, :, :end], past_value[:, :, :end], scale=float(scale),
                                                mask="causal" if steps > 1 else None)

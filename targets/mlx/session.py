@@ -219,11 +219,13 @@ class MlxSession:
             raise DFlashError(f"mlx session: missing inputs {missing}")
         values = dict(self.values)
         values.update(feeds)
+        values[""] = None  # an omitted optional input
         if self.state is not None:
             values.update(self.state.feeds(feeds))
+        get = values.__getitem__
         for run, inputs, outputs, attrs, label in self._plan(names + self._kept_outputs):
             try:
-                results = run([values[i] if i else None for i in inputs], attrs)
+                results = run([get(i) for i in inputs], attrs)
             except Exception as exc:  # numpy and MLX raise many types; name the node
                 raise DFlashError(f"mlx session: {label} failed: {exc}") from exc
             values.update(zip(outputs, results))
