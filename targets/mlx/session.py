@@ -128,6 +128,7 @@ class MlxSession:
     def __init__(self, directory: Path, manifest: Manifest, graph: str):
         mx = import_mlx()
         from .ops import OPS, QuantizedWeight, rope_base, rope_frequencies
+        from .segments import shape_only
 
         directory = Path(directory)
         spec = getattr(manifest, graph)
@@ -182,8 +183,9 @@ class MlxSession:
                     attrs["rope"] = frequencies[key]
             return attrs
 
-        self.nodes = [(OPS[(n.domain if n.domain != "ai.onnx" else "", n.op_type)], inputs, list(n.output),
-                       attributes(n, inputs), f"{n.op_type} {n.name}") for n, inputs in nodes]
+        self._keys = [(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n, _ in nodes]
+        self.nodes = [(OPS[key], inputs, list(n.output), attributes(n, inputs), f"{n.op_type} {n.name}")
+                      for key, (n, inputs) in zip(self._keys, nodes)]
         self.output_names = [o.name for o in model.graph.output]
         self.kv_outputs = set(spec.kv_outputs)
         dtype = mx.float16 if manifest.dtype == "float16" else mx.float32
@@ -199,17 +201,28 @@ class MlxSession:
         self._kept_outputs = tuple(spec.kv_outputs) if self.retains_state else ()
         self._mx = mx
         self._plans: dict[tuple[str, ...], list] = {}
+        # the buffer form's runs between attentions are compiled (segments.py); its host values depend on shapes
+        self._compiled = manifest.form == "buffer"
+        self._static = shape_only(self.nodes, self._keys, {n for n, v in self.values.items()
+                                                           if isinstance(v, np.ndarray)})
         self._weights = (own, target)  # keep the shared loads alive while this session lives
 
     def _plan(self, wanted: tuple[str, ...]) -> list:
-        """The nodes the wanted outputs depend on, in graph order."""
+        """The nodes the wanted outputs depend on, in graph order (runs of them compiled in the buffer form)."""
         if wanted not in self._plans:
-            needed, plan = set(wanted), []
-            for node in reversed(self.nodes):
+            needed, chosen = set(wanted), []
+            for index in reversed(range(len(self.nodes))):
+                node = self.nodes[index]
                 if needed.intersection(node[2]):
-                    plan.append(node)
+                    chosen.append(index)
                     needed.update(i for i in node[1] if i)
-            self._plans[wanted] = plan[::-1]
+            chosen.reverse()
+            plan = [self.nodes[i] for i in chosen]
+            if self._compiled:
+                from .segments import segmented
+
+                plan = segmented(plan, [self._keys[i] for i in chosen], self.values, self._static, wanted)
+            self._plans[wanted] = plan
         return self._plans[wanted]
 
     def run(self, feeds: dict, output_names: list[str] | None = None) -> dict:
