@@ -64,7 +64,7 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, ids_only_out, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--target", "ai100", "--target-cores", "0", "--dry-run"], "--target-cores 0 must be in 1..16"),
     (["--target", "ort", "--ctx-len", "0"], "--ctx-len 0 is below two blocks"),
-    (["--target", "ort", "--dry-run"], "--dry-run is an option of --target ai100, not of --target ort"),
+    (["--target", "ort", "--dry-run"], "--dry-run is an option of --target ai100/coreml, not of --target ort"),
     (["--target", "mlx", "--target-dir", "x"], "--target-dir and --draft-dir are for lowerings that convert"),
     (["--target", "ort", "--passes", "kv-buffer"], "the ORT lowering applies its own rewrites"),
 ])
