@@ -5,7 +5,6 @@ lowering that can run its graphs here calls `compare_lowering` with its sessions
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
@@ -68,7 +67,7 @@ def _outputs(manifest: Manifest, sessions: dict, calls: list[tuple[str, dict]],
     return outputs
 
 
-def compare_lowering(source: Path, exported: Manifest, open_reference: Callable[[str], Session],
+def compare_lowering(exported: Manifest, open_reference: Callable[[str], Session],
                      open_lowered: Callable[[str], Session], manifest: Manifest) -> list[tuple[str, float]]:
     """(name, difference relative to the largest |output|) of every compared output of the lowered graphs
     (`manifest`, sessions from `open_lowered(graph)`) against the export (`exported`, `open_reference(graph)`).

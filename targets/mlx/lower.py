@@ -162,8 +162,10 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
                                                       shared_with_target=shared, report={"weights": report},
                                                       draft_kv="rows" if options.kv_buffer else "concat"))
         if request.progress:
-            print("measuring batch invariance (the target's rows in calls of each size)", file=sys.stderr)
+            print("checking the MLX graphs against the export (ONNX Runtime)", file=sys.stderr)
         lowered.lowering.max_relative_difference = _check(Path(source), manifest_of_export, tmp, lowered, bits)
+        if request.progress:
+            print("measuring batch invariance (the target's rows in calls of each size)", file=sys.stderr)
         record_row_multiple(lowered, open_session(tmp, lowered, "target"))
         if request.progress:
             print("measuring the cost curve (target steps of 1..block tokens, a draft step)", file=sys.stderr)
@@ -182,7 +184,7 @@ def _check(source: Path, exported: Manifest, directory: Path, lowered: Manifest,
     """The MLX graphs against the export on ONNX Runtime (targets/check.py); refused beyond TOLERANCE."""
     from targets.ort.session import OrtSession
 
-    differences = compare_lowering(source, exported, lambda g: OrtSession(source / getattr(exported, g).file),
+    differences = compare_lowering(exported, lambda g: OrtSession(source / getattr(exported, g).file),
                                    lambda g: open_session(directory, lowered, g), lowered)
     allowed = TOLERANCE[bits or lowered.dtype]
     for name, difference in differences:

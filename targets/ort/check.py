@@ -51,7 +51,7 @@ def check_lowering(source: Path, exported: Manifest, directory: Path, manifest: 
                             structure=float_accuracy(Path(directory) / getattr(manifest, graph).file))
 
     allowed = LOWERING_TOLERANCE[manifest.dtype]
-    differences = compare_lowering(Path(source), exported, reference, lowered, manifest)
+    differences = compare_lowering(exported, reference, lowered, manifest)
     for name, difference in differences:
         if difference > allowed:
             buffered = manifest.form == "buffer" and name.startswith("target")
