@@ -227,3 +227,9 @@ def test_dry_run_estimates_the_package(exported, coreml_lowered, tmp_path, capsy
     spec = exported("agree_b8").spec
     assert found["state_bytes"]["target"] == 2 * spec.target_layers * spec.num_kv_heads * CTX_LEN * spec.head_dim * 2
     assert sorted(p.name for p in out.iterdir()) == ["estimate.json"]  # nothing that could be run
+    block = exported("agree_b8").spec.block_size  # a prefill chunk of one block: no function of its own
+    planned = lower_coreml(exported("agree_b8").out, tmp_path / "one", CoremlOptions(ctx_len=CTX_LEN, prefill_len=block,
+                                                                                      dry_run=True),
+                           LowerRequest(progress=False))
+    assert planned.lowering.functions["target"]["rows"] == {"decode": 1, "verify": block}
+    assert planned.lowering.functions["draft"]["rows"] == {"draft": block}

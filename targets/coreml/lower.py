@@ -115,15 +115,18 @@ def _spec(file: str, inputs: dict[str, tuple[str, list]], outputs: dict[str, tup
 
 def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                  request: LowerRequest | None = None) -> Manifest:
-    """Write COREML_DIR: model.mlpackage (stateful, multifunction) and the manifest; with --dry-run the manifest
-    and the estimated sizes only."""
+    """Write COREML_DIR: model.mlpackage (stateful, multifunction) and the manifest; with --dry-run only
+    estimate.json (the sizes estimated from the checkpoints)."""
     options, request = options or CoremlOptions(), request or LowerRequest()
     ct = import_coremltools()
     manifest, (target_dir, draft_dir) = start_lowering(source, out, options, request, reexport=True)
-    stages = Stages(9, enabled=request.progress)
     block, chunk = manifest.block_size, options.prefill_len
-    functions = {"target": {"input": "input_ids", "rows": {"decode": 1, "verify": block, "prefill": chunk}},
-                 "draft": {"input": "context_hidden", "rows": {"draft": block, "draft_prefill": chunk}}}
+    prefill = {"prefill": chunk} if chunk != block else {}  # --prefill-len equal to the block: verify's function
+    functions = {"target": {"input": "input_ids", "rows": {"decode": 1, "verify": block, **prefill}},
+                 "draft": {"input": "context_hidden", "rows": {"draft": block,
+                                                               **{f"draft_{k}": v for k, v in prefill.items()}}}}
+    # loading, calibrating, one conversion per function, writing the package, the check
+    stages = Stages(4 + sum(len(graph["rows"]) for graph in functions.values()), enabled=request.progress)
     if options.dry_run:
         return _dry_run(source, out, request, manifest, options, functions, (target_dir, draft_dir))
     with lowered_output(source, out, request, (target_dir, draft_dir)) as tmp:
