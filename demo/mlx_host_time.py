@@ -141,11 +141,10 @@ def main(argv: list[str] | None = None) -> None:
         lowered[name] = out
 
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
 
-    config = json.loads((target_dir / "config.json").read_text())
-    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta there; mlx-lm reads it top-level
-    model, _ = load_model(target_dir, model_config={"rope_theta": config.get("rope_theta", rope.get("rope_theta"))})
+    from dflash_onnx.peers import mlx_lm_model
+
+    model = mlx_lm_model(target_dir)
     cache = make_prompt_cache(model)
     runs = {}
     for name, directory in lowered.items():

@@ -162,18 +162,25 @@ def _genai(model, build: tuple[str, str], prompts: list[dict], max_new_tokens: i
     return _collect(label, prompts, repeats, once, tau=bool(speculative))
 
 
-def _mlx_lm(target_dir: Path, manifest: Manifest, prompts: list[dict], max_new_tokens: int, repeats: int) -> dict:
+def mlx_lm_model(target_dir: Path):
+    """mlx-lm's native model of a target checkpoint (its own loader; rope_theta given where transformers 5 nests it
+    in rope_parameters and mlx-lm reads it at the top of the config)."""
     import json
 
-    import mlx.core as mx
-    import mlx.nn as nn
     from mlx_lm.utils import load_model
 
-    generate_step = importlib.import_module("mlx_lm.generate").generate_step
     config = json.loads((Path(target_dir) / "config.json").read_text())
-    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta; mlx-lm reads it at the top
-    model, _ = load_model(Path(target_dir), model_config={"rope_theta": config.get("rope_theta",
-                                                                                      rope.get("rope_theta"))})
+    theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
+    model, _ = load_model(Path(target_dir), model_config={"rope_theta": theta} if theta else {})
+    return model
+
+
+def _mlx_lm(target_dir: Path, manifest: Manifest, prompts: list[dict], max_new_tokens: int, repeats: int) -> dict:
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    model = mlx_lm_model(target_dir)
     model.set_dtype(mx.float16 if manifest.dtype == "float16" else mx.float32)
     options = manifest.lowering.options if manifest.backend == "mlx" else {}
     precision = manifest.dtype

@@ -26,8 +26,12 @@ def _tensor_bytes(shape: list[int], bits: int | None, group_size: int) -> int:
     return 2 * values
 
 
-def _state_bytes(layers: int, kv_heads: int, head_dim: int, ctx_len: int) -> int:
-    return 2 * layers * kv_heads * ctx_len * head_dim * 2  # K and V, float16
+def _state_bytes(config: dict, ctx_len: int) -> int:
+    """K and V of every layer at ctx_len, float16."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    return 2 * config["num_hidden_layers"] * kv_heads * ctx_len * head_dim * 2
 
 
 def estimate(target_dir: Path, draft_dir: Path, options: CoremlOptions) -> dict:
@@ -36,13 +40,8 @@ def estimate(target_dir: Path, draft_dir: Path, options: CoremlOptions) -> dict:
                          for shape in tensor_shapes(directory).values())
                for kind, directory in (("target", target_dir), ("draft", draft_dir))}
     text = read_config(Path(target_dir), "target")
-    text = text.get("text_config", text)
-    draft = read_config(Path(draft_dir), "draft")
-    head_dim = lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]  # noqa: E731
-    states = {"target": _state_bytes(text["num_hidden_layers"], text.get("num_key_value_heads") or
-                                     text["num_attention_heads"], head_dim(text), options.ctx_len),
-              "draft": _state_bytes(draft["num_hidden_layers"], draft.get("num_key_value_heads") or
-                                    draft["num_attention_heads"], head_dim(draft), options.ctx_len)}
+    states = {"target": _state_bytes(text.get("text_config", text), options.ctx_len),
+              "draft": _state_bytes(read_config(Path(draft_dir), "draft"), options.ctx_len)}
     return {"method": "estimate from the checkpoints' headers (nothing converted)",
             "precision": f"int{options.bits}, blocks of {options.group_size}" if options.bits else "float16",
             "weights_bytes": weights, "package_bytes": sum(weights.values()), "state_bytes": states,

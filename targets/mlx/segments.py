@@ -33,7 +33,7 @@ def shape_only(nodes: list, keys: list[tuple[str, str]], constants: set[str]) ->
     """Names whose values depend only on shapes: constants, Shape outputs, and what host ops compute from them."""
     static = set(constants)
     for (_, inputs, outputs, _, _), (_, op) in zip(nodes, keys):
-        if op in SHAPE_OPS or (op not in {"Gather"} and all(not i or i in static for i in inputs)):
+        if op in SHAPE_OPS or all(not i or i in static for i in inputs):
             static.update(outputs)
     return static
 
