@@ -116,6 +116,12 @@ def test_buffer_form_keeps_kv_in_place_and_matches_the_export(exported, decoders
     past = {n: want[o][:, :4] for n, o in zip(spec.kv_inputs, spec.kv_outputs)}  # roll back the last token
     step = ort.run({"input_ids": np.array([[42]]), "position_ids": np.array([[4]]), **past})
     np.testing.assert_allclose(buffer_call([42], 4), step["logits"], atol=1e-4, rtol=1e-4)
+    past = {n: step[o] for n, o in zip(spec.kv_inputs, spec.kv_outputs)}  # the same call shape, one position on:
+    step = ort.run({"input_ids": np.array([[17]]), "position_ids": np.array([[5]]), **past})  # the compiled
+    np.testing.assert_allclose(buffer_call([17], 5), step["logits"], atol=1e-4, rtol=1e-4)  # rotation's trace
+    plan = session._plan(("logits",))  # does not fix the position: the rotations run inside the compiled runs
+    assert not any(label.endswith("(rotation)") for *_, label in plan)
+    assert sum(label.startswith("GroupQueryAttention") for *_, label in plan) == len(spec.kv_inputs) // 2
 
 
 def test_the_lowering_check_refuses_a_wrong_graph(exported, mlx_lowered, tmp_path, monkeypatch):

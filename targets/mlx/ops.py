@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 import onnx
 
+SPLIT_DOMAIN = "dflash.mlx"  # ops the session makes from one ONNX node (session.py: _split_attention)
 NP_DTYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
              onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32, onnx.TensorProto.BOOL: np.bool_,
              onnx.TensorProto.DOUBLE: np.float64}
@@ -277,7 +278,7 @@ def rope_base(wavelengths: np.ndarray) -> float | None:
     return base if np.allclose(expected, wavelengths, rtol=1e-5) else None
 
 
-def _fast_rope(x: mx.array, offset: int, rope: tuple[float | None, mx.array]) -> mx.array:
+def _fast_rope(x: mx.array, offset: int | mx.array, rope: tuple[float | None, mx.array]) -> mx.array:
     """x [b, heads, s, head_dim] rotated at positions offset.. (HF's rotate_half convention); `rope` is the
     (base, wavelengths) the session recognised."""
     base, freqs = rope
@@ -369,6 +370,36 @@ def _group_query_attention(inputs, attrs):
     return [_seq_first(out), past_key, past_value]
 
 
+def _to_device(inputs, attrs):
+    """A host scalar (a feed's length) as a device scalar, so that a compiled run can read it as an argument
+    instead of fixing it in its trace."""
+    return [mx.array(host(inputs[0]).reshape(()))]
+
+
+def _rotary_heads(inputs, attrs):
+    """The first half of a rotary GroupQueryAttention, compilable: q, k, v heads-first, q and k rotated at
+    positions total - s.. (`total` a device scalar: the trace does not fix it), k and v in the buffers' dtype."""
+    query, key, value, total = inputs
+    heads, kv_heads, dtype = attrs["num_heads"], attrs["kv_num_heads"], attrs["buffer_dtype"]
+    start = total - query.shape[1]
+    q = _fast_rope(_heads_first(query, heads), start, attrs["rope"])
+    k = _fast_rope(_heads_first(key, kv_heads), start, attrs["rope"])
+    return [q, k.astype(dtype), _heads_first(value, kv_heads).astype(dtype)]
+
+
+def _attend_rotated(inputs, attrs):
+    """The second half: GroupQueryAttention over heads-first, rotated q, k, v from `_rotary_heads`."""
+    q, k, v, past_key, past_value, _, total = inputs[:7]
+    end = int(total)
+    start = end - q.shape[2]
+    past_key[:, :, start:end] = k
+    past_value[:, :, start:end] = v
+    scale = attrs.get("scale") or q.shape[-1] ** -0.5
+    out = mx.fast.scaled_dot_product_attention(q, past_key[:, :, :end], past_value[:, :, :end], scale=float(scale),
+                                               mask="causal" if q.shape[2] > 1 else None)
+    return [_seq_first(out), past_key, past_value]
+
+
 def _attention(inputs, attrs):
     """ONNX Attention (opset 23), the draft's form: 3D [b, s, heads * d] inputs, grouped, not causal, an optional
     boolean or additive mask (a causal draft's)."""
@@ -451,6 +482,9 @@ OPS: dict[tuple[str, str], Callable] = {
     ("com.microsoft", "SkipSimplifiedLayerNormalization"): _skip_rms_norm,
     ("com.microsoft", "FusedMatMul"): _fused_matmul,
     ("com.microsoft", "GroupQueryAttention"): _group_query_attention,
+    (SPLIT_DOMAIN, "ToDevice"): _to_device,
+    (SPLIT_DOMAIN, "RotaryHeads"): _rotary_heads,
+    (SPLIT_DOMAIN, "AttendRotated"): _attend_rotated,
     ("", "Attention"): _attention,
     ("com.microsoft", "MultiHeadAttention"): _multi_head_attention,
 }

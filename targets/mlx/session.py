@@ -125,6 +125,36 @@ def _rope_tables(node: onnx.NodeProto) -> tuple[int, int] | None:
     return ROPE_TABLES.get(node.op_type)
 
 
+def _split_attention(keys: list[tuple[str, str]], nodes: list, dtype) -> tuple[list, list]:
+    """Each GroupQueryAttention whose rotation runs as mx.fast.rope split in two (ops.py): the rotation (with the
+    head reshapes and casts) joins the compiled run before it, reading the call's length as a device scalar (made
+    once, right where the length is known, so that it breaks no run); the buffer writes and the attention stay
+    eager. The rest of the plan is unchanged."""
+    from .ops import OPS, SPLIT_DOMAIN
+
+    def splittable(key, attrs, inputs) -> bool:
+        return key == ("com.microsoft", "GroupQueryAttention") and bool(attrs.get("do_rotary")) and \
+            "rope" in attrs and bool(inputs[1]) and attrs.get("local_window_size", -1) == -1 and \
+            not attrs.get("softcap") and not attrs.get("rotary_interleaved")
+
+    lengths = {node[1][6] for key, node in zip(keys, nodes) if splittable(key, node[3], node[1])}
+    to_device = (SPLIT_DOMAIN, "ToDevice")
+    rotation, attend = (SPLIT_DOMAIN, "RotaryHeads"), (SPLIT_DOMAIN, "AttendRotated")
+    split = [(to_device, (OPS[to_device], [name], [f"{name}@device"], {}, f"ToDevice {name}"))
+             for name in sorted(lengths) if not any(name in node[2] for node in nodes)]  # fed: first
+    for key, (op, inputs, outputs, attrs, label) in zip(keys, nodes):
+        if splittable(key, attrs, inputs):
+            heads = [f"{label}@{part}" for part in ("q", "k", "v")]
+            split += [(rotation, (OPS[rotation], [*inputs[:3], f"{inputs[6]}@device"], heads,
+                                  {**attrs, "buffer_dtype": dtype}, f"{label} (rotation)")),
+                      (attend, (OPS[attend], [*heads, *inputs[3:7]], outputs, attrs, label))]
+        else:
+            split.append((key, (op, inputs, outputs, attrs, label)))
+            split += [(to_device, (OPS[to_device], [name], [f"{name}@device"], {}, f"ToDevice {name}"))
+                      for name in outputs if name in lengths]  # computed: right after
+    return [key for key, _ in split], [node for _, node in split]
+
+
 class MlxSession:
     """One lowered graph run in MLX (the Session protocol)."""
 
@@ -186,12 +216,13 @@ class MlxSession:
                     attrs["rope"] = frequencies[key]
             return attrs
 
-        self._keys = [(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n, _ in nodes]
-        self.nodes = [(OPS[key], inputs, list(n.output), attributes(n, inputs), f"{n.op_type} {n.name}")
-                      for key, (n, inputs) in zip(self._keys, nodes)]
+        dtype = mx.float16 if manifest.dtype == "float16" else mx.float32
+        keys = [(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n, _ in nodes]
+        self._keys, self.nodes = _split_attention(
+            keys, [(OPS[key], inputs, list(n.output), attributes(n, inputs), f"{n.op_type} {n.name}")
+                   for key, (n, inputs) in zip(keys, nodes)], dtype)
         self.output_names = [o.name for o in model.graph.output]
         self.kv_outputs = set(spec.kv_outputs)
-        dtype = mx.float16 if manifest.dtype == "float16" else mx.float32
         self.state = None
         if manifest.form == "buffer" and graph == "target":
             self.state = _TargetBuffers(mx, spec, int(manifest.ctx_len), dtype)
