@@ -22,6 +22,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset, 18..23 (default 18)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    parser.add_argument("--no-stream", dest="stream", action="store_false",
+                        help="load the whole pair in memory instead of tracing it without weights and writing each "
+                             "weight from the checkpoints (the default: peak memory about one tensor)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--passes", help="graph passes to apply right after export, e.g. cleanup,int4")
     parser.add_argument("--pass-option", action="append", default=[], metavar="[PASS.]KEY=VALUE")
@@ -36,6 +39,7 @@ def run_export(args) -> int:
         manifest = export_pair(
             args.target, args.draft, args.out, block_size=args.block_size, dtype=args.dtype, opset=args.opset,
             allow_longer_block=args.allow_longer_block, overwrite=args.overwrite, progress=not args.quiet,
+            stream=getattr(args, "stream", True),
         )
     else:
         from passes.pipeline import apply_pipeline, parse_pass_options
@@ -43,7 +47,8 @@ def run_export(args) -> int:
         check_out_dir(Path(args.out), (args.target, args.draft), args.overwrite)
         with lock_out(Path(args.out)), scratch_directory(Path(args.out)) as raw:  # OUT is ours for the whole run
             export_pair(args.target, args.draft, raw / "raw", block_size=args.block_size, dtype=args.dtype,
-                        opset=args.opset, allow_longer_block=args.allow_longer_block, progress=not args.quiet)
+                        opset=args.opset, allow_longer_block=args.allow_longer_block, progress=not args.quiet,
+                        stream=getattr(args, "stream", True))
             manifest, _ = apply_pipeline(raw / "raw", passes, args.out, parse_pass_options(args.pass_option),
                                          overwrite=args.overwrite, progress=not args.quiet)
     sizes = {p.name: p.stat().st_size for p in Path(args.out).iterdir() if p.suffix in (".onnx", ".data")}

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import sys
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import onnx
@@ -19,11 +20,20 @@ import torch
 from . import __version__
 from .errors import DFlashError
 from .graph_files import graph_spec, share_initializers
+from .lazy_weights import LazyWeights, pair_weights
 from .manifest import GraphSpec, Manifest
-from .model_dirs import export_bytes
+from .model_dirs import export_bytes, largest_tensor_bytes
 from .models.draft import DFlashDraft, DraftSpec
 from .models.target import TappedTarget, check_against_hf
-from .pair import LOGIT_TOLERANCE, TargetInfo, load_draft, load_target, validate_pair
+from .pair import (
+    LOGIT_TOLERANCE,
+    TargetInfo,
+    architecture_check_model,
+    load_draft,
+    load_target,
+    meta_pair,
+    validate_pair,
+)
 from .progress import Stages
 from .publish import check_out_dir, copy_tokenizer_files, staged_directory
 
@@ -40,53 +50,66 @@ def kv_names(prefix: str, num_layers: int) -> list[str]:
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 
-def export_program(module: torch.nn.Module, args: tuple, input_names, output_names, dynamic_shapes, opset: int):
+def export_program(module: torch.nn.Module, args: tuple, input_names, output_names, dynamic_shapes, opset: int,
+                   weights: LazyWeights | None = None):
+    """The ONNX program of `module`. A module traced without weights gets its initializers' values from
+    `weights` before the exporter's optimizer runs (it folds constants, so it needs them)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             program = torch.onnx.export(
                 module, args, input_names=input_names, output_names=output_names,
                 dynamic_shapes=dynamic_shapes, dynamo=True, opset_version=opset, verbose=False,
+                optimize=weights is None,
             )
+            if weights is not None:
+                weights.attach(program.model)
+                program.optimize()
+        except DFlashError:
+            raise
         except Exception as exc:  # the exporter raises many types; keep its summary for the user
             summary = str(exc).split("## Exception summary")[-1].strip().splitlines()
             raise DFlashError(f"torch.onnx.export failed for {type(module).__name__}: {' '.join(summary[:3])}") from exc
     return program
 
 
-def export_target(target: TappedTarget, out: Path, opset: int, dtype: torch.dtype) -> None:
+def export_target(target: TappedTarget, out: Path, opset: int, dtype: torch.dtype,
+                  weights: LazyWeights | None = None) -> None:
     batch, seq, past = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1), torch.export.Dim("past", min=0)
     n = target.num_layers
-    ids = torch.randint(0, 8, (2, 3))
-    positions = (torch.arange(3) + 4)[None].repeat(2, 1)
-    past_kv = tuple(torch.zeros(2, 4, target.num_kv_heads, target.head_dim, dtype=dtype) for _ in range(2 * n))
+    with weights.mode if weights else nullcontext():  # fake inputs for a module traced without weights
+        ids = torch.randint(0, 8, (2, 3))
+        positions = (torch.arange(3) + 4)[None].repeat(2, 1)
+        past_kv = tuple(torch.zeros(2, 4, target.num_kv_heads, target.head_dim, dtype=dtype) for _ in range(2 * n))
     program = export_program(
         target, (ids, positions, *past_kv),
         ["input_ids", "position_ids", *kv_names("past_key_values", n)],
         ["logits", "greedy_ids", "target_hidden", *kv_names("present", n)],
         ({0: batch, 1: seq}, {0: batch, 1: seq}, tuple({0: batch, 1: past} for _ in range(2 * n))),
-        opset,
+        opset, weights,
     )
     program.save(str(out / "target.onnx"), external_data=True)
 
 
-def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dtype: torch.dtype) -> None:
+def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dtype: torch.dtype,
+                 weights: LazyWeights | None = None) -> None:
     batch = torch.export.Dim("batch", min=1)
     ctx_new = torch.export.Dim("ctx_new", min=1)
     ctx_past = torch.export.Dim("ctx_past", min=0)
     n = len(draft.layers)
     features = len(draft.spec.target_layer_ids) * draft.spec.config.hidden_size
-    ids = torch.randint(0, 8, (2, block_size))
-    hidden = torch.zeros(2, 3, features, dtype=dtype)
-    positions = (torch.arange(3 + block_size) + 4)[None].repeat(2, 1)
-    past_kv = tuple(torch.zeros(2, 4, draft.num_kv_heads, draft.head_dim, dtype=dtype) for _ in range(2 * n))
+    with weights.mode if weights else nullcontext():
+        ids = torch.randint(0, 8, (2, block_size))
+        hidden = torch.zeros(2, 3, features, dtype=dtype)
+        positions = (torch.arange(3 + block_size) + 4)[None].repeat(2, 1)
+        past_kv = tuple(torch.zeros(2, 4, draft.num_kv_heads, draft.head_dim, dtype=dtype) for _ in range(2 * n))
     program = export_program(
         draft, (ids, hidden, positions, *past_kv),
         ["input_ids", "target_hidden", "position_ids", *kv_names("past_key_values", n)],
         ["logits", "draft_ids", "draft_confidence", *kv_names("present", n)],
         ({0: batch}, {0: batch, 1: ctx_new}, {0: batch, 1: ctx_new + block_size},
          tuple({0: batch, 1: ctx_past} for _ in range(2 * n))),
-        opset,
+        opset, weights,
     )
     program.save(str(out / "draft.onnx"), external_data=True)
 
@@ -115,8 +138,11 @@ def _file_hashes(directory: Path) -> dict[str, str]:
 def export_pair(
     target_dir: Path, draft_dir: Path, out: Path, block_size: int | None = None, dtype: str = "float32",
     opset: int = DEFAULT_OPSET, allow_longer_block: bool = False, overwrite: bool = False, progress: bool = True,
+    stream: bool = True,
 ) -> Manifest:
-    """Export target and draft into `out` (created atomically); return the manifest written there."""
+    """Export target and draft into `out` (created atomically); return the manifest written there. `stream`
+    (the default) traces the graphs without weights and writes each weight from the checkpoints as the graph
+    files are saved (lazy_weights.py): peak memory about one tensor. Without it the pair is loaded whole."""
     target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out)
     check_out_dir(out, (target_dir, draft_dir), overwrite)
     if not 18 <= opset <= 23:
@@ -127,18 +153,29 @@ def export_pair(
     torch_dtype = torch.float16 if dtype == "float16" else torch.float32
     stages = Stages(6, enabled=progress)
     written = export_bytes([target_dir, draft_dir], torch_dtype.itemsize)
-    # peak memory 1.5x (Qwen3-0.6B shape, float32, issue 19's figure) to 1.7x (Qwen3-4B shape, float16, measured)
-    # the weights written
-    with staged_directory(out, (target_dir, draft_dir), overwrite, int(1.05 * written), int(1.5 * written)) as tmp:
-        with stages.stage("loading target and draft"), torch.no_grad():
-            lm = load_target(target_dir, dtype)
-            draft = load_draft(draft_dir, lm, dtype)
-            tapped = TappedTarget(lm, spec.target_layer_ids).eval()
-            check_against_hf(tapped, LOGIT_TOLERANCE[dtype])
+    # peak memory: streamed, the libraries (~0.7 GB) and about two copies of the largest tensor (Qwen3-4B shape,
+    # float16: 2.36 GB, the embedding 0.78 GB); loaded, 1.5x (Qwen3-0.6B shape, float32) to 1.7x (Qwen3-4B shape,
+    # float16) the weights written
+    need_memory = (2**30 + 3 * largest_tensor_bytes([target_dir, draft_dir], torch_dtype.itemsize) if stream
+                   else int(1.5 * written))
+    with staged_directory(out, (target_dir, draft_dir), overwrite, int(1.05 * written), need_memory) as tmp:
+        target_weights = draft_weights = None
+        if stream:
+            with stages.stage("checking the wrapper on a small random model of the target's architecture"):
+                check_against_hf(architecture_check_model(target_dir, dtype), LOGIT_TOLERANCE[dtype])
+            with stages.stage("building target and draft without their weights"):
+                tapped, draft = meta_pair(target_dir, draft_dir, spec.target_layer_ids, dtype)
+                target_weights, draft_weights = pair_weights(tapped, draft, target_dir, draft_dir, torch_dtype)
+        else:
+            with stages.stage("loading target and draft"), torch.no_grad():
+                lm = load_target(target_dir, dtype)
+                draft = load_draft(draft_dir, lm, dtype)
+                tapped = TappedTarget(lm, spec.target_layer_ids).eval()
+                check_against_hf(tapped, LOGIT_TOLERANCE[dtype])
         with stages.stage("exporting target graph"):
-            export_target(tapped, tmp, opset, torch_dtype)
+            export_target(tapped, tmp, opset, torch_dtype, target_weights)
         with stages.stage(f"exporting draft graph (block size {block})"):
-            export_draft(draft, block, tmp, opset, torch_dtype)
+            export_draft(draft, block, tmp, opset, torch_dtype, draft_weights)
         with stages.stage("sharing embedding and lm_head weights"):
             _, unshared = share_initializers(tmp, "draft.onnx", "target.onnx", info.vocab_size)
             if unshared:

@@ -93,12 +93,20 @@ def tensor_shapes(directory: Path) -> dict[str, list[int]]:
     return shapes
 
 
-def export_bytes(directories: list[Path], itemsize: int) -> int:
-    """Bytes the weights of these directories take at `itemsize` bytes per element (from the headers)."""
-    elements = 0
+def _tensor_elements(directories: list[Path]) -> list[int]:
+    counts = []
     for directory in directories:
         for file in sorted(Path(directory).glob("*.safetensors")):
             found = _header(file)
-            for tensor in _tensors(found[1]) if found else []:
-                elements += math.prod(tensor.get("shape", []))
-    return elements * itemsize
+            counts += [math.prod(tensor.get("shape", [])) for tensor in (_tensors(found[1]) if found else [])]
+    return counts
+
+
+def export_bytes(directories: list[Path], itemsize: int) -> int:
+    """Bytes the weights of these directories take at `itemsize` bytes per element (from the headers)."""
+    return sum(_tensor_elements(directories)) * itemsize
+
+
+def largest_tensor_bytes(directories: list[Path], itemsize: int) -> int:
+    """Bytes of the largest tensor of these directories at `itemsize` bytes per element (from the headers)."""
+    return max(_tensor_elements(directories), default=0) * itemsize

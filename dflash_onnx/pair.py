@@ -144,16 +144,69 @@ def load_target(path: Path, dtype: str = "float32") -> nn.Module:
     return model.eval()
 
 
-def load_draft(path: Path, target: nn.Module, dtype: str = "float32") -> DFlashDraft:
-    """The draft body from its checkpoint, with the target's embedding and lm_head."""
-    spec = DraftSpec.from_dir(Path(path))
-    head = target.get_output_embeddings()
-    draft = DFlashDraft(spec, target.get_input_embeddings().weight, head.weight)
+def _draft_module(spec: DraftSpec, target: nn.Module, dtype: str) -> DFlashDraft:
+    draft = DFlashDraft(spec, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     inv_freq = draft.rotary_emb.inv_freq.clone()
     draft.to(DTYPES[dtype])
     draft.rotary_emb.inv_freq = inv_freq  # RoPE frequencies stay float32, as in the reference and HF
+    return draft
+
+
+def load_draft(path: Path, target: nn.Module, dtype: str = "float32") -> DFlashDraft:
+    """The draft body from its checkpoint, with the target's embedding and lm_head."""
+    draft = _draft_module(DraftSpec.from_dir(Path(path)), target, dtype)
     draft.load_checkpoint(Path(path))
     return draft.eval()
+
+
+def _target_config(path: Path):
+    from transformers import AutoConfig
+
+    read_config(path, "target")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # the loader raises many types
+        raise DFlashError(f"cannot read the target config in {path}: {_first_line(exc)}") from None
+
+
+def _from_config(config, dtype: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation="sdpa",
+                                            trust_remote_code=False).eval()
+
+
+def meta_pair(target_dir: Path, draft_dir: Path, target_layer_ids: list[int],
+              dtype: str = "float32") -> tuple[TappedTarget, DFlashDraft]:
+    """The tapped target and its draft with every parameter on the meta device: nothing read or allocated, for
+    tracing a graph whose weights lazy_weights.py attaches from the checkpoints (buffers stay real)."""
+    from .lazy_weights import parameters_on_meta
+
+    config = _target_config(Path(target_dir))
+    with parameters_on_meta(), torch.no_grad():
+        lm = _from_config(config, dtype)
+        draft = _draft_module(DraftSpec.from_dir(Path(draft_dir)), lm, dtype).eval()
+    return TappedTarget(lm, target_layer_ids).eval(), draft
+
+
+def architecture_check_model(target_dir: Path, dtype: str = "float32") -> TappedTarget:
+    """A small random model of the target's architecture (its config with the fewest layers that hold every
+    layer type, and a 512-token vocabulary), to check the wrapper against HF's forward before a weightless
+    export: masks and head post-processing do not depend on the weights or the model's size."""
+    config = _target_config(Path(target_dir))
+    text = config.get_text_config(decoder=True)
+    types = list(getattr(text, "layer_types", None) or [])
+    keep = max([2] + [types.index(kind) + 1 for kind in set(types)])
+    text.num_hidden_layers = min(text.num_hidden_layers, keep)
+    if types:
+        text.layer_types = types[: text.num_hidden_layers]
+    text.vocab_size = min(text.vocab_size, 512)
+    for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if getattr(text, token, None) is not None:
+            setattr(text, token, None)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        return TappedTarget(_from_config(config, dtype), [0]).eval()
 
 
 def load_tapped_pair(target_dir: Path, draft_dir: Path, target_layer_ids: list[int],

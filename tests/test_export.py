@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnx
 import pytest
 
@@ -118,3 +119,61 @@ def test_share_initializers_reads_a_pre_transposed_copy_through_transpose(tmp_pa
     assert rewritten.graph.node[0].op_type == "Transpose"
     after = ort.InferenceSession(str(tmp_path / "draft.onnx")).run(None, feed)[0]
     np.testing.assert_array_equal(before, after)
+
+
+def _graph(path):
+    model = onnx.load(str(path))
+    nodes = [(n.op_type, n.domain, list(n.input), list(n.output), [a.SerializeToString() for a in n.attribute])
+             for n in model.graph.node]
+    return nodes, {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+@pytest.mark.parametrize("name", ["causal_gqa4_b4", "agree_b4_fp16", "llama_sliding_b16"])
+def test_the_streamed_export_equals_the_loaded_one(name, exported, tmp_path):
+    """The default export traces without weights and writes each from the checkpoint (lazy_weights.py); loading
+    the pair whole (--no-stream) gives the same graphs, node for node and weight for weight."""
+    pair = exported(name)
+    export_pair(pair.target_dir, pair.draft_dir, tmp_path / "loaded", dtype=load_manifest(pair.out).dtype,
+                progress=False, stream=False)
+    for file in ("target.onnx", "draft.onnx"):
+        (streamed_nodes, streamed), (loaded_nodes, loaded) = _graph(pair.out / file), _graph(tmp_path / "loaded" / file)
+        assert streamed_nodes == loaded_nodes
+        assert streamed.keys() == loaded.keys()
+        for key, value in loaded.items():
+            assert streamed[key].dtype == value.dtype and np.array_equal(streamed[key], value), key
+
+
+def test_a_pair_built_for_streaming_holds_no_weights(exported):
+    from dflash_onnx.pair import meta_pair
+
+    pair = exported("agree_b8")
+    tapped, draft = meta_pair(pair.target_dir, pair.draft_dir, pair.spec.target_layer_ids)
+    assert {p.device.type for p in [*tapped.parameters(), *draft.parameters()]} == {"meta"}
+    assert float(tapped.lm.model.rotary_emb.inv_freq[1]) > 0  # buffers computed, real
+
+
+def _rewrite(file, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(file))
+    change(tensors)
+    save_file(tensors, str(file))
+
+
+@pytest.mark.parametrize("where,change,message", [
+    ("target", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "target weights .* lack lm.model.layers.1.mlp"),
+    ("target", lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:-1]}),
+     r"target tensor model.norm.weight .* has shape \(63,\), its config.json implies \(64,\)"),
+    ("draft", lambda t: t.update({"extra.weight": t["fc.weight"].clone()}), "draft weights .* have 1 unknown tensors"),
+])
+def test_the_streamed_export_refuses_a_checkpoint_its_config_does_not_describe(where, change, message, exported,
+                                                                               tmp_path):
+    import shutil
+
+    pair = exported("agree_b2")
+    copy = {kind: shutil.copytree(directory, tmp_path / kind)
+            for kind, directory in (("target", pair.target_dir), ("draft", pair.draft_dir))}
+    _rewrite(copy[where] / "model.safetensors", change)
+    with pytest.raises(DFlashError, match=message):
+        export_pair(copy["target"], copy["draft"], tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -335,3 +335,80 @@ def test_fp16_islands_are_not_squeezed_through_float16_between_them(optimized):
         pow_node = next(n for n in model.graph.node if n.op_type == "Pow")
         reader = next(n for n in model.graph.node if pow_node.output[0] in n.input)
         assert reader.op_type == "ReduceMean"  # the squares go straight into the mean, in float32
+
+
+@pytest.mark.parametrize("name,options", [("agree_b8", {"block_size": "16", "lm_head": "true"}),
+                                          ("causal_gqa4_b4", {"block_size": "16", "lm_head": "true"}),
+                                          ("agree_b4_fp16", {"symmetric": "false", "accuracy_level": "0"})])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantizing_tensor_by_tensor_equals_ort_quantizing_the_whole_model(name, options, bits, exported,
+                                                                           monkeypatch):
+    """The pass's lazy per-tensor quantization makes what ONNX Runtime's MatMulNBitsQuantizer makes of the whole
+    graph (after folding weight transposes, as the pass does): the same nodes, names and quantized bytes, with
+    the columns quantized 24 at a time (the last chunk ragged)."""
+    from onnx import numpy_helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from passes import quantize
+    from passes.quantize import int4, int8
+
+    monkeypatch.setattr(quantize, "COLUMNS", 24)
+
+    pair = exported(name)
+    for graph in ("target", "draft"):
+        model = onnx.load(str(pair.out / f"{graph}.onnx"))
+        ours, details = apply_pass(int4 if bits == 4 else int8, model, graph, options, vocab_size=pair.spec.vocab_size)
+        block = int(options.get("block_size", 32))
+        oracle = _ort_quantized(model, bits, block, options, pair.spec.vocab_size, MatMulNBitsQuantizer)
+        assert [(n.op_type, list(n.input), list(n.output), n.name) for n in ours.graph.node] == \
+            [(n.op_type, list(n.input), list(n.output), n.name) for n in oracle.graph.node]
+        assert [sorted((a.name, onnx.helper.get_attribute_value(a)) for a in n.attribute) for n in ours.graph.node] == \
+            [sorted((a.name, onnx.helper.get_attribute_value(a)) for a in n.attribute) for n in oracle.graph.node]
+        want = {t.name: numpy_helper.to_array(t) for t in oracle.graph.initializer}
+        got = {t.name: numpy_helper.to_array(t) for t in ours.graph.initializer}
+        assert got.keys() == want.keys() and details["quantized_matmuls"] > 0
+        for key, value in want.items():
+            assert got[key].dtype == value.dtype and np.array_equal(got[key], value), key
+
+
+def _ort_quantized(model, bits, block, options, vocab, quantizer_class):
+    """The oracle: transposed weights folded as float initializers `{name}.transposed`, then ORT's quantizer
+    on the whole model, the same MatMuls excluded, unused nodes and initializers dropped."""
+    from onnx import numpy_helper
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    weights = {t.name: t for t in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    keep_head = options.get("lm_head") != "true"
+    excluded = []
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "MatMul":
+            continue
+        node.name = node.name or f"MatMul_{index}"
+        source = producers.get(node.input[1])
+        if source is not None and source.op_type == "Transpose" and source.input[0] in weights:
+            name = f"{source.input[0]}.transposed"
+            if name not in weights and not (keep_head and vocab in weights[source.input[0]].dims):
+                weights[name] = numpy_helper.from_array(numpy_helper.to_array(weights[source.input[0]]).T.copy(), name)
+                model.graph.initializer.append(weights[name])
+            node.input[1] = name if name in weights else node.input[1]
+        weight = weights.get(node.input[1])
+        if weight is None or len(weight.dims) != 2 or weight.dims[0] < block or (keep_head and vocab in weight.dims):
+            excluded.append(node.name)
+    quantizer = quantizer_class(model, bits=bits, block_size=block, is_symmetric=options.get("symmetric") != "false",
+                                accuracy_level=int(options.get("accuracy_level", 4)) or None,
+                                nodes_to_exclude=excluded)
+    quantizer.process()
+    out = quantizer.model.model
+    while True:
+        used = {i for n in out.graph.node for i in n.input} | {o.name for o in out.graph.output}
+        dead = [n for n in out.graph.node if not any(o in used for o in n.output)]
+        for node in dead:
+            out.graph.node.remove(node)
+        if not dead:
+            break
+    used = {i for n in out.graph.node for i in n.input}
+    kept = [t for t in out.graph.initializer if t.name in used]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    return out

@@ -388,7 +388,8 @@ def _rotary_heads(inputs, attrs):
 
 
 def _attend_rotated(inputs, attrs):
-    """The second half: GroupQueryAttention over heads-first, rotated q, k, v from `_rotary_heads`."""
+    """The second half: GroupQueryAttention over heads-first, rotated q, k, v from `_rotary_heads`; the output
+    heads-first, for `_seq_first_op`."""
     q, k, v, past_key, past_value, _, total = inputs[:7]
     end = int(total)
     start = end - q.shape[2]
@@ -397,7 +398,11 @@ def _attend_rotated(inputs, attrs):
     scale = attrs.get("scale") or q.shape[-1] ** -0.5
     out = mx.fast.scaled_dot_product_attention(q, past_key[:, :, :end], past_value[:, :, :end], scale=float(scale),
                                                mask="causal" if q.shape[2] > 1 else None)
-    return [_seq_first(out), past_key, past_value]
+    return [out, past_key, past_value]  # heads first: the compiled run after it makes it [b, s, heads * d]
+
+
+def _seq_first_op(inputs, attrs):
+    return [_seq_first(inputs[0])]
 
 
 def _attention(inputs, attrs):
@@ -485,6 +490,7 @@ OPS: dict[tuple[str, str], Callable] = {
     (SPLIT_DOMAIN, "ToDevice"): _to_device,
     (SPLIT_DOMAIN, "RotaryHeads"): _rotary_heads,
     (SPLIT_DOMAIN, "AttendRotated"): _attend_rotated,
+    (SPLIT_DOMAIN, "SeqFirst"): _seq_first_op,
     ("", "Attention"): _attention,
     ("com.microsoft", "MultiHeadAttention"): _multi_head_attention,
 }

@@ -23,7 +23,8 @@ import numpy as np
 COMPILABLE = {("", "MatMul"), ("com.microsoft", "FusedMatMul"), ("", "SimplifiedLayerNormalization"),
               ("com.microsoft", "SimplifiedLayerNormalization"), ("com.microsoft", "SkipSimplifiedLayerNormalization"),
               ("", "Sigmoid"), ("", "Mul"), ("", "Add"), ("", "Sub"), ("", "Div"), ("", "Neg"), ("", "Tanh"),
-              ("", "Exp"), ("", "Softmax"), ("", "Reshape"), ("", "Transpose"), ("dflash.mlx", "RotaryHeads")}
+              ("", "Exp"), ("", "Softmax"), ("", "Reshape"), ("", "Transpose"),
+              ("dflash.mlx", "RotaryHeads"), ("dflash.mlx", "SeqFirst")}
 SHAPE_OPS = {"Shape"}
 SHORTEST = 4  # shorter runs stay eager: a compiled call has its own fixed cost
 TRACES = 16  # a run traced for more call shapes than this (its host values change every call) runs eagerly

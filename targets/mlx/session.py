@@ -126,10 +126,10 @@ def _rope_tables(node: onnx.NodeProto) -> tuple[int, int] | None:
 
 
 def _split_attention(keys: list[tuple[str, str]], nodes: list, dtype) -> tuple[list, list]:
-    """Each GroupQueryAttention whose rotation runs as mx.fast.rope split in two (ops.py): the rotation (with the
+    """Each GroupQueryAttention whose rotation runs as mx.fast.rope split in three (ops.py): the rotation (with the
     head reshapes and casts) joins the compiled run before it, reading the call's length as a device scalar (made
     once, right where the length is known, so that it breaks no run); the buffer writes and the attention stay
-    eager. The rest of the plan is unchanged."""
+    eager; the output's reshape joins the compiled run after it. The rest of the plan is unchanged."""
     from .ops import OPS, SPLIT_DOMAIN
 
     def splittable(key, attrs, inputs) -> bool:
@@ -139,15 +139,16 @@ def _split_attention(keys: list[tuple[str, str]], nodes: list, dtype) -> tuple[l
 
     lengths = {node[1][6] for key, node in zip(keys, nodes) if splittable(key, node[3], node[1])}
     to_device = (SPLIT_DOMAIN, "ToDevice")
-    rotation, attend = (SPLIT_DOMAIN, "RotaryHeads"), (SPLIT_DOMAIN, "AttendRotated")
+    rotation, attend, seq_first = ((SPLIT_DOMAIN, op) for op in ("RotaryHeads", "AttendRotated", "SeqFirst"))
     split = [(to_device, (OPS[to_device], [name], [f"{name}@device"], {}, f"ToDevice {name}"))
              for name in sorted(lengths) if not any(name in node[2] for node in nodes)]  # fed: first
     for key, (op, inputs, outputs, attrs, label) in zip(keys, nodes):
         if splittable(key, attrs, inputs):
-            heads = [f"{label}@{part}" for part in ("q", "k", "v")]
-            split += [(rotation, (OPS[rotation], [*inputs[:3], f"{inputs[6]}@device"], heads,
+            heads = [f"{label}@{part}" for part in ("q", "k", "v", "out")]
+            split += [(rotation, (OPS[rotation], [*inputs[:3], f"{inputs[6]}@device"], heads[:3],
                                   {**attrs, "buffer_dtype": dtype}, f"{label} (rotation)")),
-                      (attend, (OPS[attend], [*heads, *inputs[3:7]], outputs, attrs, label))]
+                      (attend, (OPS[attend], [*heads[:3], *inputs[3:7]], [heads[3], *outputs[1:]], attrs, label)),
+                      (seq_first, (OPS[seq_first], heads[3:], outputs[:1], {}, f"{label} (output)"))]
         else:
             split.append((key, (op, inputs, outputs, attrs, label)))
             split += [(to_device, (OPS[to_device], [name], [f"{name}@device"], {}, f"ToDevice {name}"))

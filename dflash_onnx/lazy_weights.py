@@ -1,0 +1,205 @@
+"""Export without the weights in memory (issue 19).
+
+The target and the draft are built with their parameters on torch's meta device and traced; each initializer of
+the traced graph then becomes a lazy tensor that reads its checkpoint tensor from the safetensors file, converted
+to the export dtype, only when the graph file is written. The writer takes the tensors one at a time and drops
+each after writing it, so the export's peak memory is about its largest tensor, at any model size. Buffers
+(RoPE frequencies) are computed, not stored: they stay real while the modules are built and are kept as values.
+The trace itself runs on fake CPU tensors (no memory), so the graph is the one a loaded model gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode  # what torch.onnx's former enable_fake_mode used
+
+from .errors import DFlashError
+from .model_dirs import _header, weight_files
+from .models.draft import DFlashDraft
+from .models.target import TappedTarget
+
+IR_DTYPES = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16}
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside moves to the meta device as it is registered (nothing is allocated for
+    it, and initializing it costs nothing); buffers stay real."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def to_fake(module: nn.Module, mode: FakeTensorMode) -> dict[str, np.ndarray]:
+    """Make `module`'s parameters (on the meta device) and buffers fake CPU tensors of `mode`, ties kept; return
+    the buffers' values by name, for the graph initializers traced from them. Traced on the meta device, SDPA
+    takes another path than on CPU (the graph differs); fake CPU tensors trace exactly as real ones."""
+    values = {name: buffer.detach().float().numpy().astype(_numpy_dtype(buffer.dtype))
+              for name, buffer in module.named_buffers()}
+    fakes: dict[int, torch.Tensor] = {}
+    for submodule in module.modules():
+        for name, param in submodule._parameters.items():
+            if param is not None and id(param) not in fakes:
+                with mode:
+                    fakes[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype), requires_grad=False)
+            if param is not None:
+                submodule._parameters[name] = fakes[id(param)]
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None:
+                submodule._buffers[name] = mode.from_tensor(buffer)
+    return values
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+class Checkpoint:
+    """The tensors of a directory's safetensors files, known from their headers; read one at a time."""
+
+    def __init__(self, directory: Path, kind: str):
+        self.directory, self.kind = Path(directory), kind
+        self.files: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for file in weight_files(self.directory, kind):
+            for key, entry in _header(file)[1].items():
+                if key != "__metadata__" and isinstance(entry, dict):
+                    self.files[key], self.shapes[key] = file, tuple(entry["shape"])
+
+    def lazy(self, key: str, dtype: torch.dtype, name: str) -> ir.LazyTensor:
+        """The tensor `key` as `dtype`, read from its file when the graph writer asks for its bytes."""
+        file = self.files[key]
+
+        def read() -> ir.Tensor:
+            with safe_open(str(file), framework="pt") as handle:  # mapped only while it is read
+                return ir.Tensor(handle.get_tensor(key).to(dtype).numpy(), name=name)
+
+        return ir.LazyTensor(read, dtype=IR_DTYPES[dtype], shape=ir.Shape(self.shapes[key]), name=name)
+
+
+def parameter_sources(module: nn.Module, sources: list[tuple[str, Checkpoint]], fixed: dict | None = None,
+                      strict: bool = False, ignored: tuple[str, ...] = ()) -> dict[str, tuple[Checkpoint, str]]:
+    """Every parameter name of `module` (tied names included) -> (checkpoint, key): a name in `fixed` reads what
+    it says; a name under a source's prefix reads the key that follows the prefix; a parameter tied to others
+    reads whichever of its names the checkpoints hold. Refuses a parameter no checkpoint holds, a shape that
+    differs from the config's, and, when `strict`, tensors of the first source's checkpoint that the module does
+    not have (`ignored` apart)."""
+    fixed = fixed or {}
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    found: dict[str, tuple[Checkpoint, str]] = {}
+    for ident, aliases in names.items():
+        source = next((fixed[alias] for alias in aliases if alias in fixed), None) or next(
+            ((checkpoint, alias[len(prefix):]) for alias in aliases for prefix, checkpoint in sources
+             if alias.startswith(prefix) and alias[len(prefix):] in checkpoint.files), None)
+        if source is None:
+            checkpoint = sources[0][1]
+            raise DFlashError(f"{checkpoint.kind} weights in {checkpoint.directory} lack {aliases[0]} (tied names: "
+                              f"{aliases}): the checkpoint does not match its config.json")
+        checkpoint, key = source
+        shape = tuple(params[ident].shape)
+        if checkpoint.shapes[key] != shape:
+            raise DFlashError(f"{checkpoint.kind} tensor {key} in {checkpoint.directory} has shape "
+                              f"{checkpoint.shapes[key]}, its config.json implies {shape}")
+        found.update((alias, source) for alias in aliases)
+    own = sources[0][1]
+    unknown = sorted(set(own.files) - {key for checkpoint, key in found.values() if checkpoint is own} - set(ignored))
+    if strict and unknown:
+        raise DFlashError(f"{own.kind} weights in {own.directory} have {len(unknown)} unknown tensors, "
+                          f"e.g. {unknown[:3]}")
+    return found
+
+
+def attach_weights(model: ir.Model, parameters: dict[str, tuple[Checkpoint, str]], buffers: dict[str, np.ndarray],
+                   dtype: torch.dtype) -> None:
+    """Give each initializer of a graph traced on the meta device its value: a lazy read of its checkpoint
+    tensor (parameters, in `dtype`), or the buffer's computed value."""
+    for name, value in model.graph.initializers.items():
+        if name in parameters:
+            checkpoint, key = parameters[name]
+            value.const_value = checkpoint.lazy(key, dtype, name)
+        elif name in buffers:
+            value.const_value = ir.Tensor(buffers[name], name=name)
+        else:
+            raise DFlashError(f"the traced graph has a weight {name} that is neither a checkpoint tensor nor a "
+                              "buffer: this architecture needs `dflash-onnx export --no-stream`")
+    _fold_transposes(model)
+
+
+def _fold_transposes(model: ir.Model) -> None:
+    """A Transpose whose only input is a lazy weight read by nothing else becomes a lazy weight of its own (read,
+    then transposed): the exporter's optimizer folds such Transposes whatever their size, and folding them itself
+    would hold every transposed weight in memory at once."""
+    initializers = model.graph.initializers
+    for node in list(model.graph):
+        source = node.inputs[0] if node.op_type == "Transpose" and node.domain == "" and node.inputs else None
+        if source is None or source.name not in initializers or len(source.uses()) != 1 or \
+                not isinstance(source.const_value, ir.LazyTensor):
+            continue
+        lazy, output = source.const_value, node.outputs[0]
+        perm = node.attributes.get_ints("perm") or list(reversed(range(len(lazy.shape))))
+        folded = ir.Value(name=output.name, shape=ir.Shape([lazy.shape[i] for i in perm]), type=source.type,
+                          const_value=ir.LazyTensor(_transposed(lazy, perm, output.name), dtype=lazy.dtype,
+                                                    shape=ir.Shape([lazy.shape[i] for i in perm]), name=output.name))
+        ir.convenience.replace_all_uses_with(output, folded)
+        model.graph.remove(node, safe=True)
+        del initializers[source.name]
+        model.graph.register_initializer(folded)
+
+
+def _transposed(lazy: ir.LazyTensor, perm: list[int], name: str) -> Callable[[], ir.Tensor]:
+    def read() -> ir.Tensor:
+        return ir.Tensor(np.ascontiguousarray(lazy.numpy().transpose(perm)), name=name)
+
+    return read
+
+
+@dataclass
+class LazyWeights:
+    """What the exporter needs to trace a module without weights: the fake mode its example inputs are made in,
+    and the function that gives the traced graph's initializers their values."""
+
+    mode: FakeTensorMode
+    attach: Callable[[ir.Model], None]
+
+
+def pair_weights(tapped: TappedTarget, draft: DFlashDraft, target_dir: Path, draft_dir: Path,
+                 dtype: torch.dtype) -> tuple[LazyWeights, LazyWeights]:
+    """For a pair built by pair.meta_pair: the lazy weights of the target graph (its checkpoint, under the
+    wrapper's `lm.`) and of the draft graph (its own checkpoint, strictly; the target's embedding and lm_head for
+    the shared ones). Makes both modules fake for tracing."""
+    target = Checkpoint(target_dir, "target")
+    target_sources = parameter_sources(tapped, [("lm.", target)])
+
+    def name_of(weight: torch.Tensor) -> str:
+        return next(n for n, p in tapped.named_parameters(remove_duplicate=False) if p is weight)
+
+    shared = {"embed_tokens": target_sources[name_of(tapped.lm.get_input_embeddings().weight)],
+              "lm_head": target_sources[name_of(tapped.lm.get_output_embeddings().weight)]}
+    draft_sources = parameter_sources(draft, [("", Checkpoint(draft_dir, "draft"))], fixed=shared, strict=True,
+                                      ignored=("embed_tokens.weight", "lm_head.weight"))  # copies: the target's win
+    mode = FakeTensorMode()
+    target_buffers, draft_buffers = to_fake(tapped, mode), to_fake(draft, mode)
+    return (LazyWeights(mode, lambda model: attach_weights(model, target_sources, target_buffers, dtype)),
+            LazyWeights(mode, lambda model: attach_weights(model, draft_sources, draft_buffers, dtype)))
