@@ -11,10 +11,12 @@ import hashlib
 import logging
 import sys
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
 import onnx
+import onnx_ir
 import torch
 
 from . import __version__
@@ -41,6 +43,7 @@ DEFAULT_OPSET = 18
 # Changes whenever the graphs' inputs or outputs change (2: the draft's `draft_confidence`), so that caches of
 # exports (the demo's) are rebuilt rather than reused with an older contract.
 GRAPH_REVISION = 2
+EXTERNAL_BYTES = 256  # smaller tensors stay inside the graph file (onnx-ir's default, as ONNXProgram.save)
 
 
 def kv_names(prefix: str, num_layers: int) -> list[str]:
@@ -73,8 +76,26 @@ def export_program(module: torch.nn.Module, args: tuple, input_names, output_nam
     return program
 
 
+def save_graph(model: onnx_ir.Model, path: Path, written: Callable[[int, int], None] | None = None) -> None:
+    """The graph at `path`, its weights in `{name}.data` (what ONNXProgram.save writes), tensor by tensor;
+    `written(bytes so far, total)` after each tensor."""
+    total = sum(v.const_value.nbytes for v in model.graph.initializers.values()
+                if v.const_value is not None and v.const_value.nbytes >= EXTERNAL_BYTES)
+    done = 0
+
+    def callback(tensor, info) -> None:
+        nonlocal done
+        done += tensor.nbytes
+        written(done, total)
+
+    onnx_ir.save(model, str(path), external_data=f"{path.name}.data", size_threshold_bytes=EXTERNAL_BYTES,
+                 callback=callback if written else None)
+    if written:
+        written(total, total)
+
+
 def export_target(target: TappedTarget, out: Path, opset: int, dtype: torch.dtype,
-                  weights: LazyWeights | None = None) -> None:
+                  weights: LazyWeights | None = None, written: Callable[[int, int], None] | None = None) -> None:
     batch, seq, past = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1), torch.export.Dim("past", min=0)
     n = target.num_layers
     with weights.mode if weights else nullcontext():  # fake inputs for a module traced without weights
@@ -88,11 +109,11 @@ def export_target(target: TappedTarget, out: Path, opset: int, dtype: torch.dtyp
         ({0: batch, 1: seq}, {0: batch, 1: seq}, tuple({0: batch, 1: past} for _ in range(2 * n))),
         opset, weights,
     )
-    program.save(str(out / "target.onnx"), external_data=True)
+    save_graph(program.model, out / "target.onnx", written)
 
 
 def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dtype: torch.dtype,
-                 weights: LazyWeights | None = None) -> None:
+                 weights: LazyWeights | None = None, written: Callable[[int, int], None] | None = None) -> None:
     batch = torch.export.Dim("batch", min=1)
     ctx_new = torch.export.Dim("ctx_new", min=1)
     ctx_past = torch.export.Dim("ctx_past", min=0)
@@ -111,7 +132,7 @@ def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dty
          tuple({0: batch, 1: ctx_past} for _ in range(2 * n))),
         opset, weights,
     )
-    program.save(str(out / "draft.onnx"), external_data=True)
+    save_graph(program.model, out / "draft.onnx", written)
 
 
 def check_symbolic(graph: GraphSpec, promised: dict[str, list[int]]) -> None:
@@ -151,7 +172,7 @@ def export_pair(
     spec = DraftSpec.from_dir(draft_dir)
     block = validate_pair(info, spec, block_size, allow_longer_block, dtype)
     torch_dtype = torch.float16 if dtype == "float16" else torch.float32
-    stages = Stages(6, enabled=progress)
+    stages = Stages(7 if stream else 6, enabled=progress)
     written = export_bytes([target_dir, draft_dir], torch_dtype.itemsize)
     # peak memory: streamed, the libraries (~0.7 GB) and about two copies of the largest tensor (Qwen3-4B shape,
     # float16: 2.36 GB, the embedding 0.78 GB); loaded, 1.5x (Qwen3-0.6B shape, float32) to 1.7x (Qwen3-4B shape,
@@ -173,9 +194,9 @@ def export_pair(
                 tapped = TappedTarget(lm, spec.target_layer_ids).eval()
                 check_against_hf(tapped, LOGIT_TOLERANCE[dtype])
         with stages.stage("exporting target graph"):
-            export_target(tapped, tmp, opset, torch_dtype, target_weights)
+            export_target(tapped, tmp, opset, torch_dtype, target_weights, stages.fraction)
         with stages.stage(f"exporting draft graph (block size {block})"):
-            export_draft(draft, block, tmp, opset, torch_dtype, draft_weights)
+            export_draft(draft, block, tmp, opset, torch_dtype, draft_weights, stages.fraction)
         with stages.stage("sharing embedding and lm_head weights"):
             _, unshared = share_initializers(tmp, "draft.onnx", "target.onnx", info.vocab_size)
             if unshared:

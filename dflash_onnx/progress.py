@@ -15,10 +15,20 @@ class Stages:
         self.index = 0
         self.enabled = enabled
         self.stream = stream or sys.stderr
+        self._tenths = 0
+
+    def fraction(self, done: int, total: int) -> None:
+        """Within a stage: each tenth of `total` reached (bytes written) printed on the stage's line."""
+        tenths = 10 * done // max(total, 1)
+        if self.enabled and tenths > self._tenths:
+            print("".join(f" {10 * t}%" for t in range(self._tenths + 1, tenths + 1)), end="", file=self.stream,
+                  flush=True)
+        self._tenths = max(self._tenths, tenths)
 
     @contextmanager
     def stage(self, name: str):
         self.index += 1
+        self._tenths = 0
         start = time.perf_counter()
         if self.enabled:
             print(f"[{self.index}/{self.total}] {name} ...", end="", file=self.stream, flush=True)

@@ -21,7 +21,6 @@ from dflash_onnx.errors import DFlashError
 
 from .base import PassContext
 
-
 COLUMNS = 8192  # output columns quantized at a time
 
 

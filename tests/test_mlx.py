@@ -100,7 +100,7 @@ def test_buffer_form_keeps_kv_in_place_and_matches_the_export(exported, decoders
     config = json.loads((exported("agree_b8").target_dir / "config.json").read_text())
     theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
     assert all(attrs["rope"][0] == theta for _, _, _, attrs, label in session.nodes  # mx.fast.rope(base=theta)
-               if label.startswith("GroupQuery"))
+               if label.startswith("GroupQuery") and not label.endswith("(output)"))
     ort, spec = decoders("agree_b8").target, manifest.target
 
     def buffer_call(ids, start):

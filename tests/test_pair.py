@@ -104,8 +104,9 @@ def test_stop_tokens_come_from_generation_config(pair_dirs):
 
 
 def test_a_stage_the_machine_cannot_hold_is_refused_up_front(tmp_path, pair_dirs, exported, monkeypatch):
-    """Export, optimize and the ORT lowering estimate their peak memory from their weights (measured factors)
-    and refuse, naming both figures, before anything is written; the environment variable lets a user try."""
+    """Export, weight-loading passes and the ORT lowering estimate their peak memory from their weights (measured
+    factors) and refuse, naming both figures, before anything is written; the environment variable lets a user
+    try."""
     import dflash_onnx.publish as publish
     from dflash_onnx.publish import MEMORY_CHECK_ENV, available_memory, staged_directory
 
@@ -121,11 +122,12 @@ def test_a_stage_the_machine_cannot_hold_is_refused_up_front(tmp_path, pair_dirs
     from targets.ort.lower import lower_ort
 
     with pytest.raises(DFlashError, match="of memory at its peak"):
-        apply_pipeline(source, ["int4"], tmp_path / "int4", {}, progress=False)
+        apply_pipeline(source, ["fp16"], tmp_path / "fp16", {}, progress=False)  # loads the weights
     apply_pipeline(source, ["cleanup"], tmp_path / "cleaned", {}, progress=False)  # structure only: no estimate
+    apply_pipeline(source, ["int4"], tmp_path / "int4", {}, progress=False)  # tensor by tensor: no estimate
     with pytest.raises(DFlashError, match="of memory at its peak"):
         lower_ort(source, tmp_path / "ort", request=LowerRequest(progress=False))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cleaned"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cleaned", "int4"]
     monkeypatch.setenv(MEMORY_CHECK_ENV, "1")
     with staged_directory(tmp_path / "forced", need_memory=10**15) as staging:
         (staging / "file").write_text("x")
