@@ -116,7 +116,8 @@ def parameter_sources(module: nn.Module, sources: list[tuple[str, Checkpoint]], 
         if source is None:
             checkpoint = sources[0][1]
             raise DFlashError(f"{checkpoint.kind} weights in {checkpoint.directory} lack {aliases[0]} (tied names: "
-                              f"{aliases}): the checkpoint does not match its config.json")
+                              f"{aliases}): the checkpoint does not match its config.json, or its tensors are "
+                              "renamed when transformers loads them (then export with --no-stream)")
         checkpoint, key = source
         shape = tuple(params[ident].shape)
         if checkpoint.shapes[key] != shape:
