@@ -2,7 +2,8 @@
 
 The draft graph is specialized to one block size (static block axis); every other axis is dynamic.
 The target's embedding and lm_head are stored once: the draft graph's copies point into the
-target's external data file.
+target's external data file. By default the pair is traced without its weights and each weight is written
+straight from the checkpoint (lazy_weights.py), so the export's memory does not grow with the model.
 """
 
 from __future__ import annotations
