@@ -74,17 +74,19 @@ def _quantizable(array: np.ndarray, group_size: int) -> bool:
 
 
 def _convert_weights(model: onnx.ModelProto, bits: int | None, group_size: int,
-                     skip: set[str]) -> tuple[dict, dict]:
+                     skip: set[str], base_dir: Path) -> tuple[dict, dict]:
     """MLX arrays per initializer: the float tensor where something reads it as such, and for MatMul weights
     and embeddings (with `bits`) `NAME.q.*` (quantized for x @ W) and/or `NAME.qt.*` (for x @ W^T, and for row
-    lookups: a tied embedding is stored once, quantized, for both its lookup and the lm_head)."""
+    lookups: a tied embedding is stored once, quantized, for both its lookup and the lm_head). `model` is the
+    graph's structure: each weight is read from its data file beside it (`base_dir`) when converted, so with
+    `bits` only the quantized arrays accumulate."""
     mx = import_mlx()
     uses = weight_uses(model.graph)
     arrays, report = {}, {"quantized": 0, "kept_float": []}
     for tensor in model.graph.initializer:
         if tensor.name in skip or tensor.name not in uses:
             continue
-        value = numpy_helper.to_array(tensor)
+        value = numpy_helper.to_array(tensor, str(base_dir))
         kinds = uses[tensor.name]
         if bits and kinds & {"direct", "transposed", "rows"}:
             if _quantizable(value, group_size):
@@ -150,9 +152,9 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
         for graph in ("target", "draft"):
             if request.progress:
                 print(f"lowering {graph} to MLX{f' ({bits}-bit)' if bits else ''}", file=sys.stderr)
-            model = onnx.load(str(origin / getattr(manifest, graph).file))
+            model = structures[graph]
             skip = set(shared) if graph == "draft" else set()
-            arrays, report[graph] = _convert_weights(model, bits, options.group_size, skip)
+            arrays, report[graph] = _convert_weights(model, bits, options.group_size, skip, origin)
             mx.save_safetensors(str(tmp / f"{graph}.safetensors"), arrays)
             onnx.save_model(_strip_weights(model), str(tmp / getattr(manifest, graph).file))
             del arrays, model
