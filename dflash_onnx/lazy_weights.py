@@ -23,7 +23,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode  # what torch.onnx's former enable_fake_mode used
 
 from .errors import DFlashError
-from .model_dirs import _header, weight_files
+from .model_dirs import file_tensor_shapes, weight_files
 from .models.draft import DFlashDraft
 from .models.target import TappedTarget
 
@@ -80,9 +80,8 @@ class Checkpoint:
         self.files: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for file in weight_files(self.directory, kind):
-            for key, entry in _header(file)[1].items():
-                if key != "__metadata__" and isinstance(entry, dict):
-                    self.files[key], self.shapes[key] = file, tuple(entry["shape"])
+            for key, shape in file_tensor_shapes(file).items():
+                self.files[key], self.shapes[key] = file, tuple(shape)
 
     def lazy(self, key: str, dtype: torch.dtype, name: str) -> ir.LazyTensor:
         """The tensor `key` as `dtype`, read from its file when the graph writer asks for its bytes."""
@@ -95,13 +94,12 @@ class Checkpoint:
         return ir.LazyTensor(read, dtype=IR_DTYPES[dtype], shape=ir.Shape(self.shapes[key]), name=name)
 
 
-def parameter_sources(module: nn.Module, sources: list[tuple[str, Checkpoint]], fixed: dict | None = None,
+def parameter_sources(module: nn.Module, prefix: str, checkpoint: Checkpoint, fixed: dict | None = None,
                       strict: bool = False, ignored: tuple[str, ...] = ()) -> dict[str, tuple[Checkpoint, str]]:
     """Every parameter name of `module` (tied names included) -> (checkpoint, key): a name in `fixed` reads what
-    it says; a name under a source's prefix reads the key that follows the prefix; a parameter tied to others
-    reads whichever of its names the checkpoints hold. Refuses a parameter no checkpoint holds, a shape that
-    differs from the config's, and, when `strict`, tensors of the first source's checkpoint that the module does
-    not have (`ignored` apart)."""
+    it says; a name under `prefix` reads the key that follows it; a parameter tied to others reads whichever of
+    its names the checkpoint holds. Refuses a parameter the checkpoint lacks, a shape that differs from the
+    config's, and, when `strict`, checkpoint tensors the module does not have (`ignored` apart)."""
     fixed = fixed or {}
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -111,30 +109,29 @@ def parameter_sources(module: nn.Module, sources: list[tuple[str, Checkpoint]], 
     found: dict[str, tuple[Checkpoint, str]] = {}
     for ident, aliases in names.items():
         source = next((fixed[alias] for alias in aliases if alias in fixed), None) or next(
-            ((checkpoint, alias[len(prefix):]) for alias in aliases for prefix, checkpoint in sources
+            ((checkpoint, alias[len(prefix):]) for alias in aliases
              if alias.startswith(prefix) and alias[len(prefix):] in checkpoint.files), None)
         if source is None:
-            checkpoint = sources[0][1]
             raise DFlashError(f"{checkpoint.kind} weights in {checkpoint.directory} lack {aliases[0]} (tied names: "
                               f"{aliases}): the checkpoint does not match its config.json, or its tensors are "
                               "renamed when transformers loads them (then export with --no-stream)")
-        checkpoint, key = source
+        holder, key = source
         shape = tuple(params[ident].shape)
-        if checkpoint.shapes[key] != shape:
-            raise DFlashError(f"{checkpoint.kind} tensor {key} in {checkpoint.directory} has shape "
-                              f"{checkpoint.shapes[key]}, its config.json implies {shape}")
+        if holder.shapes[key] != shape:
+            raise DFlashError(f"{holder.kind} tensor {key} in {holder.directory} has shape "
+                              f"{holder.shapes[key]}, its config.json implies {shape}")
         found.update((alias, source) for alias in aliases)
-    own = sources[0][1]
-    unknown = sorted(set(own.files) - {key for checkpoint, key in found.values() if checkpoint is own} - set(ignored))
+    unknown = sorted(set(checkpoint.files) - {key for holder, key in found.values() if holder is checkpoint}
+                     - set(ignored))
     if strict and unknown:
-        raise DFlashError(f"{own.kind} weights in {own.directory} have {len(unknown)} unknown tensors, "
+        raise DFlashError(f"{checkpoint.kind} weights in {checkpoint.directory} have {len(unknown)} unknown tensors, "
                           f"e.g. {unknown[:3]}")
     return found
 
 
 def attach_weights(model: ir.Model, parameters: dict[str, tuple[Checkpoint, str]], buffers: dict[str, np.ndarray],
                    dtype: torch.dtype) -> None:
-    """Give each initializer of a graph traced on the meta device its value: a lazy read of its checkpoint
+    """Give each initializer of a graph traced without weights its value: a lazy read of its checkpoint
     tensor (parameters, in `dtype`), or the buffer's computed value."""
     for name, value in model.graph.initializers.items():
         if name in parameters:
@@ -160,9 +157,10 @@ def _fold_transposes(model: ir.Model) -> None:
             continue
         lazy, output = source.const_value, node.outputs[0]
         perm = node.attributes.get_ints("perm") or list(reversed(range(len(lazy.shape))))
-        folded = ir.Value(name=output.name, shape=ir.Shape([lazy.shape[i] for i in perm]), type=source.type,
+        shape = ir.Shape([lazy.shape[i] for i in perm])
+        folded = ir.Value(name=output.name, shape=shape, type=source.type,
                           const_value=ir.LazyTensor(_transposed(lazy, perm, output.name), dtype=lazy.dtype,
-                                                    shape=ir.Shape([lazy.shape[i] for i in perm]), name=output.name))
+                                                    shape=shape, name=output.name))
         ir.convenience.replace_all_uses_with(output, folded)
         model.graph.remove(node, safe=True)
         del initializers[source.name]
@@ -191,14 +189,14 @@ def pair_weights(tapped: TappedTarget, draft: DFlashDraft, target_dir: Path, dra
     wrapper's `lm.`) and of the draft graph (its own checkpoint, strictly; the target's embedding and lm_head for
     the shared ones). Makes both modules fake for tracing."""
     target = Checkpoint(target_dir, "target")
-    target_sources = parameter_sources(tapped, [("lm.", target)])
+    target_sources = parameter_sources(tapped, "lm.", target)
 
     def name_of(weight: torch.Tensor) -> str:
         return next(n for n, p in tapped.named_parameters(remove_duplicate=False) if p is weight)
 
     shared = {"embed_tokens": target_sources[name_of(tapped.lm.get_input_embeddings().weight)],
               "lm_head": target_sources[name_of(tapped.lm.get_output_embeddings().weight)]}
-    draft_sources = parameter_sources(draft, [("", Checkpoint(draft_dir, "draft"))], fixed=shared, strict=True,
+    draft_sources = parameter_sources(draft, "", Checkpoint(draft_dir, "draft"), fixed=shared, strict=True,
                                       ignored=("embed_tokens.weight", "lm_head.weight"))  # copies: the target's win
     mode = FakeTensorMode()
     target_buffers, draft_buffers = to_fake(tapped, mode), to_fake(draft, mode)

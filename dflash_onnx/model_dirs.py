@@ -82,24 +82,21 @@ def weight_files(directory: Path, kind: str) -> list[Path]:
     return files
 
 
+def file_tensor_shapes(file: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape of one safetensors file, from its header (nothing else read)."""
+    found = _header(file)
+    return {name: list(entry.get("shape", [])) for name, entry in (found[1].items() if found else [])
+            if name != "__metadata__" and isinstance(entry, dict)}
+
+
 def tensor_shapes(directory: Path) -> dict[str, list[int]]:
     """Every tensor's shape in the directory's safetensors files (read from the headers, nothing loaded)."""
-    shapes = {}
-    for file in sorted(Path(directory).glob("*.safetensors")):
-        found = _header(file)
-        for name, entry in (found[1].items() if found else []):
-            if name != "__metadata__" and isinstance(entry, dict):
-                shapes[name] = list(entry.get("shape", []))
-    return shapes
+    return {name: shape for file in sorted(Path(directory).glob("*.safetensors"))
+            for name, shape in file_tensor_shapes(file).items()}
 
 
 def _tensor_elements(directories: list[Path]) -> list[int]:
-    counts = []
-    for directory in directories:
-        for file in sorted(Path(directory).glob("*.safetensors")):
-            found = _header(file)
-            counts += [math.prod(tensor.get("shape", [])) for tensor in (_tensors(found[1]) if found else [])]
-    return counts
+    return [math.prod(shape) for directory in directories for shape in tensor_shapes(directory).values()]
 
 
 def export_bytes(directories: list[Path], itemsize: int) -> int:

@@ -353,8 +353,7 @@ def _group_query_attention(inputs, attrs):
     if attrs.get("local_window_size", -1) != -1 or attrs.get("softcap", 0.0) or attrs.get("rotary_interleaved", 0):
         raise NotImplementedError("GroupQueryAttention with a local window, softcap or interleaved rotary")
     heads, kv_heads = attrs["num_heads"], attrs["kv_num_heads"]
-    steps, end = query.shape[1], int(total)
-    start = end - steps
+    start = int(total) - query.shape[1]
     q, k, v = _heads_first(query, heads), _heads_first(key, kv_heads), _heads_first(value, kv_heads)
     if attrs.get("do_rotary", 0):
         rope = attrs.get("rope")
@@ -362,11 +361,8 @@ def _group_query_attention(inputs, attrs):
             q, k = _fast_rope(q, start, rope), _fast_rope(k, start, rope)
         else:
             q, k = _table_rope(q, start, cos, sin), _table_rope(k, start, cos, sin)
-    past_key[:, :, start:end] = k if k.dtype == past_key.dtype else k.astype(past_key.dtype)  # in place: the
-    past_value[:, :, start:end] = v if v.dtype == past_value.dtype else v.astype(past_value.dtype)  # session's
-    scale = attrs.get("scale") or q.shape[-1] ** -0.5
-    out = mx.fast.scaled_dot_product_attention(q, past_key[:, :, :end], past_value[:, :, :end], scale=float(scale),
-                                               mask="causal" if steps > 1 else None)
+    out, past_key, past_value = _attend_rotated(
+        [q, k.astype(past_key.dtype), v.astype(past_value.dtype), past_key, past_value, None, total], attrs)
     return [_seq_first(out), past_key, past_value]
 
 
@@ -388,8 +384,9 @@ def _rotary_heads(inputs, attrs):
 
 
 def _attend_rotated(inputs, attrs):
-    """The second half: GroupQueryAttention over heads-first, rotated q, k, v from `_rotary_heads`; the output
-    heads-first, for `_seq_first_op`."""
+    """The second half: GroupQueryAttention over heads-first, rotated q, k, v (in the buffers' dtype) from
+    `_rotary_heads`; the call's rows written in place into the session's buffers, the output heads-first, for
+    `_seq_first_op`."""
     q, k, v, past_key, past_value, _, total = inputs[:7]
     end = int(total)
     start = end - q.shape[2]
