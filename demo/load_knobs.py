@@ -49,11 +49,11 @@ def ours(directory: Path, settings: dict):
 def genai(directory: Path):
     import onnxruntime_genai as og
 
-    from dflash_onnx.peers import genai_build, genai_model_dir
+    from dflash_onnx.peers import genai_block_size, genai_build, genai_model_dir
 
     manifest = load_manifest(directory)
     target, _ = manifest.checkpoints(None, None)
-    model = og.Model(str(genai_model_dir(Path(target), *genai_build(manifest))))
+    model = og.Model(str(genai_model_dir(Path(target), *genai_build(manifest), genai_block_size(manifest))))
 
     def once(ids: list[int], new: int) -> tuple[list[int], float]:
         params = og.GeneratorParams(model)

@@ -177,6 +177,7 @@ def _steps(args) -> int:
 
 def _calibrate(args) -> int:
     from targets import backend_for, open_session
+    from targets.row_invariance import record_row_multiple
 
     from .costs import measure_costs, read_costs
     from .manifest import load_manifest
@@ -192,6 +193,10 @@ def _calibrate(args) -> int:
         else:
             backend = backend_for(args.dir, manifest, args.backend).name
             sessions = [open_session(args.dir, manifest, g, backend) for g in ("target", "draft")]
+            if manifest.lowering is not None and manifest.lowering.backend == backend in ("ort", "mlx"):
+                record_row_multiple(manifest, sessions[0])  # as the lowering measures it, on its own backend
+                print(f"row multiple {manifest.lowering.row_multiple} recorded (batch-invariant: "
+                      f"{'yes' if manifest.lowering.report['batch_invariance']['invariant'] else 'no'})")
             costs = measure_costs(manifest, *sessions, context=args.context, repeats=args.repeats,
                                   source="calibrate")
         manifest.costs = costs
@@ -437,9 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = commands.add_parser(
         "calibrate", help="measure (or replay) the cost curve the auto verify policy uses, into dflash.json",
         description="Measures the target's step for T = 1..block new tokens and the draft's step on the "
-                    "directory's backend and records them in its dflash.json (lower --target ort and mlx do this "
-                    "already); --from replays a curve measured elsewhere, e.g. on the device of an AI 100 or "
-                    "CoreML lowering.")
+                    "directory's backend and records them in its dflash.json, and for an ORT or MLX lowering the "
+                    "row multiple that makes the target batch-invariant (lower --target ort and mlx do both "
+                    "already, unless they would take too long there); --from replays a curve measured elsewhere, "
+                    "e.g. on the device of an AI 100 or CoreML lowering.")
     calibrate.add_argument("dir", type=Path, help="an exported or lowered directory")
     calibrate.add_argument("--from", dest="from_file", type=Path, metavar="FILE",
                            help="JSON with verify_ms (t(1)..t(B)) and draft_ms, instead of measuring here")

@@ -84,9 +84,18 @@ def genai_build(manifest: Manifest) -> tuple[str, str]:
     return precision, "cuda" if provider == "cuda" else "cpu"
 
 
-def genai_model_dir(target_dir: Path, precision: str, provider: str) -> Path:
-    """The target rebuilt by onnxruntime-genai's model builder, cached per checkpoint (path, file sizes and
-    modification times: cheap for multi-GB weights), precision and provider."""
+def genai_block_size(manifest: Manifest) -> int | None:
+    """The block size of the directory's int4/int8 weights, for the builder's `block_size` (None when float)."""
+    quantized = [p for p in manifest.passes if p.get("name") in ("int4", "int8")]
+    if not quantized:
+        return None
+    return int(quantized[-1].get("options", {}).get("block_size", 32))  # unrecorded: the default was 32 then
+
+
+def genai_model_dir(target_dir: Path, precision: str, provider: str, block_size: int | None = None) -> Path:
+    """The target rebuilt by onnxruntime-genai's model builder (int4/int8 in blocks of `block_size`, as ours), cached
+    per checkpoint (path, file sizes and modification times: cheap for multi-GB weights), precision and
+    provider."""
     import hashlib
     import subprocess
 
@@ -96,13 +105,16 @@ def genai_model_dir(target_dir: Path, precision: str, provider: str) -> Path:
     for file in sorted(Path(target_dir).glob("*.safetensors")) + [Path(target_dir) / "config.json"]:
         stat = file.stat()
         digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    out = cache_root() / "ort-genai" / f"{digest.hexdigest()[:12]}-{precision}-{provider}"
+    blocks = f"-b{block_size}" if block_size else ""
+    out = cache_root() / "ort-genai" / f"{digest.hexdigest()[:12]}-{precision}-{provider}{blocks}"
     if (out / "genai_config.json").is_file():
         return out
     read_config(target_dir, "target")  # the builder loads the checkpoint: no custom code, no pickle
     weight_files(target_dir, "target")
     command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(target_dir), "-o", str(out),
                "-p", precision, "-e", provider, "-c", str(out.parent / "build-cache")]
+    if block_size:
+        command += ["--extra_options", f"block_size={block_size}"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not (out / "genai_config.json").is_file():
         last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -266,10 +278,12 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
         except ImportError:
             raise DFlashError("peer 'ort-genai' needs onnxruntime-genai: pip install onnxruntime-genai") from None
         if progress:
-            print(f"peers: ort-genai (model builder {' '.join(genai_build(manifest))}, then greedy and n-gram "
+            blocks = f", blocks of {genai_block_size(manifest)}" if genai_block_size(manifest) else ""
+            print(f"peers: ort-genai (model builder {' '.join(genai_build(manifest))}{blocks}, then greedy and n-gram "
                   "speculative) ...", file=sys.stderr, flush=True)
-        build = genai_build(manifest)
-        model = og.Model(str(genai_model_dir(Path(target_dir), *build)))
+        build, block = genai_build(manifest), genai_block_size(manifest)
+        model = og.Model(str(genai_model_dir(Path(target_dir), *build, block)))
+        build = (*build, f"block {block}") if block else build
         rows.append(_genai(model, build, prompts, options.max_new_tokens, options.repeats, None))
         speculative = {"ngram_size": 3, "max_draft_tokens": min(16, manifest.block_size)}
         rows.append(_genai(model, build, prompts, options.max_new_tokens, options.repeats, speculative))

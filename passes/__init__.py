@@ -43,8 +43,10 @@ def registry() -> dict[str, GraphPass]:
         GraphPass("ort-fusions", ort_fusions.run, 1e-5, False,
                   "ONNX Runtime contrib fusions (onnxscript): SimplifiedLayerNormalization, "
                   "SkipSimplifiedLayerNormalization, RotaryEmbedding, MultiHeadAttention; ORT only"),
-        GraphPass("int8", quantize.int8, 0.15, True, "block-wise int8 weight-only MatMulNBits"),
-        GraphPass("int4", quantize.int4, 0.75, True, "block-wise int4 weight-only MatMulNBits"),
+        GraphPass("int8", quantize.int8, 0.15, True, "block-wise int8 weight-only MatMulNBits",
+                  recorded_defaults={"block_size": str(quantize.BLOCK_SIZE)}),
+        GraphPass("int4", quantize.int4, 0.75, True, "block-wise int4 weight-only MatMulNBits",
+                  recorded_defaults={"block_size": str(quantize.BLOCK_SIZE)}),
         GraphPass("fp16", fp16.run, 1e-2, True,
                   "float16 weights and activations, fp32 norm/softmax islands, draft fc pre-scaled, overflow check",
                   calibrated=True, loads_weights=True),

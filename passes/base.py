@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -47,6 +47,8 @@ class GraphPass:
     calibrated: bool = False  # the pipeline records calibration feeds first (context.calibration_feeds)
     loads_weights: bool = False  # built on protobuf tools: reads every weight into memory (loaded_proto)
     lowerings: tuple[str, ...] = ()  # applied only by these backends' lowerings
+    # options recorded in the manifest even when not given, so a later default change cannot make them ambiguous
+    recorded_defaults: dict[str, str] = field(default_factory=dict)
 
 
 def loaded_proto(model: ir.Model) -> onnx.ModelProto:

@@ -114,7 +114,8 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
                                       spec.kv_inputs, spec.kv_outputs)
         share_initializers(tmp, manifest.draft.file, manifest.target.file, manifest.vocab_size)
         copy_tokenizer_files(source, tmp)
-        applied = [{"name": p.name, "options": {**pass_options.get("*", {}), **pass_options.get(p.name, {})},
+        applied = [{"name": p.name, "options": {**p.recorded_defaults, **pass_options.get("*", {}),
+                                                **pass_options.get(p.name, {})},
                     "bound": p.bound, "lossy": p.lossy} for p in chosen]
         result = replace(manifest, passes=[*manifest.passes, *applied], costs=None, **specs)  # other graphs now
         result.save(tmp)

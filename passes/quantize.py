@@ -5,7 +5,7 @@ same names, attributes and quantized bytes: its per-tensor kernel does the quant
 model quantizer), but its quantized weight and scales are lazy: computed from the memory-mapped float weight when
 the graph is written, one weight at a time, so the pass never holds the model in memory.
 
-Options: block_size (32), symmetric (true), accuracy_level (4: int8 activations, ORT's fast CPU path,
+Options: block_size (64, see BLOCK_SIZE), symmetric (true), accuracy_level (4: int8 activations, ORT's fast CPU path,
 measured 1.7x faster decode than level 0 on a Qwen3-0.6B shape; 0 leaves it unset), graphs (target|draft|both, default
 both), lm_head (false: keep the vocab projection in float). MatMuls whose weight is not a constant, or is too
 small to fill one block (the RoPE frequencies), are never quantized. A weight read through Transpose (a tied
@@ -22,6 +22,10 @@ from dflash_onnx.errors import DFlashError
 from .base import PassContext
 
 COLUMNS = 8192  # output columns quantized at a time
+# ONNX Runtime's CPU kernel holds int4 weights packed with a float32 scale and a float32 block sum per block:
+# at 32 that is 1.5x the int4 bytes (a Qwen3-4B-shaped int4 session 4.4 GB for 3.0 GB of weights), at 64 1.25x
+# (3.4 GB), with decode no slower; 64 is also MLX's default group (measured for issue 19, README "Seed-size runs")
+BLOCK_SIZE = 64
 
 
 def _flag(value, default: bool) -> bool:
@@ -93,7 +97,7 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
         raise DFlashError(f"int{bits}: graphs={graphs} must be target, draft or both")
     if graphs not in (context.graph, "both"):
         return model, {"skipped": f"graphs={graphs}"}
-    block_size = context.int_option("block_size", 32)
+    block_size = context.int_option("block_size", BLOCK_SIZE)
     if block_size < 16 or block_size & (block_size - 1):
         raise DFlashError(f"int{bits}: block_size={block_size} must be a power of two >= 16")
     vocab = context.manifest.vocab_size

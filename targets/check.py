@@ -22,13 +22,24 @@ def _sample_calls(manifest: Manifest, target: bool) -> list[tuple[str, dict]]:
     return calls
 
 
+def _target_steps(manifest: Manifest) -> tuple[tuple[int, int], ...]:
+    """(rows, rows kept) of each call of the target sequence."""
+    return (20, 20), (manifest.block_size, 2), (3, 3), (1, 1)
+
+
+def target_calls(manifest: Manifest) -> int:
+    """The lowered target's calls in compare_lowering (what a lowering weighs before running the check)."""
+    sequence = len(_target_steps(manifest)) if manifest.form == "buffer" else 0
+    return sequence + sum(graph == "target" for graph, _ in _sample_calls(manifest, manifest.form == "concat"))
+
+
 def _target_sequence(manifest: Manifest, session) -> dict[str, np.ndarray]:
     """A prefill, a verify, a partial commit, another verify and a decode through the manifest's runner (the
     buffer form's rollback included): (name, output) per call, the same ids for every graph form."""
     runner, _ = open_runners(manifest, session, None, 256)
     rng = np.random.default_rng(0)
     outputs, length = {}, 0
-    for step, (count, keep) in enumerate(((20, 20), (manifest.block_size, 2), (3, 3), (1, 1))):
+    for step, (count, keep) in enumerate(_target_steps(manifest)):
         out = runner.forward(rng.integers(0, manifest.vocab_size, size=count), count)
         outputs.update({f"target logits (step {step})": out.logits, f"target_hidden (step {step})": out.context})
         length += keep

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from dflash_onnx.costs import measurable, measure_costs
+from dflash_onnx.costs import TARGET_OUTPUTS, measurable, measure_costs
+from dflash_onnx.feeds import target_feeds
 from dflash_onnx.manifest import CostModel, Manifest, load_export
 from dflash_onnx.publish import check_out_dir, directory_bytes, staged_directory
+from dflash_onnx.session import Session
 
 from .backend import LowerRequest
+from .row_invariance import fewest_calls, record_row_multiple
+
+COST_REPEATS = 5  # timed calls per step size in the lowering's cost curve
+# the lowering's measurements are skipped when even their fewest calls would take longer than this: a Qwen3-4B-
+# shaped float16 int4 MLX target on mlx[cpu] takes minutes per decode call (its quantized matmuls run row by row)
+MEASUREMENT_BUDGET_S = 600.0
 
 
 def start_lowering(source: Path, out: Path, options: Any, request: LowerRequest,
@@ -26,8 +37,55 @@ def start_lowering(source: Path, out: Path, options: Any, request: LowerRequest,
     return manifest, checkpoints
 
 
+def decode_seconds(manifest: Manifest, target: Session) -> float:
+    """One decode call's wall time on the lowered `target`; a first call over a second (compiling included) is
+    timed again."""
+    feeds = target_feeds(manifest, 0, 1)
+    for _ in range(2):
+        started = time.perf_counter()
+        target.run(feeds, TARGET_OUTPUTS)
+        seconds = time.perf_counter() - started
+        if seconds <= 1.0:
+            break
+    return seconds
+
+
+def within_budget(seconds: float, calls: int, skipped: str, instead: str) -> bool:
+    """Whether `calls` target calls of at least `seconds` each fit MEASUREMENT_BUDGET_S; if not, a warning that
+    `skipped` is skipped, with both figures and what to do `instead`."""
+    if seconds * calls <= MEASUREMENT_BUDGET_S:
+        return True
+    print(f"warning: {skipped} skipped: one decode call took {seconds:.1f} s here, so its {calls} calls would take "
+          f"over {seconds * calls / 60:.0f} min; {instead}", file=sys.stderr)
+    return False
+
+
+def record_measurements(directory: Path, manifest: Manifest, open_session, progress: bool,
+                        before_costs: Callable[[], None] | None = None, seconds: float | None = None) -> None:
+    """Batch invariance, `before_costs` (the ORT lowering's spinning modes), then the cost curve of the lowered
+    graphs in `directory`, recorded in `manifest`, unless their fewest calls times one decode call (`seconds`,
+    timed here if not given; a call of more rows costs no less) would outlast MEASUREMENT_BUDGET_S."""
+    target = open_session(directory, manifest, "target")
+    seconds = decode_seconds(manifest, target) if seconds is None else seconds
+    calls = fewest_calls(manifest) + (COST_REPEATS + 1) * manifest.block_size
+    if not within_budget(seconds, calls, "measuring batch invariance and the cost curve is",
+                         "until they are measured, greedy and DFlash may pick different tokens where logits nearly "
+                         "tie and --verify auto verifies full blocks: measure both on the machine that decodes "
+                         "with 'dflash-onnx calibrate DIR'"):
+        return
+    if progress:
+        print("measuring batch invariance (the target's rows in calls of each size)", file=sys.stderr)
+    record_row_multiple(manifest, target)
+    del target  # the sessions below hold the weights again, one at a time
+    if before_costs is not None:
+        before_costs()
+    if progress:
+        print("measuring the cost curve (target steps of 1..block tokens, a draft step)", file=sys.stderr)
+    manifest.costs = lowered_costs(directory, manifest, open_session)
+
+
 def lowered_costs(directory: Path, manifest: Manifest, open_session, context: int = 256,
-                  repeats: int = 5) -> CostModel | None:
+                  repeats: int = COST_REPEATS) -> CostModel | None:
     """The cost curve of the lowered graphs in `directory`, measured on the backend they were lowered for (None
     for graphs that run at compiled sizes only: `calibrate --from FILE` replays a curve measured on the device)."""
     if measurable(manifest) is not None:

@@ -22,6 +22,7 @@ from dflash_onnx.session import Session
 
 CANDIDATES = (1, 2, 4, 8)
 CONTEXTS = (20, 300)  # committed context before the block: within one prefill chunk, and past one
+PREFILL_CHUNK = 256
 
 
 def _call_sizes(rows: int) -> list[int]:
@@ -36,7 +37,7 @@ def _difference(manifest: Manifest, session: Session, multiple: int, ids: np.nda
     """After one prefill of ids[:context], the rows of ids[context:] as one call and, rolled back, in uneven
     calls, each padded to `multiple` rows: their largest difference relative to the largest |value| (logits,
     or the hidden features where the graph returns no logits)."""
-    runner, _ = open_runners(manifest, session, None, 256, multiple)
+    runner, _ = open_runners(manifest, session, None, PREFILL_CHUNK, multiple)
     runner.forward(ids[:context])
     logits = "logits" in manifest.target.output_names()
     results = []
@@ -53,12 +54,21 @@ def _difference(manifest: Manifest, session: Session, multiple: int, ids: np.nda
     return float(np.abs(split.astype(np.float64) - whole).max()) / max(float(np.abs(whole).max()), 1e-30)
 
 
+def _contexts(manifest: Manifest) -> list[int]:
+    room = int(manifest.ctx_len) - manifest.block_size - max(CANDIDATES) if manifest.ctx_len else max(CONTEXTS)
+    return sorted({min(c, max(1, room)) for c in CONTEXTS})
+
+
+def fewest_calls(manifest: Manifest, prefill_chunk: int = PREFILL_CHUNK) -> int:
+    """The target calls measure_row_multiple makes at least (the first candidate agreeing at every context)."""
+    split = len(_call_sizes(manifest.block_size))
+    return sum(-(-context // prefill_chunk) + 1 + split for context in _contexts(manifest))
+
+
 def measure_row_multiple(manifest: Manifest, session: Session) -> dict:
     """{"row_multiple": the smallest candidate whose rows agree exactly (1 when none does), "invariant":
     whether one did, "differences": largest difference per candidate relative to the largest |value|}."""
-    block = manifest.block_size
-    room = int(manifest.ctx_len) - block - max(CANDIDATES) if manifest.ctx_len else max(CONTEXTS)
-    contexts = sorted({min(c, max(1, room)) for c in CONTEXTS})
+    block, contexts = manifest.block_size, _contexts(manifest)
     ids = np.random.default_rng(0).integers(0, manifest.vocab_size, max(contexts) + block)
     differences, chosen = {}, None
     for multiple in CANDIDATES:

@@ -178,7 +178,7 @@ def test_ort_genai_peer_is_built_at_the_directorys_precision_and_provider():
     from fakes import make_manifest
 
     from dflash_onnx.manifest import Lowering
-    from dflash_onnx.peers import genai_build
+    from dflash_onnx.peers import genai_block_size, genai_build
 
     export = make_manifest()
     assert genai_build(export) == ("fp32", "cpu")
@@ -188,6 +188,10 @@ def test_ort_genai_peer_is_built_at_the_directorys_precision_and_provider():
     assert genai_build(replace(export, passes=[{"name": "int8", "lossy": True}])) == ("int8", "cpu")
     cuda = replace(export, dtype="float16", lowering=Lowering(backend="ort", options={}, provider="cuda"))
     assert genai_build(cuda) == ("fp16", "cuda")
+    # the builder quantizes in our blocks: as recorded, else 32 (the default before it was recorded)
+    assert genai_block_size(export) is None and genai_block_size(int4) == 32
+    recorded = replace(export, passes=[{"name": "int4", "options": {"block_size": "64"}, "lossy": True}])
+    assert genai_block_size(recorded) == 64
 
 
 def test_busy_processes_run_for_the_block_and_are_ended_by_pid():

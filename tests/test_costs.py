@@ -73,3 +73,55 @@ def test_graphs_at_compiled_sizes_take_a_replayed_curve(lowered, capsys):
     directory, _ = lowered("agree_b8")
     assert main(["calibrate", str(directory)]) == 2
     assert "calibrate DIR --from FILE" in capsys.readouterr().err
+
+
+def test_a_lowering_too_slow_to_measure_leaves_it_to_calibrate(exported, tmp_path, monkeypatch, capsys):
+    """Measurements whose fewest calls would outlast the budget are skipped with a warning naming the figures;
+    `calibrate` later records the row multiple and the cost curve the lowering would have."""
+    from targets import lowering
+    from targets.backend import LowerRequest
+    from targets.ort.lower import lower_ort
+    from targets.ort.options import OrtOptions
+    from targets.row_invariance import fewest_calls
+
+    monkeypatch.setattr(lowering, "MEASUREMENT_BUDGET_S", 0.0)
+    out = tmp_path / "ort"
+    lower_ort(exported("agree_b8").out, out, OrtOptions(ctx_len=512), LowerRequest(progress=False))
+    manifest = load_manifest(out)
+    calls = fewest_calls(manifest) + (lowering.COST_REPEATS + 1) * manifest.block_size
+    warning = capsys.readouterr().err
+    assert "measuring batch invariance and the cost curve is skipped: one decode call took" in warning
+    assert f"its {calls} calls" in warning
+    assert "calibrate DIR" in warning
+    assert manifest.costs is None and "batch_invariance" not in manifest.lowering.report
+    assert manifest.lowering.options["spinning"] == "auto"  # not timed either: the sessions spin (as before)
+    monkeypatch.undo()
+    assert main(["calibrate", str(out), "--repeats", "2"]) == 0
+    manifest = load_manifest(out)
+    assert manifest.costs.source == "calibrate" and "row multiple" in capsys.readouterr().out
+    assert manifest.lowering.report["batch_invariance"]["row_multiple"] == manifest.lowering.row_multiple
+
+
+def test_fewest_calls_is_what_the_measurement_makes_at_least(ort_lowered):
+    """The budget's count: the calls measure_row_multiple makes when the first candidate agrees (more when not)."""
+    from targets.ort.session import open_session
+    from targets.row_invariance import CANDIDATES, fewest_calls, measure_row_multiple
+
+    directory = ort_lowered("agree_b8")
+    manifest = load_manifest(directory)
+
+    class Counted:
+        def __init__(self, session):
+            self.session, self.calls = session, 0
+
+        def __getattr__(self, name):
+            return getattr(self.session, name)
+
+        def run(self, feeds, output_names=None):
+            self.calls += 1
+            return self.session.run(feeds, output_names)
+
+    counted = Counted(open_session(directory, manifest, "target"))
+    measured = measure_row_multiple(manifest, counted)
+    first = measured["row_multiple"] == CANDIDATES[0] and measured["invariant"]
+    assert counted.calls == fewest_calls(manifest) if first else counted.calls > fewest_calls(manifest)

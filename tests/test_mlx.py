@@ -253,3 +253,18 @@ def test_the_check_is_skipped_with_both_figures_when_the_reference_cannot_fit(ex
     manifest = lower_mlx(exported("agree_b8").out, tmp_path / "big", MlxOptions(ctx_len=512), LowerRequest())
     assert manifest.lowering.max_relative_difference is None
     assert "the check against the export is skipped: ONNX Runtime would hold about" in capsys.readouterr().err
+
+
+def test_a_target_too_slow_to_check_skips_the_check_and_measurements_with_the_figures(exported, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """Where one decode call shows the check and the measurements would outlast the budget (a 4B target on
+    mlx[cpu] takes minutes per call), the lowering says so with the figures instead of running for hours."""
+    from targets import lowering
+
+    monkeypatch.setattr(lowering, "MEASUREMENT_BUDGET_S", 0.0)
+    manifest = lower_mlx(exported("agree_b8").out, tmp_path / "slow", MlxOptions(ctx_len=512),
+                         LowerRequest(progress=False))
+    err = capsys.readouterr().err
+    assert "the check against the export is skipped: one decode call took" in err
+    assert "measuring batch invariance and the cost curve is skipped" in err and "calibrate DIR" in err
+    assert manifest.lowering.max_relative_difference is None and manifest.costs is None

@@ -112,6 +112,22 @@ def test_quantization_report_and_what_it_leaves_alone(optimized):
     assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == target["details"]["quantized_matmuls"]
 
 
+def test_the_default_block_is_recorded_in_the_manifest(exported, tmp_path):
+    """Blocks of 64 unless asked (ORT's CPU kernel holds 1.25x their int4 bytes; 1.5x at 32), and the manifest
+    records the size even when defaulted, so peers (onnxruntime-genai's builder) quantize alike."""
+    from dflash_onnx.manifest import load_manifest
+    from passes.quantize import BLOCK_SIZE
+
+    out = tmp_path / "int4"
+    apply_pipeline(exported("agree_b8").out, ["int4"], out, {}, progress=False)
+    recorded = next(p for p in load_manifest(out).passes if p["name"] == "int4")
+    assert BLOCK_SIZE == 64 and recorded["options"] == {"block_size": "64"}
+    model = onnx.load(str(out / "target.onnx"), load_external_data=False)
+    blocks = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+              if a.name == "block_size"}
+    assert blocks == {64}
+
+
 def test_lm_head_can_be_quantized_on_request(optimized):
     with_head = optimized("int4@lm_head", {"*": {"block_size": "16"}, "int4": {"lm_head": "true"}})
     plain = json.loads((optimized("int4") / "passes_report.json").read_text())[0]["details"]["quantized_matmuls"]
@@ -350,7 +366,7 @@ def test_quantizing_tensor_by_tensor_equals_ort_quantizing_the_whole_model(name,
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from passes import quantize
-    from passes.quantize import int4, int8
+    from passes.quantize import BLOCK_SIZE, int4, int8
 
     monkeypatch.setattr(quantize, "COLUMNS", 24)
 
@@ -358,7 +374,7 @@ def test_quantizing_tensor_by_tensor_equals_ort_quantizing_the_whole_model(name,
     for graph in ("target", "draft"):
         model = onnx.load(str(pair.out / f"{graph}.onnx"))
         ours, details = apply_pass(int4 if bits == 4 else int8, model, graph, options, vocab_size=pair.spec.vocab_size)
-        block = int(options.get("block_size", 32))
+        block = int(options.get("block_size", BLOCK_SIZE))
         oracle = _ort_quantized(model, bits, block, options, pair.spec.vocab_size, MatMulNBitsQuantizer)
         assert [(n.op_type, list(n.input), list(n.output), n.name) for n in ours.graph.node] == \
             [(n.op_type, list(n.input), list(n.output), n.name) for n in oracle.graph.node]

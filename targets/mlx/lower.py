@@ -28,9 +28,8 @@ from dflash_onnx.publish import available_memory, copy_tokenizer_files
 from passes.pipeline import apply_pipeline
 
 from ..backend import LowerRequest
-from ..check import compare_lowering
-from ..lowering import lowered_costs, lowered_output, start_lowering
-from ..row_invariance import record_row_multiple
+from ..check import compare_lowering, target_calls
+from ..lowering import decode_seconds, lowered_output, record_measurements, start_lowering, within_budget
 from .options import MlxOptions
 from .session import import_mlx, open_session
 
@@ -96,6 +95,7 @@ def _convert_weights(model: onnx.ModelProto, bits: int | None, group_size: int,
                     if kind in kinds:  # mx.quantize takes the [N, K] layout quantized_matmul(transpose=True) reads
                         w, scales, biases = mx.quantize(mx.array(np.ascontiguousarray(rows)), group_size=group_size,
                                                         bits=bits)
+                        mx.eval(w, scales, biases)  # lazy, they would keep every float weight alive until saved
                         arrays.update({f"{tensor.name}.{suffix}.w": w, f"{tensor.name}.{suffix}.scales": scales,
                                        f"{tensor.name}.{suffix}.biases": biases})
                 report["quantized"] += 1
@@ -136,7 +136,9 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
     manifest, _ = start_lowering(source, out, options, request)
     manifest_of_export = manifest
     bits = options.bits
-    with lowered_output(source, out, request, size_factor=2.2) as tmp:
+    # disk: the fused copy (the export's size) beside the MLX weights (quantized: ~0.3x / ~0.55x a float16 export)
+    written = {4: 0.35, 8: 0.6}.get(bits, 1.0)
+    with lowered_output(source, out, request, size_factor=1.1 + written) as tmp:
         origin = Path(source)
         if options.kv_buffer:
             origin = tmp / "fused"
@@ -163,14 +165,12 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
         lowered = replace(manifest, lowering=Lowering(backend="mlx", options=asdict(options),
                                                       shared_with_target=shared, report={"weights": report},
                                                       draft_kv="rows" if options.kv_buffer else "concat"))
+        target = open_session(tmp, lowered, "target")
+        seconds = decode_seconds(lowered, target)  # mlx[cpu] at 4B: minutes (quantized matmuls run row by row)
+        del target
         lowered.lowering.max_relative_difference = _checked(Path(source), manifest_of_export, tmp, lowered, bits,
-                                                            request.progress)
-        if request.progress:
-            print("measuring batch invariance (the target's rows in calls of each size)", file=sys.stderr)
-        record_row_multiple(lowered, open_session(tmp, lowered, "target"))
-        if request.progress:
-            print("measuring the cost curve (target steps of 1..block tokens, a draft step)", file=sys.stderr)
-        lowered.costs = lowered_costs(tmp, lowered, open_session)
+                                                            request.progress, seconds)
+        record_measurements(tmp, lowered, open_session, request.progress, seconds=seconds)
         lowered.save(tmp)
     return lowered
 
@@ -196,10 +196,11 @@ def _check(source: Path, exported: Manifest, directory: Path, lowered: Manifest,
 
 
 def _checked(source: Path, exported: Manifest, directory: Path, lowered: Manifest, bits: int | None,
-             progress: bool) -> float | None:
-    """_check, unless the export on ONNX Runtime cannot fit: its CPU sessions hold float16 weights as float32,
-    so the reference needs about twice a float16 export's size (the Qwen3-4B shape: ~16 GB); then a warning
-    with both figures, and None recorded."""
+             progress: bool, seconds: float) -> float | None:
+    """_check, unless the export on ONNX Runtime cannot fit (its CPU sessions hold float16 weights as float32,
+    so the reference needs about twice a float16 export's size: the Qwen3-4B shape ~16 GB) or the MLX target's
+    calls, `seconds` each, would outlast the lowering's budget; then a warning with the figures, and None
+    recorded."""
     weights = sum(p.stat().st_size for p in source.glob("*.onnx*"))
     need = weights * (2 if exported.dtype == "float16" else 1)
     available = available_memory()
@@ -207,6 +208,10 @@ def _checked(source: Path, exported: Manifest, directory: Path, lowered: Manifes
         print(f"warning: the check against the export is skipped: ONNX Runtime would hold about {need / 1e9:.1f} GB "
               f"for the reference and {available / 1e9:.1f} GB is available (check it on a larger machine with "
               "'dflash-onnx lower' there, or compare tokens with 'dflash-onnx bench')", file=sys.stderr)
+        return None
+    if not within_budget(seconds, target_calls(lowered), "the check against the export is",
+                         "check it on the machine that decodes with 'dflash-onnx lower' there, or compare tokens with "
+                         "'dflash-onnx bench'"):
         return None
     if progress:
         print("checking the MLX graphs against the export (ONNX Runtime)", file=sys.stderr)

@@ -26,8 +26,7 @@ from passes import registry
 from passes.pipeline import apply_pipeline
 
 from ..backend import LowerRequest
-from ..lowering import lowered_costs, lowered_output, start_lowering
-from ..row_invariance import record_row_multiple
+from ..lowering import lowered_output, record_measurements, start_lowering
 from .check import check_lowering
 from .options import OrtOptions
 from .session import open_session, ort_level, provider_name
@@ -42,6 +41,9 @@ def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None
     options.optimized_model_filepath = str(dest)
     options.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{dest.name}.data")
     options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    # the saved graph keeps the weights as they are: packing them for the kernels (MatMulNBits' packed int4
+    # with float32 scales and block sums, 1.3x the int4 bytes) would only raise this step's peak
+    options.add_session_config_entry("session.disable_prepacking", "1")
     try:
         ort.InferenceSession(str(source), sess_options=options, providers=[provider])
     except Exception as exc:
@@ -93,9 +95,10 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
               "peaked at 23.8 GB, as measured for issue 19); on CPU quantize instead: optimize --passes int4 "
               "--pass-option int4.lm_head=true",
               file=sys.stderr)
-    # disk: the pipeline's copy, then ORT's; peak memory 1.6x (Qwen3-0.6B shape, float32, issue 19's figure) to
-    # 3.6x (Qwen3-4B shape, float16 int4, measured) the export
-    with lowered_output(source, out, request, size_factor=2.2, memory_factor=1.5) as tmp:
+    # disk: the pipeline's copy, then ORT's; peak memory relative to the export: 1.6x (Qwen3-0.6B shape, float32),
+    # 1.38x (Qwen3-4B shape, int4 in blocks of 64), 2.8x for float16 on CPU, widened to float32 (4B: 23.8 GB)
+    widened = options.provider == "cpu" and manifest.dtype == "float16" and not manifest.weight_quantization
+    with lowered_output(source, out, request, size_factor=2.2, memory_factor=2.9 if widened else 1.6) as tmp:
         names, pass_options = pipeline(options, manifest.block_size)
         fused_dir, fused, rewrites = tmp / "fused", manifest, {}
         if names:
@@ -120,19 +123,18 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
             backend="ort", options={**asdict(options), "passes": list(options.passes)}, provider=options.provider,
             draft_kv="rows" if rows else "concat", shared_with_target=shared, rewrites=rewrites))
         lowered.lowering.max_relative_difference = check_lowering(Path(source), manifest, tmp, lowered)
-        if request.progress:
-            print("measuring batch invariance (the target's rows in calls of each size)", file=sys.stderr)
-        record_row_multiple(lowered, open_session(tmp, lowered, "target"))
-        if options.spinning == "auto":  # measured before the cost curve, which the chosen mode's sessions run
+
+        def spinning() -> None:
+            if options.spinning != "auto":
+                return
             if request.progress:
                 print("timing the spinning modes, quiet and beside one busy process", file=sys.stderr)
-            spinning = measure_spinning(tmp, lowered, lambda mode: open_session(tmp, lowered, "target",
-                                                                                spinning=mode))
-            lowered.lowering.options["spinning"] = spinning["chosen"]
-            lowered.lowering.report["spinning"] = spinning
-        if request.progress:
-            print("measuring the cost curve (target steps of 1..block tokens, a draft step)", file=sys.stderr)
-        lowered.costs = lowered_costs(tmp, lowered, open_session)
+            measured = measure_spinning(tmp, lowered, lambda mode: open_session(tmp, lowered, "target", spinning=mode))
+            lowered.lowering.options["spinning"] = measured["chosen"]
+            lowered.lowering.report["spinning"] = measured
+
+        # the spinning mode is chosen before the cost curve, which the chosen mode's sessions run
+        record_measurements(tmp, lowered, open_session, request.progress, before_costs=spinning)
         if unshared:
             print(f"warning: draft tensors {unshared} are stored twice (no identical target tensor after ORT's "
                   "optimizations)", file=sys.stderr)
