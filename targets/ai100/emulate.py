@@ -10,7 +10,6 @@ token for token. MXFP6 weights and MXINT8 K/V are not emulated: their rounding i
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +76,7 @@ class GraphSession:
         try:
             options = ort.SessionOptions()
             options.log_severity_level = 4
+            options.enable_cpu_mem_arena = False  # each call's whole-context K/V would otherwise stay reserved
             self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         finally:
             path.unlink(missing_ok=True)
@@ -89,22 +89,15 @@ class GraphSession:
         return dict(zip(names, self._session.run(names, {k: v for k, v in feeds.items() if k in self.input_names})))
 
 
-@dataclass
-class Twins:
-    """The float32 graphs and their float16 emulation, per graph."""
-
-    exact: dict[str, GraphSession]
-    device: dict[str, GraphSession]
-
-
-def open_twins(directory: Path, fp32_outputs: dict[str, list[str]]) -> Twins:
-    exact, device = {}, {}
+def open_twin(directory: Path, fp32_outputs: dict[str, list[str]], device: bool) -> dict[str, GraphSession]:
+    """The target and draft as float32 graphs (`device` False) or as their float16 emulation, by graph name."""
+    sessions = {}
     for graph in ("target", "draft"):
         model = onnx.load(str(Path(directory) / f"{graph}.onnx"), load_external_data=False)
-        exact[graph] = GraphSession(emulated_graph(model, set(), round_to_fp16=False), directory, f"{graph}.fp32")
-        device[graph] = GraphSession(emulated_graph(model, set(fp32_outputs.get(graph, []))), directory,
-                                     f"{graph}.fp16")
-    return Twins(exact, device)
+        keep = set(fp32_outputs.get(graph, []))
+        sessions[graph] = GraphSession(emulated_graph(model, keep, round_to_fp16=device), directory,
+                                       f"{graph}.{'fp16' if device else 'fp32'}")
+    return sessions
 
 
 def _relative(device: np.ndarray, exact: np.ndarray) -> float:
@@ -129,21 +122,27 @@ def _probe_feeds(manifest: Manifest, graph: str, position: int, lengths: list[in
             "ctx_position_ids": positions - block}
 
 
-def probe(twins: Twins, manifest: Manifest, graph: str, position: int, lengths: list[int], seed: int = 0) -> dict:
-    """Relative errors of one call at `position`: the K/V it writes, its logits, and (target) its context rows."""
+def _probe_outputs(sessions: dict[str, GraphSession], manifest: Manifest, graph: str, position: int,
+                   lengths: list[int], seed: int = 0) -> dict[str, np.ndarray]:
+    """One call at `position` on one twin: its logits, the K/V rows it writes, and (target) its context rows."""
     rng = np.random.default_rng(seed + position)
     feeds = _probe_feeds(manifest, graph, position, lengths, rng)
-    spec = getattr(manifest, graph)
-    exact, device = twins.exact[graph], twins.device[graph]
-    names = [exact.logits_name, *spec.kv_outputs] + (["context_hidden"] if graph == "target" else [])
-    want, got = exact.run(feeds, names), device.run(feeds, names)
+    spec, session = getattr(manifest, graph), sessions[graph]
+    names = [session.logits_name, *spec.kv_outputs] + (["context_hidden"] if graph == "target" else [])
+    outputs = session.run(feeds, names)
     slots = slice(position - manifest.block_size if graph == "draft" else position, position + manifest.block_size)
+    return {name: value[:, :, slots].copy() if name in spec.kv_outputs else value for name, value in outputs.items()}
+
+
+def _probe_report(manifest: Manifest, graph: str, position: int, logits: str, want: dict, got: dict) -> dict:
+    """Relative errors of the emulated call (`got`) against the float32 one (`want`)."""
+    spec = getattr(manifest, graph)
     keys = [n for n in spec.kv_outputs if ".key" in n or "_key" in n]
     report = {"position": position,
-              "k": max(_relative(got[n][:, :, slots], want[n][:, :, slots]) for n in keys),
-              "v": max(_relative(got[n][:, :, slots], want[n][:, :, slots]) for n in spec.kv_outputs if n not in keys),
-              "logits": _relative(got[exact.logits_name], want[exact.logits_name]),
-              "argmax_agree": float(np.mean(got[exact.logits_name].argmax(-1) == want[exact.logits_name].argmax(-1)))}
+              "k": max(_relative(got[n], want[n]) for n in keys),
+              "v": max(_relative(got[n], want[n]) for n in spec.kv_outputs if n not in keys),
+              "logits": _relative(got[logits], want[logits]),
+              "argmax_agree": float(np.mean(got[logits].argmax(-1) == want[logits].argmax(-1)))}
     if graph == "target":
         report["context"] = _relative(got["context_hidden"], want["context_hidden"])
     return report
@@ -156,29 +155,32 @@ def probe_positions(ctx_len: int, block: int, count: int = 6) -> list[int]:
     return sorted({block, *(int(round(block + (last - block) * i / (count - 1))) for i in range(count))})
 
 
-def decode_check(twins: Twins, manifest: Manifest, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Greedy on the float32 graphs against greedy and DFlash on the emulated ones, token for token."""
-    exact = Decoder(manifest, twins.exact["target"], twins.exact["draft"])
-    device = Decoder(manifest, twins.device["target"], twins.device["draft"])
-    matches = {"greedy": 0, "dflash": 0}
-    for prompt in prompts:
-        want = exact.generate(prompt, new_tokens, "greedy", stop_token_ids=[]).tokens
-        matches["greedy"] += device.generate(prompt, new_tokens, "greedy", stop_token_ids=[]).tokens == want
-        matches["dflash"] += device.generate(prompt, new_tokens, "dflash", stop_token_ids=[],
-                                             verify="full").tokens == want
-    return {"prompts": len(prompts), "new_tokens": new_tokens,
-            "last_position": max(len(p) for p in prompts) + new_tokens - 1,
-            "greedy_identical": matches["greedy"], "dflash_identical": matches["dflash"]}
-
-
 def emulation_check(directory: Path, manifest: Manifest, options: Ai100Options, fp32_outputs: dict[str, list[str]],
                     prompts: list[list[int]], new_tokens: int, positions: list[int] | None = None) -> dict:
-    """The float16 emulation report of a lowered directory: error curves over position per graph, and decodes."""
+    """The float16 emulation report of a lowered directory: error curves over position per graph, and greedy on
+    the float32 graphs against greedy and DFlash on the emulated ones, token for token. One twin's sessions are
+    open at a time (the float32 outputs are kept, the K/V only at the rows each call writes)."""
     if manifest.dtype != "float32":
         return {"skipped": f"the graphs are {manifest.dtype} already: ONNX Runtime runs them at that precision"}
-    twins = open_twins(directory, fp32_outputs)
     lengths = options.compute_context_lengths()
     positions = positions or probe_positions(int(manifest.ctx_len), manifest.block_size)
-    curves = {graph: [probe(twins, manifest, graph, p, lengths) for p in positions] for graph in ("target", "draft")}
-    return {"curves": curves, "decode": decode_check(twins, manifest, prompts, new_tokens),
+    runs = {}
+    for device in (False, True):
+        sessions = open_twin(directory, fp32_outputs, device)
+        outputs = {graph: [_probe_outputs(sessions, manifest, graph, p, lengths) for p in positions]
+                   for graph in ("target", "draft")}
+        decoder = Decoder(manifest, sessions["target"], sessions["draft"])
+        modes = ("greedy", "dflash") if device else ("greedy",)
+        tokens = {mode: [decoder.generate(prompt, new_tokens, mode, stop_token_ids=[], verify="full").tokens
+                         for prompt in prompts] for mode in modes}
+        runs[device] = outputs, tokens, {g: s.logits_name for g, s in sessions.items()}
+        del sessions, decoder
+    (exact, want, logits), (emulated, got, _) = runs[False], runs[True]
+    curves = {graph: [_probe_report(manifest, graph, p, logits[graph], e, d)
+                      for p, e, d in zip(positions, exact[graph], emulated[graph])] for graph in ("target", "draft")}
+    decode = {"prompts": len(prompts), "new_tokens": new_tokens,
+              "last_position": max(len(p) for p in prompts) + new_tokens - 1,
+              **{f"{mode}_identical": sum(g == w for g, w in zip(got[mode], want["greedy"]))
+                 for mode in ("greedy", "dflash")}}
+    return {"curves": curves, "decode": decode,
             "not_emulated": "MXFP6 weights and MXINT8 K/V (the compiler's rounding)"}

@@ -196,6 +196,7 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options | None = None,
                                               manifest, draft.spec.config.hidden_size)}))
             write_compiler_inputs(tmp, lowered, options, fp32_outputs)
             copy_tokenizer_files(source, tmp)
+            del tapped, draft  # the emulation's sessions hold the graphs' weights themselves
         with stages.stage("emulating the compiler's float16"):
             emulation = emulation_check(tmp, lowered, options, fp32_outputs, _emulation_prompts(manifest, options),
                                         EMULATION_TOKENS)
