@@ -212,6 +212,16 @@ def test_packages_evaluated_in_numpy_match_the_modules(coreml_lowered, exported,
     assert not (tmp_path / "wrong").exists()
 
 
+def test_a_draft_with_one_tap_evaluates_in_numpy(exported, tmp_path):
+    """One tapped layer (the Qwen3-0.6B-shaped preset's draft): the features are a concat of one tensor, which the
+    numpy evaluator once flattened (a one-argument list taken for the tensor itself)."""
+    assert len(exported("agree_b2").spec.target_layer_ids) == 1
+    out = tmp_path / "one_tap"
+    lower_coreml(exported("agree_b2").out, out, CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL),
+                 LowerRequest(progress=False))
+    assert load_manifest(out).lowering.max_relative_difference < 5e-3
+
+
 def test_dry_run_estimates_the_package(exported, coreml_lowered, tmp_path, capsys):
     """--dry-run converts nothing and estimates from the checkpoints' headers what the lowering writes: its
     float16 weights within 10 % of the real package's weight.bin, the states exactly."""

@@ -104,8 +104,8 @@ def test_stop_tokens_come_from_generation_config(pair_dirs):
 
 
 def test_a_stage_the_machine_cannot_hold_is_refused_up_front(tmp_path, pair_dirs, exported, monkeypatch):
-    """Export, weight-loading passes and the ORT lowering estimate their peak memory from their weights (measured
-    factors) and refuse, naming both figures, before anything is written; the environment variable lets a user
+    """Export, weight-loading passes and the ORT, AI 100 and CoreML lowerings estimate their peak memory from their
+    weights (measured factors) and refuse, naming both figures, before anything is written; the environment variable lets a user
     try."""
     import dflash_onnx.publish as publish
     from dflash_onnx.publish import MEMORY_CHECK_ENV, available_memory, staged_directory
@@ -127,6 +127,14 @@ def test_a_stage_the_machine_cannot_hold_is_refused_up_front(tmp_path, pair_dirs
     apply_pipeline(source, ["int4"], tmp_path / "int4", {}, progress=False)  # tensor by tensor: no estimate
     with pytest.raises(DFlashError, match="of memory at its peak"):
         lower_ort(source, tmp_path / "ort", request=LowerRequest(progress=False))
+    from targets.ai100.lower import lower_ai100
+    from targets.ai100.options import Ai100Options
+    from targets.coreml.lower import lower_coreml
+
+    with pytest.raises(DFlashError, match="of memory at its peak"):  # re-exports from the loaded pair
+        lower_ai100(source, tmp_path / "ai100", Ai100Options(dry_run=True), LowerRequest(progress=False))
+    with pytest.raises(DFlashError, match="of memory at its peak"):  # traces the pair in float32
+        lower_coreml(source, tmp_path / "coreml", request=LowerRequest(progress=False))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cleaned", "int4"]
     monkeypatch.setenv(MEMORY_CHECK_ENV, "1")
     with staged_directory(tmp_path / "forced", need_memory=10**15) as staging:

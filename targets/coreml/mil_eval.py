@@ -25,6 +25,7 @@ _DTYPES = {"BOOL": np.bool_, "FLOAT16": np.float16, "FLOAT32": np.float32, "FLOA
 _BLOB_READERS = {"FLOAT16": "read_fp16_data", "FLOAT32": "read_float_data", "INT8": "read_int8_data",
                  "UINT8": "read_uint8_data", "INT4": "read_int4_data", "UINT4": "read_uint4_data",
                  "INT32": "read_int32_data", "INT16": "read_int16_data", "UINT16": "read_uint16_data"}
+VARIADIC = {"values"}  # parameters that take a list even of one tensor (concat of a single tap's features)
 _CASTS = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32, "bool": np.bool_, "int8": np.int8,
           "uint8": np.uint8, "int16": np.int16}
 
@@ -216,9 +217,9 @@ class MilProgram:
             array = np.array(list(raw), dtype=_DTYPES[kind])
         return array.reshape(shape)
 
-    def _argument(self, binding, values: dict):
+    def _argument(self, name: str, binding, values: dict):
         arrays = [values[a.name] if a.name else self._value(a.value) for a in binding.arguments]
-        return arrays if len(arrays) > 1 else arrays[0]
+        return arrays if len(arrays) > 1 or name in VARIADIC else arrays[0]
 
     def run(self, feeds: dict[str, np.ndarray], states: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values: dict[str, np.ndarray] = {name: np.asarray(feeds[name]) for name in self.input_names}
@@ -233,7 +234,7 @@ class MilProgram:
                 else:
                     values[name] = self._constants[name] = self._value(value)
                 continue
-            args = {k: self._argument(v, values) for k, v in op.inputs.items()}
+            args = {k: self._argument(k, v, values) for k, v in op.inputs.items()}
             args.update({k: self._value(v) for k, v in op.attributes.items() if k != "name"})
             if op.type == "read_state":
                 result = states[op.inputs["input"].arguments[0].name]
