@@ -59,10 +59,10 @@ def _contexts(manifest: Manifest) -> list[int]:
     return sorted({min(c, max(1, room)) for c in CONTEXTS})
 
 
-def fewest_calls(manifest: Manifest, prefill_chunk: int = PREFILL_CHUNK) -> int:
+def fewest_calls(manifest: Manifest) -> int:
     """The target calls measure_row_multiple makes at least (the first candidate agreeing at every context)."""
     split = len(_call_sizes(manifest.block_size))
-    return sum(-(-context // prefill_chunk) + 1 + split for context in _contexts(manifest))
+    return sum(-(-context // PREFILL_CHUNK) + 1 + split for context in _contexts(manifest))
 
 
 def measure_row_multiple(manifest: Manifest, session: Session) -> dict:

@@ -105,8 +105,8 @@ def test_stop_tokens_come_from_generation_config(pair_dirs):
 
 def test_a_stage_the_machine_cannot_hold_is_refused_up_front(tmp_path, pair_dirs, exported, monkeypatch):
     """Export, weight-loading passes and the ORT, AI 100 and CoreML lowerings estimate their peak memory from their
-    weights (measured factors) and refuse, naming both figures, before anything is written; the environment variable lets a user
-    try."""
+    weights (measured factors) and refuse, naming both figures, before anything is written; the environment
+    variable lets a user try."""
     import dflash_onnx.publish as publish
     from dflash_onnx.publish import MEMORY_CHECK_ENV, available_memory, staged_directory
 
