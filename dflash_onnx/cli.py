@@ -176,8 +176,7 @@ def _steps(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from targets import backend_for, open_session
-    from targets.row_invariance import record_row_multiple
+    from targets import backend_for, open_session, record_row_multiple
 
     from .costs import measure_costs, read_costs
     from .manifest import load_manifest

@@ -22,11 +22,12 @@ from .backend import Backend, Flag, LowerRequest
 from .coreml import BACKEND as COREML
 from .mlx import BACKEND as MLX
 from .ort import BACKEND as ORT
+from .row_invariance import record_row_multiple
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (ORT, AI100, MLX, COREML)}
 
 __all__ = ["BACKENDS", "Backend", "Flag", "LowerRequest", "backend_for", "get_backend", "open_decoder",
-           "open_session"]
+           "open_session", "record_row_multiple"]
 
 
 def get_backend(name: str) -> Backend:
