@@ -137,7 +137,7 @@ def _drop_out_of_vocab_eos(path: Path) -> None:
         path.write_text(json.dumps(config, indent=4))
 
 
-def _genai(model, build: tuple[str, str], prompts: list[dict], max_new_tokens: int, repeats: int,
+def _genai(model, build: tuple[str, ...], prompts: list[dict], max_new_tokens: int, repeats: int,
            speculative: dict | None) -> dict:
     import onnxruntime_genai as og
 
@@ -277,16 +277,15 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
             import onnxruntime_genai as og
         except ImportError:
             raise DFlashError("peer 'ort-genai' needs onnxruntime-genai: pip install onnxruntime-genai") from None
-        if progress:
-            blocks = f", blocks of {genai_block_size(manifest)}" if genai_block_size(manifest) else ""
-            print(f"peers: ort-genai (model builder {' '.join(genai_build(manifest))}{blocks}, then greedy and n-gram "
-                  "speculative) ...", file=sys.stderr, flush=True)
         build, block = genai_build(manifest), genai_block_size(manifest)
+        label = (*build, f"block {block}") if block else build
+        if progress:
+            print(f"peers: ort-genai (model builder {' '.join(label)}, then greedy and n-gram speculative) ...",
+                  file=sys.stderr, flush=True)
         model = og.Model(str(genai_model_dir(Path(target_dir), *build, block)))
-        build = (*build, f"block {block}") if block else build
-        rows.append(_genai(model, build, prompts, options.max_new_tokens, options.repeats, None))
+        rows.append(_genai(model, label, prompts, options.max_new_tokens, options.repeats, None))
         speculative = {"ngram_size": 3, "max_draft_tokens": min(16, manifest.block_size)}
-        rows.append(_genai(model, build, prompts, options.max_new_tokens, options.repeats, speculative))
+        rows.append(_genai(model, label, prompts, options.max_new_tokens, options.repeats, speculative))
     if "mlx-lm" in names:
         if not _installed("mlx_lm"):
             raise DFlashError("peer 'mlx-lm' needs mlx-lm: pip install mlx-lm")

@@ -41,8 +41,8 @@ def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None
     options.optimized_model_filepath = str(dest)
     options.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{dest.name}.data")
     options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-    # the saved graph keeps the weights as they are: packing them for the kernels (MatMulNBits' packed int4
-    # with float32 scales and block sums, 1.3x the int4 bytes) would only raise this step's peak
+    # the saved graph keeps the weights as they are: packing them for the kernels (MatMulNBits' int4 with a
+    # float32 scale and block sum per block: 1.25x the int4 bytes in blocks of 64) would only raise this step's peak
     options.add_session_config_entry("session.disable_prepacking", "1")
     try:
         ort.InferenceSession(str(source), sess_options=options, providers=[provider])
