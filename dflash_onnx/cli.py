@@ -191,13 +191,13 @@ def _calibrate(args) -> int:
             costs = read_costs(args.from_file, manifest.block_size)
         else:
             backend = backend_for(args.dir, manifest, args.backend).name
-            sessions = [open_session(args.dir, manifest, g, backend) for g in ("target", "draft")]
             if manifest.lowering is not None and manifest.lowering.backend == backend in ("ort", "mlx"):
-                record_row_multiple(manifest, sessions[0])  # as the lowering measures it, on its own backend
+                # as the lowering measures it, on its own backend
+                record_row_multiple(manifest, open_session(args.dir, manifest, "target", backend))
                 print(f"row multiple {manifest.lowering.row_multiple} recorded (batch-invariant: "
                       f"{'yes' if manifest.lowering.report['batch_invariance']['invariant'] else 'no'})")
-            costs = measure_costs(manifest, *sessions, context=args.context, repeats=args.repeats,
-                                  source="calibrate")
+            costs = measure_costs(manifest, lambda graph: open_session(args.dir, manifest, graph, backend),
+                                  context=args.context, repeats=args.repeats, source="calibrate")
         manifest.costs = costs
         manifest.save(args.dir)
     print(f"recorded in {args.dir}/dflash.json: t(T) ms for T = 1..{len(costs.verify_ms)} "

@@ -3,8 +3,8 @@
 In the exported (concat) form every step transposes the past K/V, concatenates the new rows, transposes
 `present` back and repeats K/V per query head: five copies of the whole cache per layer, a cost that grows
 with the context. Here each layer's attention becomes one com.microsoft GroupQueryAttention whose
-`past_key`/`past_value` are [batch, kv_heads, ctx_len, head_dim] buffers the session binds as both input
-and output (ORT then writes the new rows in place), and whose `seqlens_k` / `total_sequence_length`
+`past_key`/`past_value` are [batch, kv_heads, rows, head_dim] buffers (rows up to ctx_len) the session binds as
+both input and output (ORT then writes the new rows in place), and whose `seqlens_k` / `total_sequence_length`
 inputs carry the committed length: rollback is a smaller length on the next call. Float32 graphs with
 head sizes that are multiples of 16 (ORT's requirement) also hand RoPE to GroupQueryAttention (do_rotary,
 with a ctx_len cos/sin cache computed as the graph computes its angles), which removes the rotations and
@@ -31,6 +31,10 @@ SHAPE_ONLY = {"Unsqueeze", "Expand", "Reshape", "Transpose", "Squeeze", "Identit
 SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
 HEADS_FIRST = [0, 2, 1, 3]
 HINT = "lower with --kv-buffer off to keep the concat form"
+# the buffers' row count is left open: a session sizes them to the context in use (at most ctx_len, which the
+# rotary cache and the lowering's capacity checks bound); GroupQueryAttention takes any buffer at least as long
+# as the call's total_sequence_length
+BUFFER_ROWS = "kv_buffer_rows"
 
 
 def _only_reader(value: ir.Value, op_type: str) -> ir.Node:
@@ -174,7 +178,7 @@ class _Rewriter:
     def finish(self) -> None:
         """Declare the buffers and the length inputs; refuse a graph whose K/V inputs something else reads."""
         spec = self.spec
-        buffer = ir.Shape(["batch", spec.num_kv_heads, self.ctx_len, spec.head_dim])
+        buffer = ir.Shape(["batch", spec.num_kv_heads, BUFFER_ROWS, spec.head_dim])
         for name in [*spec.kv_inputs, *spec.kv_outputs]:
             (self.inputs.get(name) or {v.name: v for v in self.graph.outputs}[name]).shape = buffer
         self.graph.inputs.extend([self.seqlens, self.total])
@@ -189,7 +193,7 @@ def run(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     """Rewrite every layer's attention of the target graph to the buffer form."""
     if context.graph != "target":
         return model, {"skipped": "the target's attention only"}
-    ctx_len = context.int_option("ctx_len")  # rows of each K/V buffer (the ORT lowering sets it)
+    ctx_len = context.int_option("ctx_len")  # positions the buffers may hold (the rotary cache's rows)
     spec = context.manifest.target
     rewriter = _Rewriter(model, ctx_len, spec)
     for layer in range(spec.num_layers):

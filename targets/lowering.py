@@ -92,8 +92,8 @@ def lowered_costs(directory: Path, manifest: Manifest, open_session, context: in
         return None
     if manifest.ctx_len:  # the buffers must hold the context, the block and the draft's block after it
         context = max(0, min(context, manifest.ctx_len - 2 * manifest.block_size))
-    sessions = [open_session(Path(directory), manifest, graph) for graph in ("target", "draft")]
-    return measure_costs(manifest, *sessions, context=context, repeats=repeats, source="lower")
+    return measure_costs(manifest, lambda graph: open_session(Path(directory), manifest, graph), context=context,
+                         repeats=repeats, source="lower")
 
 
 def lowered_output(source: Path, out: Path, request: LowerRequest, checkpoints: tuple[Path, Path] | None = None,

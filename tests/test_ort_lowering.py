@@ -45,24 +45,66 @@ def test_lowered_pair_decodes_the_exports_greedy_tokens(name, exported, decoders
         assert lowered.generate(prompt, 32, "greedy", stop_token_ids=[]).tokens == want
 
 
-def test_buffer_form_writes_kv_in_place_into_the_preallocated_buffers(exported, ort_lowered):
-    """After a prefill, the session's own numpy buffers hold the export's K/V rows (no copy handed back)."""
-    lowered = open_decoder(ort_lowered("agree_b8"))
-    session, manifest = lowered.target, lowered.manifest
-    assert manifest.form == "buffer" and manifest.ctx_len == 512
-    assert all(b.shape == (1, manifest.target.num_kv_heads, 512, manifest.target.head_dim)
-               for b in session.kv_buffers().values())
-    ids = np.array([[5, 9, 2, 7, 7, 3]])
-    positions = np.arange(6)[None]
-    session.run({"input_ids": ids, "position_ids": positions, "seqlens_k": np.array([5], np.int32),
-                 "total_sequence_length": np.array(6, np.int32)}, ["greedy_ids"])
+def _export_kv(exported, manifest, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """The export's K/V rows for `ids` from position 0, by the lowering's past input name ([seq, kv, hd])."""
     export = exported("agree_b8").decoder()
     empty = {n: np.zeros((1, 0, manifest.target.num_kv_heads, manifest.target.head_dim), np.float32)
              for n in export.manifest.target.kv_inputs}
-    want = export.target.run({"input_ids": ids, "position_ids": positions, **empty})
-    for past, present in zip(manifest.target.kv_inputs, manifest.target.kv_outputs):
-        rows = session.kv_buffers()[past][0, :, :6].transpose(1, 0, 2)  # [kv, seq, hd] -> [seq, kv, hd]
-        np.testing.assert_allclose(rows, want[present][0], atol=1e-5)
+    want = export.target.run({"input_ids": ids[None], "position_ids": np.arange(len(ids))[None], **empty})
+    return {past: want[present][0] for past, present in zip(manifest.target.kv_inputs, manifest.target.kv_outputs)}
+
+
+def _buffer_call(session, ids: np.ndarray, start: int) -> None:
+    end = start + len(ids)
+    session.run({"input_ids": ids[None], "position_ids": np.arange(start, end)[None],
+                 "seqlens_k": np.array([end - 1], np.int32), "total_sequence_length": np.array(end, np.int32)},
+                ["greedy_ids"])
+
+
+def test_buffer_form_writes_kv_in_place_into_buffers_that_grow_with_the_context(exported, ort_lowered):
+    """After each call the session's own buffers hold the export's K/V rows (no copy handed back); they start
+    at FIRST_ROWS rows and grow to ctx_len (512) when a call needs more, keeping the rows written before."""
+    from targets.ort.session import FIRST_ROWS
+
+    lowered = open_decoder(ort_lowered("agree_b8"))
+    session, manifest = lowered.target, lowered.manifest
+    assert manifest.form == "buffer" and manifest.ctx_len == 512 and session.kv_buffers() == {}
+    graph = onnx.load(str(ort_lowered("agree_b8") / "target.onnx"), load_external_data=False)
+    rows = {d.dim_param or d.dim_value for v in graph.graph.input if v.name in manifest.target.kv_inputs
+            for d in v.type.tensor_type.shape.dim[2:3]}
+    assert rows == {"kv_buffer_rows"}  # the graph leaves the buffers' length to the session
+    ids = np.random.default_rng(4).integers(2, 94, size=300)
+    _buffer_call(session, ids[:6], 0)
+    want = _export_kv(exported, manifest, ids[:6])
+    for past, buffer in session.kv_buffers().items():
+        assert buffer.shape == (1, manifest.target.num_kv_heads, FIRST_ROWS, manifest.target.head_dim)
+        np.testing.assert_allclose(buffer[0, :, :6].transpose(1, 0, 2), want[past], atol=1e-5)
+    _buffer_call(session, ids[6:], 6)  # 300 rows: past FIRST_ROWS, so every buffer doubles (to ctx_len)
+    want = _export_kv(exported, manifest, ids)
+    for past, buffer in session.kv_buffers().items():
+        assert buffer.shape[2] == 512
+        np.testing.assert_allclose(buffer[0, :, :300].transpose(1, 0, 2), want[past], atol=1e-4)
+    with pytest.raises(DFlashError, match="513 rows exceeds the 512 rows"):
+        _buffer_call(session, ids[:213], 300)
+
+
+def test_a_lowering_whose_graph_fixes_the_buffer_rows_still_decodes(decoders, ort_lowered, tmp_path):
+    """Lowerings made before the rows were left open declare ctx_len rows: the session allocates exactly those."""
+    import shutil
+
+    fixed = tmp_path / "fixed"
+    shutil.copytree(ort_lowered("agree_b8"), fixed)
+    graph = onnx.load(str(fixed / "target.onnx"), load_external_data=False)
+    for value in [*graph.graph.input, *graph.graph.output]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param == "kv_buffer_rows":
+                dim.dim_value = 512
+    onnx.save(graph, str(fixed / "target.onnx"))
+    lowered = open_decoder(fixed)
+    assert {b.shape[2] for b in lowered.target.kv_buffers().values()} == {512}
+    prompt = [5, 9, 2, 7, 7, 3]
+    want = decoders("agree_b8").generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
+    assert lowered.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == want
 
 
 def test_buffer_form_is_refused_where_it_would_change_the_output(exported, tmp_path):

@@ -98,10 +98,33 @@ class OrtSession:
         return dict(zip(names, values))
 
 
+FIRST_ROWS = 256  # rows a K/V buffer starts with; it doubles (up to ctx_len) when a call needs more
+
+
+def _rows_to_hold(needed: int, held: int, capacity: int, name: str) -> int:
+    """The rows to grow a buffer of `held` rows to so that it holds `needed` (doubling, at most `capacity`)."""
+    if needed > capacity:
+        raise DFlashError(f"{name}: a context of {needed} rows exceeds the {capacity} rows this lowering holds: "
+                          "lower again with a larger --ctx-len")
+    return min(capacity, max(needed, 2 * held, FIRST_ROWS))
+
+
+def _grown(value: ort.OrtValue | None, shape: tuple[int, ...], dtype, device: str) -> ort.OrtValue:
+    """A zeroed buffer of `shape` on `device` that starts with `value`'s contents (None: empty)."""
+    array = np.zeros(shape, dtype)
+    if value is not None:
+        kept = value.numpy()  # a view on CPU, a host copy from a device: growing is rare (doubling)
+        array[tuple(slice(0, n) for n in kept.shape)] = kept
+    return ort.OrtValue.ortvalue_from_numpy(array, device, 0)
+
+
 class OrtBufferSession(OrtSession):
-    """The buffer-form target: K/V live in preallocated buffers on the provider's device, bound (IOBinding) as
-    both the input and the output of every GroupQueryAttention, so ORT updates them in place and no call
-    copies the cache or moves it to the host.
+    """The buffer-form target: K/V live in buffers on the provider's device, bound (IOBinding) as both the
+    input and the output of every GroupQueryAttention, so ORT updates them in place and no call copies the
+    cache or moves it to the host. The graph leaves the buffers' row count open: they start at FIRST_ROWS rows
+    and double, copied once, when a call needs more (up to ctx_len), so memory follows the context in use, not
+    the longest one the lowering allows (at Qwen3-4B, 4096 rows of float16 K/V are 0.6 GB). Lowerings whose
+    graph fixes the rows get buffers of that size up front.
     The other outputs are bound to arrays kept per row count, so a run of same-sized calls (decode steps,
     verify steps) binds nothing but its small inputs."""
 
@@ -110,17 +133,28 @@ class OrtBufferSession(OrtSession):
     def __init__(self, path: Path, manifest: Manifest, **settings):
         super().__init__(path, **settings)
         graph = manifest.target
-        shape = (1, graph.num_kv_heads, int(manifest.ctx_len), graph.head_dim)
-        self._values = {name: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, manifest.numpy_dtype), self.device, 0)
-                        for name in graph.kv_inputs}
+        self.capacity, self._dtype = int(manifest.ctx_len), manifest.numpy_dtype
+        self._heads = (graph.num_kv_heads, graph.head_dim)
+        self._values: dict[str, ort.OrtValue] = {}
+        self._rows = 0  # rows each buffer holds now
         self._pairs = list(zip(graph.kv_inputs, graph.kv_outputs))
         self._specs = {t.name: t for t in graph.outputs if t.name not in set(graph.kv_outputs)}
         self._binding = self._session.io_binding()
-        for past, _ in self._pairs:
-            self._binding.bind_ortvalue_input(past, self._values[past])
         self._outputs: dict[tuple[str, int], tuple[np.ndarray, object]] = {}
         self._bound: tuple | None = None
         self._inputs: dict[str, tuple[np.ndarray, object]] = {}  # per input: the array bound last, refilled
+        declared = next(i.shape[2] for i in self._session.get_inputs() if i.name == graph.kv_inputs[0])
+        if isinstance(declared, int):  # a graph with fixed rows takes buffers of exactly that size
+            self.capacity = declared
+            self._grow_to(declared)
+
+    def _grow_to(self, rows: int) -> None:
+        """Replace every buffer by one of `rows` rows holding its contents, and bind it."""
+        shape = (1, self._heads[0], rows, self._heads[1])
+        for past, _ in self._pairs:
+            self._values[past] = _grown(self._values.get(past), shape, self._dtype, self.device)
+            self._binding.bind_ortvalue_input(past, self._values[past])
+        self._rows, self._bound = rows, None  # the outputs are bound to the new buffers on the next run
 
     def kv_buffers(self) -> dict[str, np.ndarray]:
         """A host copy of each K/V buffer, by past input name (for inspection: decoding never copies them)."""
@@ -137,7 +171,9 @@ class OrtBufferSession(OrtSession):
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
         names = tuple(n for n in (output_names or self.output_names) if n in self._specs)
-        rows = int(feeds["input_ids"].shape[1])
+        rows, needed = int(feeds["input_ids"].shape[1]), int(feeds["total_sequence_length"])
+        if needed > self._rows:
+            self._grow_to(_rows_to_hold(needed, self._rows, self.capacity, self.path.name))
         binding = self._binding
         for name, value in feeds.items():  # same shape as last call (every decode or verify step): copy, no bind
             kept = self._inputs.get(name)
@@ -162,10 +198,11 @@ class OrtBufferSession(OrtSession):
 
 class OrtRowsSession(OrtSession):
     """The buffer-form draft, whose graph returns only its new context rows' K/V: they are written straight
-    into preallocated [batch, ctx_len, kv_heads, head_dim] buffers on the provider's device (outputs bound by
-    pointer just past the filled prefix), and the filled prefix is bound as the next call's past, so no K/V
-    is copied or crosses to the host. Context rows never roll back: a call's past length is its first
-    position id. A call that feeds its own past (a single timed or checked call) runs as a plain call."""
+    into [batch, rows, kv_heads, head_dim] buffers on the provider's device (outputs bound by pointer just past
+    the filled prefix), and the filled prefix is bound as the next call's past, so no K/V is copied or crosses
+    to the host. The buffers grow as the target's do (FIRST_ROWS, doubling up to ctx_len). Context rows never
+    roll back: a call's past length is its first position id. A call that feeds its own past (a single timed
+    or checked call) runs as a plain call."""
 
     retains_state = True
 
@@ -175,24 +212,26 @@ class OrtRowsSession(OrtSession):
         self.capacity, self.dtype = int(manifest.ctx_len), manifest.numpy_dtype
         self._heads = [graph.num_kv_heads, graph.head_dim]
         self._row_bytes = graph.num_kv_heads * graph.head_dim * np.dtype(self.dtype).itemsize
-        shape = (1, self.capacity, *self._heads)
-        self._buffers = [(past, rows, ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.dtype), self.device, 0))
-                         for past, rows in zip(graph.kv_inputs, graph.kv_outputs)]
+        self._rows = 0  # rows each buffer holds now
+        self._buffers: list[tuple[str, str, ort.OrtValue | None]] = [
+            (past, rows, None) for past, rows in zip(graph.kv_inputs, graph.kv_outputs)]
         self._kv = set(graph.kv_inputs) | set(graph.kv_outputs)
         self._binding = self._session.io_binding()
 
     def kv_buffers(self) -> dict[str, np.ndarray]:
         """A host copy of each context-rows buffer, by past input name (for inspection)."""
-        return {past: buffer.numpy().copy() for past, _, buffer in self._buffers}  # a view dies with the session
+        return {past: buffer.numpy().copy() for past, _, buffer in self._buffers if buffer is not None}
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
         if any(past in feeds for past, _, _ in self._buffers):
             return super().run(feeds, output_names)
         names = [n for n in (output_names or self.output_names) if n not in self._kv]
         past, rows = int(feeds["position_ids"][0, 0]), int(feeds["target_hidden"].shape[1])
-        if past + rows > self.capacity:
-            raise DFlashError(f"the draft's context of {past + rows} rows exceeds the {self.capacity} rows this "
-                              "lowering holds: lower again with a larger --ctx-len")
+        if past + rows > self._rows:
+            self._rows = _rows_to_hold(past + rows, self._rows, self.capacity, "the draft")
+            shape = (1, self._rows, *self._heads)
+            self._buffers = [(name, new, _grown(buffer, shape, self.dtype, self.device))
+                             for name, new, buffer in self._buffers]
         binding = self._binding
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
