@@ -62,6 +62,25 @@ def test_mlx_decodes_exactly_like_ort(name, kv_buffer, exported, decoders, mlx_l
         assert mlx.generate(prompt, 24, stop_token_ids=[]).tokens == want.tokens  # auto: the same tokens
 
 
+def test_mlx_buffers_grow_with_the_context_and_decode_like_ort(decoders, mlx_lowered):
+    """The buffer form's K/V start empty, take FIRST_ROWS rows on the first call and double past them (up to
+    ctx_len 512), the rows written before kept: a 300-token prompt decodes the export's tokens across the growth."""
+    from targets.kv_rows import FIRST_ROWS
+
+    mlx = open_decoder(mlx_lowered("agree_b8"), backend="mlx")
+    target, draft = mlx.target.state, mlx.draft.state
+    assert {a.shape[2] for a in target.arrays.values()} == {0} == {a.shape[1] for a in draft.arrays.values()}
+    short = [5, 9, 2, 7]
+    assert mlx.generate(short, 8, "dflash", stop_token_ids=[]).tokens == \
+        decoders("agree_b8").generate(short, 8, "greedy", stop_token_ids=[]).tokens
+    assert {a.shape[2] for a in target.arrays.values()} == {FIRST_ROWS}
+    prompt = np.random.default_rng(8).integers(2, 94, size=300).tolist()
+    for mode in ("dflash", "greedy"):
+        assert mlx.generate(prompt, 24, mode, stop_token_ids=[]).tokens == \
+            decoders("agree_b8").generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
+    assert {a.shape[2] for a in target.arrays.values()} == {512} == {a.shape[1] for a in draft.arrays.values()}
+
+
 def test_mlx_equals_the_reference(exported, mlx_lowered):
     pair = exported("causal_gqa4_b4")  # causal draft: every step, the tail included, matches the reference
     target = AutoModelForCausalLM.from_pretrained(str(pair.target_dir), attn_implementation="sdpa").eval()

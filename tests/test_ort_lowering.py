@@ -64,7 +64,7 @@ def _buffer_call(session, ids: np.ndarray, start: int) -> None:
 def test_buffer_form_writes_kv_in_place_into_buffers_that_grow_with_the_context(exported, ort_lowered):
     """After each call the session's own buffers hold the export's K/V rows (no copy handed back); they start
     at FIRST_ROWS rows and grow to ctx_len (512) when a call needs more, keeping the rows written before."""
-    from targets.ort.session import FIRST_ROWS
+    from targets.kv_rows import FIRST_ROWS
 
     lowered = open_decoder(ort_lowered("agree_b8"))
     session, manifest = lowered.target, lowered.manifest

@@ -5,11 +5,12 @@ inside the graph, so greedy decoding copies only ids and features to the host. T
 lm_head are the target's tensors, loaded once for both sessions. numpy, onnx (the graph structure) and mlx only.
 
 K/V: in the fused buffer form (the default lowering) the session keeps them. The target's
-[1, kv_heads, ctx_len, head_dim] buffers are written in place by its GroupQueryAttention nodes at the call's
+[1, kv_heads, rows, head_dim] buffers are written in place by its GroupQueryAttention nodes at the call's
 positions (rollback is the runner's shorter length on the next call); the draft's graph returns its new
-context rows, which the session writes into [1, ctx_len, kv_heads, head_dim] buffers at the call's first
-position and feeds back as a view of the filled prefix. In the concat form (`--kv-buffer off`, and lowerings
-made before it) K/V come back as mx.arrays that the runners feed in again.
+context rows, which the session writes into [1, rows, kv_heads, head_dim] buffers at the call's first
+position and feeds back as a view of the filled prefix. Both grow with the context (targets/kv_rows.py).
+In the concat form (`--kv-buffer off`, and lowerings made before it) K/V come back as mx.arrays that the
+runners feed in again.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest
 
 from ..backend import recorded_options
+from ..kv_rows import rows_to_hold
 from .options import MlxOptions
 
 
@@ -66,15 +68,29 @@ def _attributes(node: onnx.NodeProto) -> dict:
     return attrs
 
 
+def _grown(mx, array, rows: int, axis: int):
+    """`array` extended with zero rows along `axis` to `rows` rows (evaluated, so the old buffer is freed)."""
+    extra = list(array.shape)
+    extra[axis] = rows - array.shape[axis]
+    grown = mx.concatenate([array, mx.zeros(extra, array.dtype)], axis=axis)
+    mx.eval(grown)
+    return grown
+
+
 class _TargetBuffers:
-    """The buffer-form target's K/V: one [1, kv_heads, ctx_len, head_dim] buffer per K/V input, which the graph's
-    GroupQueryAttention writes in place and returns as the paired output."""
+    """The buffer-form target's K/V: one [1, kv_heads, rows, head_dim] buffer per K/V input, which the graph's
+    GroupQueryAttention writes in place and returns as the paired output; the rows grow with the context
+    (targets/kv_rows.py) up to ctx_len."""
 
     def __init__(self, mx, spec, ctx_len: int, dtype):
-        self.pairs = list(zip(spec.kv_inputs, spec.kv_outputs))
-        self.arrays = {i: mx.zeros((1, spec.num_kv_heads, ctx_len, spec.head_dim), dtype) for i in spec.kv_inputs}
+        self.mx, self.pairs, self.ctx_len = mx, list(zip(spec.kv_inputs, spec.kv_outputs)), ctx_len
+        self.arrays = {i: mx.zeros((1, spec.num_kv_heads, 0, spec.head_dim), dtype) for i in spec.kv_inputs}
 
     def feeds(self, feeds: dict) -> dict:
+        needed, held = int(np.asarray(feeds["total_sequence_length"])), next(iter(self.arrays.values())).shape[2]
+        if needed > held:
+            rows = rows_to_hold(needed, held, self.ctx_len, "mlx target")
+            self.arrays = {name: _grown(self.mx, array, rows, 2) for name, array in self.arrays.items()}
         return self.arrays
 
     def keep(self, outputs: dict, feeds: dict) -> list:
@@ -85,12 +101,12 @@ class _TargetBuffers:
 
 class _DraftRows:
     """The buffer-form draft's context K/V: its graph reads `past` and returns the call's new rows, which are
-    written here at the call's first position (the runner's committed length; context rows never roll back)."""
+    written here at the call's first position (the runner's committed length; context rows never roll back);
+    the buffers grow as the target's do."""
 
     def __init__(self, mx, spec, ctx_len: int, dtype):
-        self.pairs = list(zip(spec.kv_inputs, spec.kv_outputs))
-        self.ctx_len = ctx_len
-        self.arrays = {i: mx.zeros((1, ctx_len, spec.num_kv_heads, spec.head_dim), dtype) for i in spec.kv_inputs}
+        self.mx, self.pairs, self.ctx_len = mx, list(zip(spec.kv_inputs, spec.kv_outputs)), ctx_len
+        self.arrays = {i: mx.zeros((1, 0, spec.num_kv_heads, spec.head_dim), dtype) for i in spec.kv_inputs}
 
     def given(self, feeds: dict) -> bool:
         return all(name in feeds for name, _ in self.pairs)
@@ -106,10 +122,10 @@ class _DraftRows:
         start = self._start(feeds)
         for name, output in self.pairs:
             rows = outputs[output]
-            end = start + rows.shape[1]
-            if end > self.ctx_len:
-                raise DFlashError(f"the draft's context of {end} rows exceeds the {self.ctx_len} rows this lowering "
-                                  "holds: lower again with a larger --ctx-len")
+            end, held = start + rows.shape[1], self.arrays[name].shape[1]
+            if end > held:
+                self.arrays[name] = _grown(self.mx, self.arrays[name], rows_to_hold(end, held, self.ctx_len,
+                                                                                     "the draft"), 1)
             self.arrays[name][:, start:end] = rows
         return list(self.arrays.values())
 

@@ -15,6 +15,7 @@ from dflash_onnx.graph_files import checked_graph
 from dflash_onnx.manifest import Manifest
 
 from ..backend import recorded_options
+from ..kv_rows import rows_to_hold
 from .options import LEVELS, PROVIDERS, OrtOptions
 from .spinning import session_settings
 
@@ -98,17 +99,6 @@ class OrtSession:
         return dict(zip(names, values))
 
 
-FIRST_ROWS = 256  # rows a K/V buffer starts with; it doubles (up to ctx_len) when a call needs more
-
-
-def _rows_to_hold(needed: int, held: int, capacity: int, name: str) -> int:
-    """The rows to grow a buffer of `held` rows to so that it holds `needed` (doubling, at most `capacity`)."""
-    if needed > capacity:
-        raise DFlashError(f"{name}: a context of {needed} rows exceeds the {capacity} rows this lowering holds: "
-                          "lower again with a larger --ctx-len")
-    return min(capacity, max(needed, 2 * held, FIRST_ROWS))
-
-
 def _grown(value: ort.OrtValue | None, shape: tuple[int, ...], dtype, device: str) -> ort.OrtValue:
     """A zeroed buffer of `shape` on `device` that starts with `value`'s contents (None: empty)."""
     array = np.zeros(shape, dtype)
@@ -121,10 +111,8 @@ def _grown(value: ort.OrtValue | None, shape: tuple[int, ...], dtype, device: st
 class OrtBufferSession(OrtSession):
     """The buffer-form target: K/V live in buffers on the provider's device, bound (IOBinding) as both the
     input and the output of every GroupQueryAttention, so ORT updates them in place and no call copies the
-    cache or moves it to the host. The graph leaves the buffers' row count open: they start at FIRST_ROWS rows
-    and double, copied once, when a call needs more (up to ctx_len), so memory follows the context in use, not
-    the longest one the lowering allows (at Qwen3-4B, 4096 rows of float16 K/V are 0.6 GB). Lowerings whose
-    graph fixes the rows get buffers of that size up front.
+    cache or moves it to the host. The graph leaves the buffers' row count open: they grow with the context
+    (targets/kv_rows.py). Lowerings whose graph fixes the rows get buffers of that size up front.
     The other outputs are bound to arrays kept per row count, so a run of same-sized calls (decode steps,
     verify steps) binds nothing but its small inputs."""
 
@@ -173,7 +161,7 @@ class OrtBufferSession(OrtSession):
         names = tuple(n for n in (output_names or self.output_names) if n in self._specs)
         rows, needed = int(feeds["input_ids"].shape[1]), int(feeds["total_sequence_length"])
         if needed > self._rows:
-            self._grow_to(_rows_to_hold(needed, self._rows, self.capacity, self.path.name))
+            self._grow_to(rows_to_hold(needed, self._rows, self.capacity, self.path.name))
         binding = self._binding
         for name, value in feeds.items():  # same shape as last call (every decode or verify step): copy, no bind
             kept = self._inputs.get(name)
@@ -200,7 +188,7 @@ class OrtRowsSession(OrtSession):
     """The buffer-form draft, whose graph returns only its new context rows' K/V: they are written straight
     into [batch, rows, kv_heads, head_dim] buffers on the provider's device (outputs bound by pointer just past
     the filled prefix), and the filled prefix is bound as the next call's past, so no K/V is copied or crosses
-    to the host. The buffers grow as the target's do (FIRST_ROWS, doubling up to ctx_len). Context rows never
+    to the host. The buffers grow as the target's do. Context rows never
     roll back: a call's past length is its first position id. A call that feeds its own past (a single timed
     or checked call) runs as a plain call."""
 
@@ -228,7 +216,7 @@ class OrtRowsSession(OrtSession):
         names = [n for n in (output_names or self.output_names) if n not in self._kv]
         past, rows = int(feeds["position_ids"][0, 0]), int(feeds["target_hidden"].shape[1])
         if past + rows > self._rows:
-            self._rows = _rows_to_hold(past + rows, self._rows, self.capacity, "the draft")
+            self._rows = rows_to_hold(past + rows, self._rows, self.capacity, "the draft")
             shape = (1, self._rows, *self._heads)
             self._buffers = [(name, new, _grown(buffer, shape, self.dtype, self.device))
                              for name, new, buffer in self._buffers]
