@@ -18,8 +18,9 @@ RUNTIME = {f"dflash_onnx.{name}" for name in ("errors", "manifest", "session", "
 RUNTIME_LIBRARIES = {"numpy", "tokenizers", "jinja2"}
 SESSION_LIBRARIES = {"ort": {"onnxruntime", "onnx"}, "ai100": {"QAicApi_pb2", "qaicrt"}, "mlx": {"mlx", "onnx"},
                      "coreml": {"coremltools"}}
-# neutral helpers a session may use: artifact names checked to stay inside their directory
-SESSION_HELPERS = {"dflash_onnx.graph_files"}
+# neutral helpers a session may use: artifact names checked to stay inside their directory; how many rows the
+# K/V buffers of the ORT and MLX sessions hold (no runtime import of its own)
+SESSION_HELPERS = {"dflash_onnx.graph_files", "targets.kv_rows"}
 HEAVY = {"torch", "transformers", "safetensors", "onnx", "onnxruntime", "onnx_ir", "onnxscript", "mlx", "coremltools"}
 THIRD_PARTY = HEAVY | RUNTIME_LIBRARIES | {"tqdm", "matplotlib", "onnxruntime_genai", "dflash", "scipy", "optimum",
                                           "QAicApi_pb2", "qaicrt"}

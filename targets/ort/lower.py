@@ -95,8 +95,9 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
               "peaked at 23.8 GB, as measured for issue 19); on CPU quantize instead: optimize --passes int4 "
               "--pass-option int4.lm_head=true",
               file=sys.stderr)
-    # disk: the pipeline's copy, then ORT's; peak memory relative to the export: 1.6x (Qwen3-0.6B shape, float32),
-    # 1.38x (Qwen3-4B shape, int4 in blocks of 64), 2.8x for float16 on CPU, widened to float32 (4B: 23.8 GB)
+    # disk: the pipeline's copy, then ORT's; peak memory relative to the export: 1.6x (Qwen3-0.6B shape, float32,
+    # before the K/V buffers grew with the context), 1.11x (Qwen3-4B shape, int4 in blocks of 64), 2.8x for
+    # float16 on CPU, widened to float32 (4B: 23.8 GB)
     widened = options.provider == "cpu" and manifest.dtype == "float16" and not manifest.weight_quantization
     with lowered_output(source, out, request, size_factor=2.2, memory_factor=2.9 if widened else 1.6) as tmp:
         names, pass_options = pipeline(options, manifest.block_size)

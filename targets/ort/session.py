@@ -188,9 +188,9 @@ class OrtRowsSession(OrtSession):
     """The buffer-form draft, whose graph returns only its new context rows' K/V: they are written straight
     into [batch, rows, kv_heads, head_dim] buffers on the provider's device (outputs bound by pointer just past
     the filled prefix), and the filled prefix is bound as the next call's past, so no K/V is copied or crosses
-    to the host. The buffers grow as the target's do. Context rows never
-    roll back: a call's past length is its first position id. A call that feeds its own past (a single timed
-    or checked call) runs as a plain call."""
+    to the host. The buffers grow as the target's do. Context rows never roll back: a call's past length is
+    its first position id. A call that feeds its own past (a single timed or checked call) runs as a plain
+    call."""
 
     retains_state = True
 
