@@ -353,6 +353,17 @@ class BufferTarget:
         self.length = length
 
 
+def open_draft_runner(manifest: Manifest, draft: Session):
+    """The draft runner for the manifest's graph form (no target session needed: a check that drafts alone)."""
+    if manifest.form == "concat":
+        return ConcatDraft(draft, manifest)
+    if manifest.form == "buffer":  # the draft's attention is not causal: no GroupQueryAttention buffers for it
+        return RowsDraft(draft, manifest) if manifest.draft_returns_rows else ConcatDraft(draft, manifest)
+    if manifest.form == "retained":
+        return RetainedDraft(draft, manifest)
+    raise DFlashError(f"unknown graph form {manifest.form!r} in the manifest")
+
+
 def open_runners(manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int,
                  row_multiple: int = 1):
     """The target and draft runners for the manifest's graph form; the target's calls padded to `row_multiple`
@@ -360,11 +371,11 @@ def open_runners(manifest: Manifest, target: Session, draft: Session | None, pre
     `row_multiple`)."""
     if row_multiple < 1:
         raise DFlashError(f"row_multiple must be at least 1, got {row_multiple}")
+    drafting = draft and open_draft_runner(manifest, draft)
     if manifest.form == "concat":
-        return ConcatTarget(target, manifest, prefill_chunk, row_multiple), draft and ConcatDraft(draft, manifest)
-    if manifest.form == "buffer":  # the draft's attention is not causal: no GroupQueryAttention buffers for it
-        return BufferTarget(target, manifest, prefill_chunk, row_multiple), draft and (
-            RowsDraft(draft, manifest) if manifest.draft_returns_rows else ConcatDraft(draft, manifest))
+        return ConcatTarget(target, manifest, prefill_chunk, row_multiple), drafting
+    if manifest.form == "buffer":
+        return BufferTarget(target, manifest, prefill_chunk, row_multiple), drafting
     if manifest.form == "retained":
-        return RetainedTarget(target, manifest, row_multiple), draft and RetainedDraft(draft, manifest)
+        return RetainedTarget(target, manifest, row_multiple), drafting
     raise DFlashError(f"unknown graph form {manifest.form!r} in the manifest")

@@ -10,7 +10,7 @@ import numpy as np
 
 from dflash_onnx.feeds import draft_feeds, target_feeds
 from dflash_onnx.manifest import Manifest
-from dflash_onnx.runners import open_runners
+from dflash_onnx.runners import open_draft_runner, open_runners
 from dflash_onnx.session import Session
 
 
@@ -47,10 +47,10 @@ def _target_sequence(manifest: Manifest, session) -> dict[str, np.ndarray]:
     return outputs
 
 
-def _draft_sequence(manifest: Manifest, sessions: dict) -> dict[str, np.ndarray]:
+def _draft_sequence(manifest: Manifest, session) -> dict[str, np.ndarray]:
     """Draft logits over four proposals through the manifest's draft runner, its context cache growing by
     20, a block, 3 and 1 rows (the same features and ids for every form)."""
-    _, runner = open_runners(manifest, sessions["target"], sessions["draft"], 256)
+    runner = open_draft_runner(manifest, session)
     rng = np.random.default_rng(1)
     outputs = {}
     for step, rows in enumerate((20, manifest.block_size, 3, 1)):
@@ -61,20 +61,27 @@ def _draft_sequence(manifest: Manifest, sessions: dict) -> dict[str, np.ndarray]
     return outputs
 
 
-def _outputs(manifest: Manifest, sessions: dict, calls: list[tuple[str, dict]],
+def _outputs(manifest: Manifest, open_graph: Callable[[str], Session], calls: list[tuple[str, dict]],
              sequence: bool) -> dict[str, np.ndarray]:
     """The float outputs of the sample calls (of the draft's K/V, the call's new rows: all a rows-form draft
-    returns), then of the target and draft call sequences when `sequence`, by name."""
+    returns), then of the target and draft call sequences when `sequence`, by name. One graph's session is
+    open at a time (the draft's calls take sample features, not the target's)."""
     outputs = {}
-    for index, (graph, feeds) in enumerate(calls):
-        for name, value in sessions[graph].run(feeds).items():
-            value = np.asarray(value)  # K/V a session keeps on its device (MLX) included
-            if value.dtype.kind == "f":
-                if graph == "draft" and name in manifest.draft.kv_outputs:
-                    value = value[:, value.shape[1] - feeds["target_hidden"].shape[1]:]
-                outputs[f"{graph} output {name} (call {index})"] = value
-    if sequence:
-        outputs.update({**_target_sequence(manifest, sessions["target"]), **_draft_sequence(manifest, sessions)})
+    for graph in ("draft", "target"):
+        session = open_graph(graph)
+        for index, (called, feeds) in enumerate(calls):
+            if called != graph:
+                continue
+            for name, value in session.run(feeds).items():
+                value = np.asarray(value)  # K/V a session keeps on its device (MLX) included
+                if value.dtype.kind == "f":
+                    if graph == "draft" and name in manifest.draft.kv_outputs:
+                        value = value[:, value.shape[1] - feeds["target_hidden"].shape[1]:]
+                    outputs[f"{graph} output {name} (call {index})"] = value
+        if sequence:
+            outputs.update(_target_sequence(manifest, session) if graph == "target" else
+                           _draft_sequence(manifest, session))
+        del session
     return outputs
 
 
@@ -82,15 +89,10 @@ def compare_lowering(exported: Manifest, open_reference: Callable[[str], Session
                      open_lowered: Callable[[str], Session], manifest: Manifest) -> list[tuple[str, float]]:
     """(name, difference relative to the largest |output|) of every compared output of the lowered graphs
     (`manifest`, sessions from `open_lowered(graph)`) against the export (`exported`, `open_reference(graph)`).
-    The export's outputs are computed and its sessions closed before the lowered sessions open, so the check
-    holds one model's sessions at a time."""
+    The check holds one graph's session at a time: the export's, then the lowering's, draft then target."""
     calls, sequence = _sample_calls(exported, target=manifest.form == "concat"), manifest.form == "buffer"
-    reference = {g: open_reference(g) for g in ("target", "draft")}
-    wanted = _outputs(exported, reference, calls, sequence)
-    del reference
-    lowered = {g: open_lowered(g) for g in ("target", "draft")}
-    got = _outputs(manifest, lowered, calls, sequence)
-    del lowered
+    wanted = _outputs(exported, open_reference, calls, sequence)
+    got = _outputs(manifest, open_lowered, calls, sequence)
     differences = []
     for name, want in wanted.items():
         scale = max(float(np.abs(want).max()), 1e-6)

@@ -426,3 +426,34 @@ def test_spinning_option_reads_older_lowerings_and_refuses_unknown_modes():
     assert OrtOptions().spinning_mode() == "on" and OrtOptions(spinning="calls").spinning_mode() == "calls"
     with pytest.raises(DFlashError, match="--spinning sometimes: choose one of auto, on, calls, off"):
         OrtOptions(spinning="sometimes").validate(8)
+
+
+def test_the_check_holds_one_graph_session_at_a_time(exported, ort_lowered):
+    """The export's sessions, then the lowering's, one graph at a time: the check's peak memory is the largest
+    graph's session, not the pair's twice (at the Qwen3-0.6B shape in float32 one target session holds 3 GB)."""
+    import gc
+    import weakref
+
+    from targets import open_session
+    from targets.check import compare_lowering
+    from targets.ort.session import OrtSession
+
+    source, directory = exported("agree_b8").out, ort_lowered("agree_b8")
+    exported_manifest, manifest = load_manifest(source), load_manifest(directory)
+    opened: list = []
+    overlaps: list = []
+
+    def tracked(open_graph):
+        def open_one(graph: str):
+            gc.collect()
+            overlaps.append([name for name, ref in opened if ref() is not None])
+            session = open_graph(graph)
+            opened.append((graph, weakref.ref(session)))
+            return session
+        return open_one
+
+    differences = compare_lowering(
+        exported_manifest, tracked(lambda g: OrtSession(source / getattr(exported_manifest, g).file)),
+        tracked(lambda g: open_session(directory, manifest, g)), manifest)
+    assert [graph for graph, _ in opened] == ["draft", "target", "draft", "target"]
+    assert overlaps == [[], [], [], []] and max(d for _, d in differences) < 1e-4

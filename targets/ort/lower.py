@@ -95,11 +95,14 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
               "peaked at 23.8 GB, as measured for issue 19); on CPU quantize instead: optimize --passes int4 "
               "--pass-option int4.lm_head=true",
               file=sys.stderr)
-    # disk: the pipeline's copy, then ORT's; peak memory relative to the export: 1.6x (Qwen3-0.6B shape, float32,
-    # before the K/V buffers grew with the context), 1.11x (Qwen3-4B shape, int4 in blocks of 64), 2.8x for
-    # float16 on CPU, widened to float32 (4B: 23.8 GB)
+    # disk: the pipeline's copy, then ORT's; peak memory relative to the export, measured with the K/V buffers
+    # sized to the context and one graph's session open at a time: 1.68x for float32 (Qwen3-0.6B shape: its
+    # tied lm_head is packed for the matmul while its pages stay mapped for the embedding), 1.11x and 1.07x for
+    # int4 in blocks of 64 (Qwen3-4B, LLaMA-3.1-8B shapes), 2.8x for float16 on CPU, widened to float32 (4B,
+    # before: 23.8 GB); each with some margin
     widened = options.provider == "cpu" and manifest.dtype == "float16" and not manifest.weight_quantization
-    with lowered_output(source, out, request, size_factor=2.2, memory_factor=2.9 if widened else 1.6) as tmp:
+    memory = 2.9 if widened else 1.3 if manifest.weight_quantization else 1.8
+    with lowered_output(source, out, request, size_factor=2.2, memory_factor=memory) as tmp:
         names, pass_options = pipeline(options, manifest.block_size)
         fused_dir, fused, rewrites = tmp / "fused", manifest, {}
         if names:
