@@ -274,6 +274,18 @@ def test_the_check_is_skipped_with_both_figures_when_the_reference_cannot_fit(ex
     assert "the check against the export is skipped: ONNX Runtime would hold about" in capsys.readouterr().err
 
 
+def test_the_check_needs_room_for_the_larger_graph_only(exported, tmp_path, monkeypatch):
+    """The check opens one graph's session at a time, so memory for the larger graph's reference is enough: with
+    room for the target's files but not for both graphs' together, the check still runs."""
+    import targets.mlx.lower as mlx_lower
+
+    source = exported("agree_b8").out
+    sizes = [sum(p.stat().st_size for p in source.glob(f"{graph}.onnx*")) for graph in ("target", "draft")]
+    monkeypatch.setattr(mlx_lower, "available_memory", lambda: (max(sizes) + sum(sizes)) / 2 / 0.8)
+    manifest = lower_mlx(source, tmp_path / "room", MlxOptions(ctx_len=512), LowerRequest(progress=False))
+    assert manifest.lowering.max_relative_difference is not None
+
+
 def test_a_target_too_slow_to_check_skips_the_check_and_measurements_with_the_figures(exported, tmp_path, monkeypatch,
                                                                                      capsys):
     """Where one decode call shows the check and the measurements would outlast the budget (a 4B target on

@@ -198,10 +198,11 @@ def _check(source: Path, exported: Manifest, directory: Path, lowered: Manifest,
 def _checked(source: Path, exported: Manifest, directory: Path, lowered: Manifest, bits: int | None,
              progress: bool, seconds: float) -> float | None:
     """_check, unless the export on ONNX Runtime cannot fit (its CPU sessions hold float16 weights as float32,
-    so the reference needs about twice a float16 export's size: the Qwen3-4B shape ~16 GB) or the MLX target's
-    calls, `seconds` each, would outlast the lowering's budget; then a warning with the figures, and None
-    recorded."""
-    weights = sum(p.stat().st_size for p in source.glob("*.onnx*"))
+    so the reference needs about twice a float16 export's size: the Qwen3-4B shape's target ~15 GB; the check
+    holds one graph's session at a time, so the larger graph counts) or the MLX target's calls, `seconds` each,
+    would outlast the lowering's budget; then a warning with the figures, and None recorded."""
+    weights = max(sum(p.stat().st_size for p in source.glob(f"{getattr(exported, graph).file}*"))
+                  for graph in ("target", "draft"))
     need = weights * (2 if exported.dtype == "float16" else 1)
     available = available_memory()
     if available is not None and need > 0.8 * available:
