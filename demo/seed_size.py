@@ -30,13 +30,11 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_onnx.publish import directory_bytes
+
 CLI = [sys.executable, "-m", "dflash_onnx.cli"]
 PROMPT = "11,22,33,44,55,66,77,88"
 GIB = 1024**3
-
-
-def _bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
 # A child starts with its parent's resident size as its high-water mark (Linux keeps it across exec), so each
@@ -70,8 +68,8 @@ class Bench:
     def stage(self, name: str, command: list, out: Path | None, yardstick: Path | None, writes: bool) -> dict:
         print(f"[{name}] {' '.join(map(str, command))}", flush=True)
         row = {"stage": name, **run_stage(command, self.work / f"{name}.log")}
-        row["written_bytes"] = _bytes(out) if out is not None and row["exit"] == 0 else 0
-        base = row["written_bytes"] if writes else _bytes(yardstick) if yardstick is not None else 0
+        row["written_bytes"] = directory_bytes(out) if out is not None and row["exit"] == 0 else 0
+        base = row["written_bytes"] if writes else directory_bytes(yardstick) if yardstick is not None else 0
         row["ratio"] = round(row["peak_bytes"] / base, 2) if base and row["exit"] == 0 else None
         row["ratio_of"] = "written" if writes else "read"
         self.rows.append(row)
