@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -48,12 +49,16 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def to_fake(module: nn.Module, mode: FakeTensorMode) -> dict[str, np.ndarray]:
-    """Make `module`'s parameters (on the meta device) and buffers fake CPU tensors of `mode`, ties kept; return
-    the buffers' values by name, for the graph initializers traced from them. Traced on the meta device, SDPA
-    takes another path than on CPU (the graph differs); fake CPU tensors trace exactly as real ones."""
-    values = {name: buffer.detach().float().numpy().astype(_numpy_dtype(buffer.dtype))
-              for name, buffer in module.named_buffers()}
+def buffer_values(module: nn.Module) -> dict[str, np.ndarray]:
+    """`module`'s buffers by name, as numpy: the graph initializers traced from them (computed, not stored)."""
+    return {name: buffer.detach().float().numpy().astype(_numpy_dtype(buffer.dtype))
+            for name, buffer in module.named_buffers()}
+
+
+def make_fake(module: nn.Module, mode: FakeTensorMode) -> None:
+    """Make `module`'s parameters (on the meta device) and buffers fake CPU tensors of `mode`, ties kept. Traced on
+    the meta device, SDPA takes another path than on CPU (the graph differs); fake CPU tensors trace exactly as real
+    ones."""
     fakes: dict[int, torch.Tensor] = {}
     for submodule in module.modules():
         for name, param in submodule._parameters.items():
@@ -65,7 +70,6 @@ def to_fake(module: nn.Module, mode: FakeTensorMode) -> dict[str, np.ndarray]:
         for name, buffer in submodule._buffers.items():
             if buffer is not None:
                 submodule._buffers[name] = mode.from_tensor(buffer)
-    return values
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
@@ -83,45 +87,60 @@ class Checkpoint:
             for key, shape in file_tensor_shapes(file).items():
                 self.files[key], self.shapes[key] = file, tuple(shape)
 
-    def lazy(self, key: str, dtype: torch.dtype, name: str) -> ir.LazyTensor:
-        """The tensor `key` as `dtype`, read from its file when the graph writer asks for its bytes."""
-        file = self.files[key]
-
-        def read() -> ir.Tensor:
-            with safe_open(str(file), framework="pt") as handle:  # mapped only while it is read
-                return ir.Tensor(handle.get_tensor(key).to(dtype).numpy(), name=name)
-
-        return ir.LazyTensor(read, dtype=IR_DTYPES[dtype], shape=ir.Shape(self.shapes[key]), name=name)
 
 
-def parameter_sources(module: nn.Module, prefix: str, checkpoint: Checkpoint, fixed: dict | None = None,
-                      strict: bool = False, ignored: tuple[str, ...] = ()) -> dict[str, tuple[Checkpoint, str]]:
-    """Every parameter name of `module` (tied names included) -> (checkpoint, key): a name in `fixed` reads what
-    it says; a name under `prefix` reads the key that follows it; a parameter tied to others reads whichever of
-    its names the checkpoint holds. Refuses a parameter the checkpoint lacks, a shape that differs from the
-    config's, and, when `strict`, checkpoint tensors the module does not have (`ignored` apart)."""
+@dataclass(frozen=True)
+class Source:
+    """Where a parameter's value comes from: a checkpoint tensor, divided by `divisor` (a power-of-two scale
+    folded into a weight: exact in any float dtype)."""
+
+    checkpoint: Checkpoint
+    key: str
+    divisor: float = 1.0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.checkpoint.shapes[self.key]
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor as `dtype`; its file is mapped only while it is read."""
+        with safe_open(str(self.checkpoint.files[self.key]), framework="pt") as handle:
+            tensor = handle.get_tensor(self.key).to(dtype)
+        return tensor / self.divisor if self.divisor != 1.0 else tensor
+
+    def lazy(self, dtype: torch.dtype, name: str) -> ir.LazyTensor:
+        """The tensor as `dtype`, read when the graph writer asks for its bytes."""
+        return ir.LazyTensor(lambda: ir.Tensor(self.read(dtype).numpy(), name=name), dtype=IR_DTYPES[dtype],
+                             shape=ir.Shape(self.shape), name=name)
+
+
+def parameter_sources(module: nn.Module, prefix: str, checkpoint: Checkpoint, fixed: dict[str, Source] | None = None,
+                      strict: bool = False, ignored: tuple[str, ...] = ()) -> dict[str, Source]:
+    """Every parameter name of `module` (tied names included) -> its Source: a name in `fixed` reads what it says;
+    a name under `prefix` reads the key that follows it; a parameter tied to others reads whichever of its names
+    the checkpoint holds. Refuses a parameter the checkpoint lacks, a shape that differs from the config's, and,
+    when `strict`, checkpoint tensors the module does not have (`ignored` apart)."""
     fixed = fixed or {}
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
         params[id(param)] = param
-    found: dict[str, tuple[Checkpoint, str]] = {}
+    found: dict[str, Source] = {}
     for ident, aliases in names.items():
         source = next((fixed[alias] for alias in aliases if alias in fixed), None) or next(
-            ((checkpoint, alias[len(prefix):]) for alias in aliases
+            (Source(checkpoint, alias[len(prefix):]) for alias in aliases
              if alias.startswith(prefix) and alias[len(prefix):] in checkpoint.files), None)
         if source is None:
             raise DFlashError(f"{checkpoint.kind} weights in {checkpoint.directory} lack {aliases[0]} (tied names: "
                               f"{aliases}): the checkpoint does not match its config.json, or its tensors are "
-                              "renamed when transformers loads them (then export with --no-stream)")
-        holder, key = source
+                              "renamed when transformers loads them (then pass --no-stream: the pair is loaded whole)")
         shape = tuple(params[ident].shape)
-        if holder.shapes[key] != shape:
-            raise DFlashError(f"{holder.kind} tensor {key} in {holder.directory} has shape "
-                              f"{holder.shapes[key]}, its config.json implies {shape}")
+        if source.shape != shape:
+            raise DFlashError(f"{source.checkpoint.kind} tensor {source.key} in {source.checkpoint.directory} has "
+                              f"shape {source.shape}, its config.json implies {shape}")
         found.update((alias, source) for alias in aliases)
-    unknown = sorted(set(checkpoint.files) - {key for holder, key in found.values() if holder is checkpoint}
+    unknown = sorted(set(checkpoint.files) - {s.key for s in found.values() if s.checkpoint is checkpoint}
                      - set(ignored))
     if strict and unknown:
         raise DFlashError(f"{checkpoint.kind} weights in {checkpoint.directory} have {len(unknown)} unknown tensors, "
@@ -129,19 +148,18 @@ def parameter_sources(module: nn.Module, prefix: str, checkpoint: Checkpoint, fi
     return found
 
 
-def attach_weights(model: ir.Model, parameters: dict[str, tuple[Checkpoint, str]], buffers: dict[str, np.ndarray],
+def attach_weights(model: ir.Model, parameters: dict[str, Source], buffers: dict[str, np.ndarray],
                    dtype: torch.dtype) -> None:
     """Give each initializer of a graph traced without weights its value: a lazy read of its checkpoint
     tensor (parameters, in `dtype`), or the buffer's computed value."""
     for name, value in model.graph.initializers.items():
         if name in parameters:
-            checkpoint, key = parameters[name]
-            value.const_value = checkpoint.lazy(key, dtype, name)
+            value.const_value = parameters[name].lazy(dtype, name)
         elif name in buffers:
             value.const_value = ir.Tensor(buffers[name], name=name)
         else:
             raise DFlashError(f"the traced graph has a weight {name} that is neither a checkpoint tensor nor a "
-                              "buffer: this architecture needs `dflash-onnx export --no-stream`")
+                              "buffer: this architecture needs --no-stream (the pair loaded whole)")
     _fold_transposes(model)
 
 
@@ -183,11 +201,10 @@ class LazyWeights:
     attach: Callable[[ir.Model], None]
 
 
-def pair_weights(tapped: TappedTarget, draft: DFlashDraft, target_dir: Path, draft_dir: Path,
-                 dtype: torch.dtype) -> tuple[LazyWeights, LazyWeights]:
-    """For a pair built by pair.meta_pair: the lazy weights of the target graph (its checkpoint, under the
-    wrapper's `lm.`) and of the draft graph (its own checkpoint, strictly; the target's embedding and lm_head for
-    the shared ones). Makes both modules fake for tracing."""
+def pair_sources(tapped: TappedTarget, draft: DFlashDraft, target_dir: Path, draft_dir: Path) -> dict[int, Source]:
+    """id(parameter) -> Source for every parameter of a pair built by pair.meta_pair: the target's from its
+    checkpoint (under the wrapper's `lm.`), the draft's strictly from its own, the shared embedding and lm_head from
+    the target's (a draft's copies of them are ignored: the target's win)."""
     target = Checkpoint(target_dir, "target")
     target_sources = parameter_sources(tapped, "lm.", target)
 
@@ -197,8 +214,59 @@ def pair_weights(tapped: TappedTarget, draft: DFlashDraft, target_dir: Path, dra
     shared = {"embed_tokens": target_sources[name_of(tapped.lm.get_input_embeddings().weight)],
               "lm_head": target_sources[name_of(tapped.lm.get_output_embeddings().weight)]}
     draft_sources = parameter_sources(draft, "", Checkpoint(draft_dir, "draft"), fixed=shared, strict=True,
-                                      ignored=("embed_tokens.weight", "lm_head.weight"))  # copies: the target's win
+                                      ignored=("embed_tokens.weight", "lm_head.weight"))
+    return {id(param): sources[name] for module, sources in ((tapped, target_sources), (draft, draft_sources))
+            for name, param in module.named_parameters(remove_duplicate=False)}
+
+
+def traced_weights(modules: list[nn.Module], sources: dict[int, Source], dtype: torch.dtype) -> list[LazyWeights]:
+    """The lazy weights of each of `modules` (a meta pair's modules, or wrappers around them whose own parameters
+    `sources` also names), and makes them all fake for tracing, in one mode."""
+    parameters = [{name: sources[id(param)] for name, param in module.named_parameters(remove_duplicate=False)}
+                  for module in modules]
+    buffers = [buffer_values(module) for module in modules]
     mode = FakeTensorMode()
-    target_buffers, draft_buffers = to_fake(tapped, mode), to_fake(draft, mode)
-    return (LazyWeights(mode, lambda model: attach_weights(model, target_sources, target_buffers, dtype)),
-            LazyWeights(mode, lambda model: attach_weights(model, draft_sources, draft_buffers, dtype)))
+    for module in modules:
+        make_fake(module, mode)
+    return [LazyWeights(mode, partial(attach_weights, parameters=p, buffers=b, dtype=dtype))
+            for p, b in zip(parameters, buffers)]
+
+
+def pair_weights(tapped: TappedTarget, draft: DFlashDraft, target_dir: Path, draft_dir: Path,
+                 dtype: torch.dtype) -> tuple[LazyWeights, LazyWeights]:
+    """For a pair built by pair.meta_pair: the lazy weights of the target graph and of the draft graph (see
+    pair_sources). Makes both modules fake for tracing."""
+    target, draft_weights = traced_weights([tapped, draft], pair_sources(tapped, draft, target_dir, draft_dir), dtype)
+    return target, draft_weights
+
+
+@contextmanager
+def weights_on_demand(roots: list[nn.Module], sources: dict[int, Source], dtype: torch.dtype) -> Iterator[None]:
+    """Run meta modules for real: every module under `roots` that owns parameters reads them from their checkpoints
+    (as `dtype`) when it is called and drops them when it returns, so a forward pass holds one module's weights at a
+    time besides its callers' (the draft's root: the embedding and lm_head). Only calls load weights: code that
+    reads a parameter outside its module's call sees the meta tensor."""
+    modules = {id(module): module for root in roots for module in root.modules()}.values()
+    owners = [(module, {name: p for name, p in module._parameters.items() if p is not None}) for module in modules]
+    owners = [(module, own) for module, own in owners if own]
+
+    def load(own: dict[str, nn.Parameter]) -> Callable:
+        def hook(module: nn.Module, _args) -> None:
+            module._parameters.update({name: nn.Parameter(sources[id(p)].read(dtype), requires_grad=False)
+                                       for name, p in own.items()})
+        return hook
+
+    def drop(own: dict[str, nn.Parameter]) -> Callable:
+        def hook(module: nn.Module, _args, _output) -> None:
+            module._parameters.update(own)
+        return hook
+
+    handles = [handle for module, own in owners
+               for handle in (module.register_forward_pre_hook(load(own)), module.register_forward_hook(drop(own)))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, own in owners:
+            module._parameters.update(own)

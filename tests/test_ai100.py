@@ -220,3 +220,44 @@ def test_parity_refuses_a_lowered_directory(exported, lowered):
     pair = exported("agree_b8")
     with pytest.raises(DFlashError, match="lowered \\(for ai100, retained form\\): run parity on the export"):
         run_parity(lowered("agree_b8")[0], pair.target_dir, pair.draft_dir, num_prompts=1)
+
+
+def _graph(path):
+    model = onnx.load(str(path))
+    nodes = [(n.op_type, list(n.input), list(n.output), [a.SerializeToString() for a in n.attribute])
+             for n in model.graph.node]
+    return nodes, {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+@pytest.mark.parametrize("name", ["causal_gqa4_b4", "agree_b4_fp16"])  # tied float32 / untied float16
+def test_the_streamed_calibration_and_retained_export_equal_the_loaded_ones(name, exported, tmp_path):
+    """The lowering runs the calibration on a meta pair whose modules read their weights when called, and writes
+    each weight from its checkpoint (fc divided by its scale) as the graphs are saved: same numbers, same graphs
+    as with the pair loaded whole (--no-stream)."""
+    from dflash_onnx.lazy_weights import pair_sources, weights_on_demand
+    from dflash_onnx.models.calibration import calibrate_fc_scale
+    from dflash_onnx.pair import DTYPES, load_tapped_pair, meta_pair
+    from targets.ai100.lower import export_retained
+
+    pair = exported(name)
+    manifest = load_manifest(pair.out)
+    ids = manifest.target_layer_ids
+    args = (manifest.vocab_size, manifest.mask_token_id, manifest.block_size)
+    loaded = load_tapped_pair(pair.target_dir, pair.draft_dir, ids, manifest.dtype)
+    meta = meta_pair(pair.target_dir, pair.draft_dir, ids, manifest.dtype)
+    sources = pair_sources(*meta, pair.target_dir, pair.draft_dir)
+    with weights_on_demand(list(meta), sources, DTYPES[manifest.dtype]):
+        streamed = calibrate_fc_scale(*meta, *args, prompts=2, length=12)
+    assert streamed == calibrate_fc_scale(*loaded, *args, prompts=2, length=12)
+    assert {p.device.type for module in meta for p in module.parameters()} == {"meta"}  # dropped after each call
+    if manifest.dtype != "float32":
+        return  # the float16 graphs' export is the float32 one's with float16 weights: one export comparison suffices
+    options = Ai100Options(ctx_len=64, prefill_len=4 * manifest.block_size)
+    export_retained(*loaded, manifest, options, (tmp_path / "loaded").mkdir() or tmp_path / "loaded", 4.0)
+    export_retained(*meta, manifest, options, (tmp_path / "streamed").mkdir() or tmp_path / "streamed", 4.0, sources)
+    for file in ("target.onnx", "draft.onnx"):
+        (want_nodes, want), (got_nodes, got) = _graph(tmp_path / "loaded" / file), _graph(tmp_path / "streamed" / file)
+        assert got_nodes == want_nodes
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key].dtype == value.dtype and np.array_equal(got[key], value), key  # fc's scale included

@@ -14,6 +14,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -22,12 +24,14 @@ import onnx
 import torch
 
 from dflash_onnx.errors import DFlashError
-from dflash_onnx.export import export_program
+from dflash_onnx.export import export_program, save_graph
 from dflash_onnx.graph_files import graph_spec, share_initializers
+from dflash_onnx.lazy_weights import LazyWeights, Source, pair_sources, traced_weights, weights_on_demand
 from dflash_onnx.manifest import Lowering, Manifest
+from dflash_onnx.model_dirs import largest_tensor_bytes
 from dflash_onnx.models.calibration import calibrate_for_fp16
 from dflash_onnx.models.retained import RetainedDraft, RetainedTarget
-from dflash_onnx.pair import load_tapped_pair
+from dflash_onnx.pair import DTYPES, load_tapped_pair, meta_pair
 from dflash_onnx.progress import Stages
 from dflash_onnx.publish import copy_tokenizer_files
 
@@ -50,6 +54,7 @@ from .precision import norm_outputs, plan_report
 from .sdk import SDK_DIR, find_compiler
 
 EMULATION_PROMPTS, EMULATION_TOKENS = 2, 24
+EMULATION_MEMORY = 2.0  # the float16 emulation's sessions, times a float32 export's size (one twin at a time)
 
 
 def kv_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -72,13 +77,18 @@ def round_traffic(manifest: Manifest, hidden_size: int, itemsize: int = 4) -> di
             "draft_logits_if_shipped": logits}
 
 
-def _save(module, args, input_names, output_names, dynamic_shapes, opset, path: Path) -> None:
-    program = export_program(module, args, input_names, output_names, dynamic_shapes, opset)
-    program.save(str(path), external_data=True)
+def _save(module, args, input_names, output_names, dynamic_shapes, opset, path: Path,
+          weights: LazyWeights | None, written: Callable[[int, int], None] | None) -> None:
+    program = export_program(module, args, input_names, output_names, dynamic_shapes, opset, weights)
+    save_graph(program.model, path, written)
 
 
-def export_retained(tapped, draft, manifest: Manifest, options: Ai100Options, out: Path, fc_scale: float) -> None:
-    """target.onnx and draft.onnx in the retained form (rotary tables for positions below ctx_len)."""
+def export_retained(tapped, draft, manifest: Manifest, options: Ai100Options, out: Path, fc_scale: float,
+                    sources: dict[int, Source] | None = None,
+                    written: Callable[[int, int], None] | None = None) -> None:
+    """target.onnx and draft.onnx in the retained form (rotary tables for positions below ctx_len), from a loaded
+    pair, or from a meta pair (pair.meta_pair) whose weights `sources` names: each is then read from its checkpoint
+    as the graph file is written (lazy_weights.py), so memory does not grow with the model."""
     batch = torch.export.Dim("batch_size", min=1)
     seq = torch.export.Dim("seq_len", min=1)
     ctx = torch.export.Dim("ctx_len", min=2)
@@ -86,33 +96,41 @@ def export_retained(tapped, draft, manifest: Manifest, options: Ai100Options, ou
     block = manifest.block_size
     dtype = tapped.lm.dtype
     logits = ["logits"] if options.logits else []
-    read = torch.zeros(12, dtype=torch.int64)
-
-    n = tapped.num_layers
-    kv_in, kv_out = kv_names(n)
-    buffers = tuple(torch.zeros(2, tapped.num_kv_heads, 16, tapped.head_dim, dtype=dtype) for _ in range(2 * n))
-    ids = torch.randint(0, 8, (2, 3))
-    positions = torch.tensor([[2, 3, 4], [5, 6, 15]])
     target = RetainedTarget(tapped, draft, fc_scale, options.ctx_len, options.logits).eval()
-    _save(target, (ids, positions, read, *buffers),
+    draft_module = RetainedDraft(draft, options.ctx_len, options.logits).eval()
+    target_weights = draft_weights = None
+    if sources is not None:
+        sources = {**sources, id(target.fc_weight): replace(sources[id(draft.fc.weight)], divisor=fc_scale)}
+        target_weights, draft_weights = traced_weights([target, draft_module], sources, dtype)
+    with target_weights.mode if target_weights else nullcontext():  # fake inputs for modules without weights
+        read = torch.zeros(12, dtype=torch.int64)
+        n = tapped.num_layers
+        target_buffers = tuple(torch.zeros(2, tapped.num_kv_heads, 16, tapped.head_dim, dtype=dtype)
+                               for _ in range(2 * n))
+        ids = torch.randint(0, 8, (2, 3))
+        positions = torch.tensor([[2, 3, 4], [5, 6, 15]])
+        draft_buffers = tuple(torch.zeros(2, draft.num_kv_heads, 16, draft.head_dim, dtype=dtype)
+                              for _ in range(2 * len(draft.layers)))
+        hidden = torch.zeros(2, 3, draft.spec.config.hidden_size, dtype=dtype)
+        ctx_positions = positions - 2
+        block_ids = torch.randint(0, 8, (2, block))
+        block_positions = (torch.arange(block) + 5)[None].repeat(2, 1)
+
+    kv_in, kv_out = kv_names(n)
+    _save(target, (ids, positions, read, *target_buffers),
           ["input_ids", "position_ids", "comp_ctx_lengths", *kv_in],
           ["greedy_ids", "context_hidden", *logits, *kv_out],
           ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: ccl}, tuple({0: batch, 2: ctx} for _ in range(2 * n))),
-          options.opset, out / "target.onnx")
+          options.opset, out / "target.onnx", target_weights, written)
 
     n = len(draft.layers)
     kv_in, kv_out = kv_names(n)
-    buffers = tuple(torch.zeros(2, draft.num_kv_heads, 16, draft.head_dim, dtype=dtype) for _ in range(2 * n))
-    hidden = torch.zeros(2, 3, draft.spec.config.hidden_size, dtype=dtype)
-    block_ids = torch.randint(0, 8, (2, block))
-    block_positions = (torch.arange(block) + 5)[None].repeat(2, 1)
-    _save(RetainedDraft(draft, options.ctx_len, options.logits).eval(),
-          (block_ids, hidden, positions - 2, block_positions, read, *buffers),
+    _save(draft_module, (block_ids, hidden, ctx_positions, block_positions, read, *draft_buffers),
           ["input_ids", "context_hidden", "ctx_position_ids", "position_ids", "comp_ctx_lengths", *kv_in],
           ["draft_ids", "draft_confidence", *logits, *kv_out],
           ({0: batch}, {0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch}, {0: ccl},
            tuple({0: batch, 2: ctx} for _ in range(2 * n))),
-          options.opset, out / "draft.onnx")
+          options.opset, out / "draft.onnx", draft_weights, written)
 
 
 def write_compiler_inputs(directory: Path, manifest: Manifest, options: Ai100Options,
@@ -168,16 +186,31 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options | None = None,
     out = Path(out)
     stages = Stages(6, enabled=request.progress)
     compiler = find_compiler()
-    # peak memory relative to the export, measured on the Qwen3-0.6B shape's dry run: 3.3x float16 (the loaded
-    # pair and its retained-state export), 5.1x float32 (the float16 emulation's sessions on top)
-    memory = 5.5 if manifest.dtype == "float32" else 3.5
-    with lowered_output(source, out, request, (target_dir, draft_dir), memory_factor=memory) as tmp:
-        with stages.stage("loading target and draft"):
-            tapped, draft = load_tapped_pair(target_dir, draft_dir, manifest.target_layer_ids, manifest.dtype)
-        with stages.stage("calibrating float16 range"):
+    torch_dtype = DTYPES[manifest.dtype]
+    if options.no_stream:
+        # peak memory relative to the export, measured on the Qwen3-0.6B shape's dry run: 3.3x float16 (the loaded
+        # pair and its retained-state export), 5.1x float32 (the float16 emulation's sessions on top)
+        factor, extra = (5.5 if manifest.dtype == "float32" else 3.5), 0
+    else:
+        # streamed: the libraries, the draft's embedding and lm_head while calibration runs it, and the largest
+        # tensor twice while it is written; float32 graphs add the float16 emulation's sessions
+        factor = EMULATION_MEMORY if manifest.dtype == "float32" else 0.0
+        extra = 2**30 + 4 * largest_tensor_bytes([target_dir, draft_dir], torch_dtype.itemsize)
+    with lowered_output(source, out, request, (target_dir, draft_dir), memory_factor=factor,
+                        extra_memory=extra) as tmp:
+        if options.no_stream:
+            with stages.stage("loading target and draft"):
+                tapped, draft = load_tapped_pair(target_dir, draft_dir, manifest.target_layer_ids, manifest.dtype)
+                sources = None
+        else:
+            with stages.stage("building target and draft without their weights"):
+                tapped, draft = meta_pair(target_dir, draft_dir, manifest.target_layer_ids, manifest.dtype)
+                sources = pair_sources(tapped, draft, target_dir, draft_dir)
+        with stages.stage("calibrating float16 range"), \
+                weights_on_demand([tapped, draft], sources, torch_dtype) if sources else nullcontext():
             calibration = calibrate_for_fp16(tapped, draft, manifest, "-convert-to-fp16")
         with stages.stage("exporting retained-state graphs"):
-            export_retained(tapped, draft, manifest, options, tmp, calibration["fc_scale"])
+            export_retained(tapped, draft, manifest, options, tmp, calibration["fc_scale"], sources, stages.fraction)
             shared, _ = share_initializers(tmp, "draft.onnx", "target.onnx", manifest.vocab_size)
         with stages.stage("checking graphs and writing compiler inputs"):
             report = {name: check_graph(tmp / f"{name}.onnx", options.opset) for name in ("target", "draft")}

@@ -50,6 +50,7 @@ class Ai100Options:
     logits: bool = False  # graphs also emit logits (sampling); greedy-only graphs emit ids
     opset: int = DEFAULT_OPSET
     dry_run: bool = False  # write compile.sh without compiling
+    no_stream: bool = False  # load the pair whole instead of reading each weight from its checkpoint when needed
 
     @property
     def target_device_ids(self) -> list[int]:
@@ -137,4 +138,7 @@ FLAGS = (
          "token ids only)", switch=True),
     Flag("--opset", "opset", "ONNX opset (AI 100 accepts 17-18; torch's exporter emits 18)", type=int, choices=(18,)),
     Flag("--dry-run", "dry_run", "write compile.sh instead of compiling", switch=True),
+    Flag("--no-stream", "no_stream", "load the pair whole (the default reads each weight from its checkpoint when "
+         "the calibration or the graph writer needs it; memory then stays near one tensor's at any model size)",
+         switch=True),
 )
