@@ -6,6 +6,9 @@ to the export dtype, only when the graph file is written. The writer takes the t
 each after writing it, so the export's peak memory is about its largest tensor, at any model size. Buffers
 (RoPE frequencies) are computed, not stored: they stay real while the modules are built and are kept as values.
 The trace itself runs on fake CPU tensors (no memory), so the graph is the one a loaded model gives.
+
+Lowerings that must also run the pair before tracing it (the AI 100 float16 calibration) run the meta pair with
+`weights_on_demand`: each module reads its own weights when it is called and drops them when it returns.
 """
 
 from __future__ import annotations
