@@ -273,3 +273,23 @@ def weights_on_demand(roots: list[nn.Module], sources: dict[int, Source], dtype:
             handle.remove()
         for module, own in owners:
             module._parameters.update(own)
+
+
+@contextmanager
+def weights_loaded(modules: list[nn.Module], sources: dict[int, Source], dtype: torch.dtype) -> Iterator[None]:
+    """The parameters under `modules` that are on the meta device read from their checkpoints (as `dtype`) for the
+    duration, and put back on the meta device after: what a conversion that traces only these modules needs."""
+    owners = {id(module): module for root in modules for module in root.modules()}.values()
+    kept = [(module, dict(module._parameters)) for module in owners]
+    real: dict[int, nn.Parameter] = {}  # a tied parameter is read once and stays tied
+    try:
+        for module, own in kept:
+            for name, param in own.items():
+                if param is not None and param.device.type == "meta":
+                    if id(param) not in real:
+                        real[id(param)] = nn.Parameter(sources[id(param)].read(dtype), requires_grad=False)
+                    module._parameters[name] = real[id(param)]
+        yield
+    finally:
+        for module, own in kept:
+            module._parameters.update(own)

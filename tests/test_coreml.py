@@ -83,6 +83,32 @@ def test_stateful_target_matches_the_hf_model(exported):
     assert torch.allclose(torch.cat([first, second], dim=1), want, atol=1e-4)
 
 
+def test_target_parts_in_a_chain_equal_the_whole_target(exported):
+    """Parts of the target (a tapped layer in the first and last, none in the middle) called in turn, hidden and
+    tap_sum passed on, each with its own layers' states: the whole target's ids, logits and context, call after
+    call."""
+    pair = exported("causal_gqa4_b4")
+    lm = load_target(pair.target_dir, "float32")
+    draft = load_draft(pair.draft_dir, lm, "float32")
+    tapped = TappedTarget(lm, [0, 2]).eval()
+    whole = StatefulTarget(tapped, draft, CTX_LEN, 4.0, dtype=torch.float32).eval()
+    parts = [StatefulTarget(tapped, draft, CTX_LEN, 4.0, torch.float32, layers).eval()
+             for layers in ((0, 1), (1, 2), (2, tapped.num_layers))]
+    assert [p.state_names for p in parts][:2] == [["key_cache_0", "value_cache_0"], ["key_cache_1", "value_cache_1"]]
+    assert parts[1].fc_weight is None and parts[0].fc_weight.shape[1] == parts[2].fc_weight.shape[1]
+    ids = torch.randint(2, 90, (1, 13))
+    for rows in (slice(0, 8), slice(8, 13)):
+        positions = torch.arange(13)[rows][None]
+        with torch.no_grad():
+            want = whole(ids[:, rows], positions)
+            hidden, tap_sum = parts[0](ids[:, rows], positions)
+            hidden, tap_sum = parts[1](hidden, positions, tap_sum)
+            got = parts[2](hidden, positions, tap_sum)
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[0], want[0])
+
+
 def test_one_multifunction_package_with_states_and_fixed_shapes(coreml_lowered, exported):
     """model.mlpackage: the target's decode (1), verify (block) and prefill functions and the draft's two, each with
     fixed shapes and its graph's float16 states; each weight stored once (the draft's embedding and lm_head are
@@ -243,3 +269,42 @@ def test_dry_run_estimates_the_package(exported, coreml_lowered, tmp_path, capsy
                            LowerRequest(progress=False))
     assert planned.lowering.functions["target"]["rows"] == {"decode": 1, "verify": block}
     assert planned.lowering.functions["draft"]["rows"] == {"draft": block}
+
+
+def test_a_target_in_parts(exported, coreml_lowered, tmp_path):
+    """--layers-per-part: each part of the target has its own functions, with its own layers' states, converted
+    from the checkpoints read as needed and checked in numpy against the parts' modules; the parts run in turn
+    decode exactly as the target in one part does."""
+    from targets.coreml.check import MilSession
+
+    spec = exported("agree_b8").spec
+    out = tmp_path / "parts"
+    lower_coreml(exported("agree_b8").out, out,
+                 CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL, layers_per_part=2), LowerRequest(progress=False))
+    manifest = load_manifest(out)
+    parts = manifest.lowering.functions["target"]["parts"]
+    assert parts == [[start, min(start + 2, spec.target_layers)] for start in range(0, spec.target_layers, 2)]
+    assert len(parts) > 1 and manifest.lowering.max_relative_difference < 5e-3
+    described = {f.name: f for f in ct.models.MLModel(str(out / "model.mlpackage"),
+                                                       skip_model_load=True).get_spec().description.functions}
+    for k, (start, stop) in enumerate(parts):
+        for name in ("decode", "verify", "prefill"):
+            function = described[f"{name}_{k}"]
+            assert {s.name for s in function.state} == {f"{kind}_cache_{i}" for i in range(start, stop)
+                                                         for kind in ("key", "value")}
+            assert [i.name for i in function.input] == (["input_ids", "position_ids"] if k == 0 else
+                                                        ["hidden_in", "position_ids", "tap_sum_in"])
+            assert [o.name for o in function.output] == (["greedy_ids", "logits", "context_hidden"]
+                                                         if stop == spec.target_layers else ["hidden", "tap_sum"])
+
+    def decoder(directory):
+        lowered = load_manifest(directory)
+        functions = lowered.lowering.functions
+        return Decoder(lowered, MilSession(directory / "model.mlpackage", functions["target"]),
+                       MilSession(directory / "model.mlpackage", functions["draft"]))
+
+    in_parts, whole = decoder(out), decoder(coreml_lowered)
+    for prompt in ([5, 6, 7], list(range(3, 23))):
+        for mode in ("greedy", "dflash"):
+            assert in_parts.generate(prompt, 12, mode, stop_token_ids=[]).tokens == \
+                whole.generate(prompt, 12, mode, stop_token_ids=[]).tokens

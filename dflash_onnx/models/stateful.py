@@ -47,9 +47,9 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.reshape(1, heads, -1, dim)
 
 
-def _buffers(module: nn.Module, layers: int, kv_heads: int, ctx_len: int, head_dim: int, dtype) -> list[str]:
+def _buffers(module: nn.Module, layers: range, kv_heads: int, ctx_len: int, head_dim: int, dtype) -> list[str]:
     names = []
-    for i in range(layers):
+    for i in layers:
         for kind in ("key", "value"):
             name = f"{kind}_cache_{i}"
             module.register_buffer(name, torch.zeros(1, kv_heads, ctx_len, head_dim, dtype=dtype))
@@ -61,63 +61,94 @@ class StatefulTarget(nn.Module):
     """forward(input_ids [1, T], position_ids [1, T]) -> greedy_ids, logits, context_hidden.
 
     As RetainedTarget: `context_hidden` is the draft's hidden_norm(fc(taps)), fc divided by `fc_scale`.
+
+    A part (`layers` = (start, stop), a range of the decoder's layers; converted as its own function, so that no
+    conversion holds more than a part's weights and each program stays small enough for the Neural Engine) holds
+    those layers' K/V states only. The first part reads input_ids, the others forward(hidden_in, position_ids,
+    tap_sum_in); every part but the last returns (hidden, tap_sum), the last the outputs above. fc of the
+    concatenated taps is the sum over the parts of fc's columns for their taps times those taps, so only that sum
+    travels between parts, never the taps.
     """
 
     def __init__(self, tapped: TappedTarget, draft: DFlashDraft, ctx_len: int, fc_scale: float = 1.0,
-                 dtype=torch.float16):
+                 dtype=torch.float16, layers: tuple[int, int] | None = None):
         super().__init__()
+        decoder = tapped.lm.get_decoder()
         needed = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
-        for layer in tapped.lm.get_decoder().layers:
+        for layer in decoder.layers:
             if not all(hasattr(layer.self_attn, n) for n in needed) or not hasattr(layer, "mlp"):
                 raise DFlashError(f"{type(layer).__name__}: the stateful (CoreML) target supports Llama-style "
                                   "decoder layers (Qwen3, Qwen2, Llama, Mistral)")
-        self.tapped = tapped
+        count = tapped.num_layers
+        self.start, self.stop = layers or (0, count)
+        if not 0 <= self.start < self.stop <= count:
+            raise DFlashError(f"layers {self.start}..{self.stop} are not a part of the target's {count} layers")
+        self.first, self.last = self.start == 0, self.stop == count
+        # only this part's modules: converting a part traces (and loads) nothing else
+        self.embed_tokens = decoder.embed_tokens if self.first else None
+        self.layers = nn.ModuleList(decoder.layers[self.start:self.stop])
+        self.norm = decoder.norm if self.last else None
+        self.lm_head = tapped.lm.get_output_embeddings() if self.last else None
+        self.hidden_norm = draft.hidden_norm if self.last else None
         self.ctx_len = ctx_len
-        self.fc_weight = nn.Parameter(draft.fc.weight.detach() / fc_scale, requires_grad=False)
-        self.hidden_norm = draft.hidden_norm
-        self.state_names = _buffers(self, tapped.num_layers, tapped.num_kv_heads, ctx_len, tapped.head_dim, dtype)
+        self.taps = [i for i in tapped.target_layer_ids if self.start <= i < self.stop]
         text = tapped.lm.config.get_text_config(decoder=True)
-        self.num_heads = text.num_attention_heads
+        columns = [j for j, i in enumerate(tapped.target_layer_ids) if self.start <= i < self.stop]
+        weight = draft.fc.weight.detach() / fc_scale
+        if len(columns) < len(tapped.target_layer_ids):
+            width = text.hidden_size
+            weight = torch.cat([weight[:, j * width:(j + 1) * width] for j in columns], dim=1) if columns else None
+        self.fc_weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
+        self.draft_width = draft.fc.weight.shape[0]
+        self.state_names = _buffers(self, range(self.start, self.stop), tapped.num_kv_heads, ctx_len,
+                                    tapped.head_dim, dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = text.num_attention_heads, tapped.num_kv_heads, \
+            tapped.head_dim
+        self.sliding_window = tapped.sliding_window
         self.layer_types = tapped.layer_types or ["full_attention" if tapped.sliding_window is None
-                                                  else "sliding_attention"] * tapped.num_layers
-        rotary = tapped.lm.get_decoder().rotary_emb
+                                                  else "sliding_attention"] * count
+        rotary = decoder.rotary_emb
         self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
 
     def _attention(self, index: int, layer: nn.Module, x: torch.Tensor, cos, sin, position_ids, start, end):
         """HF's attention math for one layer, K/V written into this module's state."""
-        attn, tapped = layer.self_attn, self.tapped
-        heads, kv_heads, dim = self.num_heads, tapped.num_kv_heads, tapped.head_dim  # Python ints (see _rotate)
+        attn = layer.self_attn
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim  # Python ints (see _rotate)
         q = attn.q_proj(x).view(1, -1, heads, dim)
         k = attn.k_proj(x).view(1, -1, kv_heads, dim)
         if hasattr(attn, "q_norm"):  # Qwen3
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = _rotate(q.transpose(1, 2), cos, sin, dim // 2), _rotate(k.transpose(1, 2), cos, sin, dim // 2)
         v = attn.v_proj(x).view(1, -1, kv_heads, dim).transpose(1, 2)
-        keys, values = getattr(self, self.state_names[2 * index]), getattr(self, self.state_names[2 * index + 1])
+        keys, values = getattr(self, f"key_cache_{index}"), getattr(self, f"value_cache_{index}")
         keys[:, :, start:end] = k.to(keys.dtype)
         values[:, :, start:end] = v.to(values.dtype)
-        window = tapped.sliding_window if self.layer_types[index] == "sliding_attention" else None
+        window = self.sliding_window if self.layer_types[index] == "sliding_attention" else None
         key_pos = torch.arange(self.ctx_len)[None, None, :]
         mask = visible(position_ids[:, :, None], key_pos, True, window)[:, None]
         out = grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, attn.scaling, heads, kv_heads, dim)
         return attn.o_proj(out.transpose(1, 2).reshape(1, -1, heads * dim))
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
-        tapped, decoder = self.tapped, self.tapped.lm.get_decoder()
+    def forward(self, first: torch.Tensor, position_ids: torch.Tensor, tap_sum: torch.Tensor | None = None):
         start, end = position_ids[0, 0], position_ids[0, -1] + 1  # rows sit at consecutive positions
-        x = decoder.embed_tokens(input_ids)
+        x = self.embed_tokens(first) if self.first else first
         cos, sin = _cos_sin(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
         taps = {}
-        for index, layer in enumerate(decoder.layers):
+        for index, layer in enumerate(self.layers, self.start):
             x = x + self._attention(index, layer, layer.input_layernorm(x), cos, sin, position_ids, start, end)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if index in tapped.target_layer_ids:
+            if index in self.taps:
                 taps[index] = x
-        logits = tapped.lm.get_output_embeddings()(decoder.norm(x))
-        features = torch.cat([taps[i] for i in tapped.target_layer_ids], dim=-1)
-        context = self.hidden_norm(F.linear(features, self.fc_weight))
-        return torch.argmax(logits, dim=-1).to(torch.int32), logits, context
+        if self.taps:
+            fc = F.linear(torch.cat([taps[i] for i in self.taps], dim=-1), self.fc_weight)
+            tap_sum = fc if tap_sum is None else tap_sum + fc
+        elif tap_sum is None:
+            tap_sum = x.new_zeros(1, x.shape[1], self.draft_width)
+        if not self.last:
+            return x, tap_sum
+        logits = self.lm_head(self.norm(x))
+        return torch.argmax(logits, dim=-1).to(torch.int32), logits, self.hidden_norm(tap_sum)
 
 
 class StatefulDraft(nn.Module):
@@ -128,7 +159,8 @@ class StatefulDraft(nn.Module):
         super().__init__()
         self.draft = draft
         self.ctx_len, self.block_size = ctx_len, block_size
-        self.state_names = _buffers(self, len(draft.layers), draft.num_kv_heads, ctx_len, draft.head_dim, dtype)
+        self.state_names = _buffers(self, range(len(draft.layers)), draft.num_kv_heads, ctx_len, draft.head_dim,
+                                    dtype)
         self.register_buffer("inv_freq", draft.rotary_emb.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling = float(getattr(draft.rotary_emb, "attention_scaling", 1.0))
 

@@ -6,6 +6,8 @@ precision, or whose greedy ids differ where the reference's top two logits are c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,7 @@ from dflash_onnx.manifest import Manifest
 from dflash_onnx.runners import open_runners
 
 from .mil_eval import MilProgram, read_spec
+from .session import part_functions, run_parts
 
 # Largest logit difference to the float32 modules, relative to their largest |logit|: float16 compute (measured
 # on the tiny pairs: 1e-3), int8 / int4 weights (the int8 / int4 passes' bounds: a wrong op exceeds them)
@@ -24,42 +27,59 @@ TOLERANCE = {None: 2e-2, 8: 0.15, 4: 0.75}
 TIE = 2e-2
 
 
+PART_OUTPUTS = ["hidden", "tap_sum"]  # what every target part but the last returns
+
+
 class TorchStatefulSession:
-    """A module coremltools converts, run in PyTorch with its state buffers: the reference, and the stand-in
-    for CoreML where none runs."""
+    """A module coremltools converts (or the parts of one, run in turn), in PyTorch with its state buffers: the
+    reference, and the stand-in for CoreML where none runs. `weights(module)`: a context that gives a part's
+    module its weights while it runs (parts converted from checkpoints read as needed)."""
 
     retains_state = True
 
-    def __init__(self, module: torch.nn.Module, output_names: list[str]):
-        self.module, self.output_names = module, output_names
+    def __init__(self, modules: torch.nn.Module | list[torch.nn.Module], output_names: list[str],
+                 weights: Callable[[torch.nn.Module], AbstractContextManager] | None = None):
+        self.modules = modules if isinstance(modules, list) else [modules]
+        self.output_names, self.weights = output_names, weights or (lambda module: nullcontext())
         self.input_names: list[str] = []
 
+    def _part(self, module: torch.nn.Module, names: list[str]) -> Callable[[dict], dict]:
+        def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            with torch.no_grad(), self.weights(module):
+                values = module(*(torch.from_numpy(np.ascontiguousarray(v)) for v in feeds.values()))
+            return {name: value.numpy() for name, value in zip(names, values)}
+        return run
+
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
-        with torch.no_grad():
-            values = self.module(*(torch.from_numpy(np.ascontiguousarray(v)) for v in feeds.values()))
-        out = dict(zip(self.output_names, values))
-        return {n: out[n].numpy().astype(np.int64) if n.endswith("_ids") else out[n].numpy()
+        last = len(self.modules) - 1
+        out = run_parts([self._part(m, self.output_names if k == last else PART_OUTPUTS)
+                         for k, m in enumerate(self.modules)], feeds)
+        return {n: out[n].astype(np.int64) if n.endswith("_ids") else out[n]
                 for n in (output_names or self.output_names)}
 
 
 class MilSession:
     """A graph's functions of a package evaluated in numpy, sharing their states between calls (the CoreML
-    session's contract): each call runs the function whose rows its `functions["input"]` has."""
+    session's contract): each call runs the function whose rows its `functions["input"]` has (in a graph in
+    parts, that function of each part in turn, each part with its own states)."""
 
     retains_state = True
 
     def __init__(self, package: Path, functions: dict):
         spec = read_spec(package)
-        self.by, rows = functions["input"], functions["rows"]
-        self.programs = {size: MilProgram(package, name, spec) for name, size in rows.items()}
+        self.by = functions["input"]
+        self.programs = {size: [MilProgram(package, name, spec) for name in names]
+                         for size, names in part_functions(functions).items()}
         first = next(iter(self.programs.values()))
-        self.states = first.initial_states()
-        self.input_names, self.output_names = first.input_names, first.outputs
+        self.states = [program.initial_states() for program in first]
+        self.input_names, self.output_names = first[0].input_names, first[-1].outputs
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
         inputs = {name: value.astype(np.int32) if value.dtype.kind == "i" else value.astype(np.float16)
                   for name, value in feeds.items()}
-        out = self.programs[feeds[self.by].shape[1]].run(inputs, self.states)
+        programs = self.programs[feeds[self.by].shape[1]]
+        out = run_parts([lambda part_feeds, program=program, states=states: program.run(part_feeds, states)
+                         for program, states in zip(programs, self.states)], inputs)
         return {n: out[n].astype(np.int64) if n.endswith("_ids") else out[n] for n in output_names or self.output_names}
 
 
@@ -82,11 +102,14 @@ def _sequence(manifest: Manifest, target, draft) -> dict[str, tuple[np.ndarray, 
     return outputs
 
 
-def check_packages(directory: Path, manifest: Manifest, target_module, draft_module, bits: int | None) -> float:
-    """Largest logit difference of the packages in `directory` to the converted modules, relative to the
-    largest |logit|; refused beyond TOLERANCE, or when a greedy id differs away from a near tie."""
-    reference = _sequence(manifest, TorchStatefulSession(target_module, ["greedy_ids", "logits", "context_hidden"]),
-                          TorchStatefulSession(draft_module, ["draft_ids", "draft_confidence", "logits"]))
+def check_packages(directory: Path, manifest: Manifest, target_module, draft_module, bits: int | None,
+                   weights: Callable[[torch.nn.Module], AbstractContextManager] | None = None) -> float:
+    """Largest logit difference of the packages in `directory` to the converted modules (the target's parts, in a
+    list, when it was converted in parts; `weights`: see TorchStatefulSession), relative to the largest |logit|;
+    refused beyond TOLERANCE, or when a greedy id differs away from a near tie."""
+    reference = _sequence(manifest,
+                          TorchStatefulSession(target_module, ["greedy_ids", "logits", "context_hidden"], weights),
+                          TorchStatefulSession(draft_module, ["draft_ids", "draft_confidence", "logits"], weights))
     functions = manifest.lowering.functions
     got = _sequence(manifest, MilSession(Path(directory) / manifest.target.file, functions["target"]),
                     MilSession(Path(directory) / manifest.draft.file, functions["draft"]))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -25,19 +26,20 @@ import numpy as np
 import torch
 
 from dflash_onnx.errors import DFlashError
+from dflash_onnx.lazy_weights import pair_sources, weights_loaded, weights_on_demand
 from dflash_onnx.manifest import GraphSpec, Lowering, Manifest, TensorSpec
 from dflash_onnx.models.calibration import calibrate_for_fp16
 from dflash_onnx.models.stateful import StatefulDraft, StatefulTarget
-from dflash_onnx.pair import load_tapped_pair
+from dflash_onnx.pair import load_tapped_pair, meta_pair
 from dflash_onnx.progress import Stages
 from dflash_onnx.publish import copy_tokenizer_files
 
 from ..backend import LowerRequest
 from ..lowering import lowered_output, start_lowering
-from .check import check_packages
+from .check import PART_OUTPUTS, check_packages
 from .options import CoremlOptions
-from .session import import_coremltools
-from .sizes import estimate
+from .session import import_coremltools, part_functions, target_parts
+from .sizes import estimate, part_conversion_bytes
 
 TESTED_WITH = ("coremltools 9.0 with torch 2.13.0 (TorchScript frontend; coremltools warns it was tested up to "
                "torch 2.7)")
@@ -113,6 +115,21 @@ def _spec(file: str, inputs: dict[str, tuple[str, list]], outputs: dict[str, tup
                      num_kv_heads=kv_heads, head_dim=head_dim, kv_inputs=[], kv_outputs=[])
 
 
+def _target_call(target: StatefulTarget, rows: int, width: int) -> tuple[tuple, list, list[str]]:
+    """Example inputs, input types and output names of one target function of `rows` tokens (a part's: see
+    StatefulTarget)."""
+    ct = import_coremltools()
+    positions = torch.arange(rows, dtype=torch.int32)[None]
+    position_type = ct.TensorType("position_ids", shape=(1, rows), dtype=np.int32)
+    outputs = ["greedy_ids", "logits", "context_hidden"] if target.last else PART_OUTPUTS
+    if target.first:
+        return ((torch.zeros(1, rows, dtype=torch.int32), positions),
+                [ct.TensorType("input_ids", shape=(1, rows), dtype=np.int32), position_type], outputs)
+    return ((torch.zeros(1, rows, width), positions, torch.zeros(1, rows, target.draft_width)),
+            [ct.TensorType("hidden_in", shape=(1, rows, width), dtype=np.float16), position_type,
+             ct.TensorType("tap_sum_in", shape=(1, rows, target.draft_width), dtype=np.float16)], outputs)
+
+
 def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                  request: LowerRequest | None = None) -> Manifest:
     """Write COREML_DIR: model.mlpackage (stateful, multifunction) and the manifest; with --dry-run only
@@ -121,48 +138,71 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     ct = import_coremltools()
     manifest, (target_dir, draft_dir) = start_lowering(source, out, options, request, reexport=True)
     block, chunk = manifest.block_size, options.prefill_len
+    parts = target_parts(manifest.target.num_layers, options.layers_per_part)
     prefill = {"prefill": chunk} if chunk != block else {}  # --prefill-len equal to the block: verify's function
-    functions = {"target": {"input": "input_ids", "rows": {"decode": 1, "verify": block, **prefill}},
+    functions = {"target": {"input": "input_ids", "rows": {"decode": 1, "verify": block, **prefill},
+                            **({"parts": [list(p) for p in parts]} if len(parts) > 1 else {})},
                  "draft": {"input": "context_hidden", "rows": {"draft": block,
                                                                **{f"draft_{k}": v for k, v in prefill.items()}}}}
+    names = {graph: part_functions(spec) for graph, spec in functions.items()}
     # loading, calibrating, one conversion per function, writing the package, the check
-    stages = Stages(4 + sum(len(graph["rows"]) for graph in functions.values()), enabled=request.progress)
+    stages = Stages(4 + sum(len(fns) for graph in names.values() for fns in graph.values()), enabled=request.progress)
     if options.dry_run:
         return _dry_run(source, out, request, manifest, options, functions, (target_dir, draft_dir))
-    # peak memory: 7.2x the pair in float32 (the modules are traced in float32 whatever the export's dtype;
-    # measured on the Qwen3-0.6B shape: 16.7 GB for a 2.3 GB float32 export, the numpy check included)
-    memory = 7.5 * 4 / np.dtype(manifest.numpy_dtype).itemsize
-    with lowered_output(source, out, request, (target_dir, draft_dir), memory_factor=memory) as tmp:
-        with stages.stage("loading target and draft"):
-            tapped, draft = load_tapped_pair(target_dir, draft_dir, manifest.target_layer_ids, "float32")
-        with stages.stage("calibrating float16 range"):
+    streamed = len(parts) > 1
+    # peak memory: in parts, the largest conversion (sizes.py); whole, 7.2x the pair in float32 (the modules are
+    # traced in float32 whatever the export's dtype; measured on the Qwen3-0.6B shape: 16.7 GB for a 2.3 GB float32
+    # export, the numpy check included)
+    memory = 0.0 if streamed else 7.5 * 4 / np.dtype(manifest.numpy_dtype).itemsize
+    extra = part_conversion_bytes(target_dir, draft_dir, parts) if streamed else 0
+    with lowered_output(source, out, request, (target_dir, draft_dir), memory_factor=memory,
+                        extra_memory=extra) as tmp:
+        if streamed:
+            with stages.stage("building target and draft without their weights"):
+                tapped, draft = meta_pair(target_dir, draft_dir, manifest.target_layer_ids, "float32")
+                sources = pair_sources(tapped, draft, target_dir, draft_dir)
+
+            def weights(module: torch.nn.Module) -> AbstractContextManager:
+                return weights_loaded([module], sources, torch.float32)
+        else:
+            with stages.stage("loading target and draft"):
+                tapped, draft = load_tapped_pair(target_dir, draft_dir, manifest.target_layer_ids, "float32")
+
+            def weights(module: torch.nn.Module) -> AbstractContextManager:
+                return nullcontext()
+        with stages.stage("calibrating float16 range"), \
+                weights_on_demand([tapped, draft], sources, torch.float32) if streamed else nullcontext():
             calibration = calibrate_for_fp16(tapped, draft, manifest)
-        parts = tmp / "functions"
-        target = StatefulTarget(tapped, draft, options.ctx_len, calibration["fc_scale"], torch.float32).eval()
-        for name, rows in functions["target"]["rows"].items():
-            with stages.stage(f"converting the target's {name} function ({rows} tokens)"):
-                ids = torch.zeros(1, rows, dtype=torch.int32)
-                positions = torch.arange(rows, dtype=torch.int32)[None]
-                _convert(target, (ids, positions), [ct.TensorType("input_ids", shape=(1, rows), dtype=np.int32),
-                                                     ct.TensorType("position_ids", shape=(1, rows), dtype=np.int32)],
-                         ["greedy_ids", "logits", "context_hidden"], parts / f"{name}.mlpackage", options.bits,
-                         options.group_size)
-        stateful_draft = StatefulDraft(draft, options.ctx_len, block, torch.float32).eval()
+        converted = tmp / "functions"
+        with weights(draft.fc):  # each part keeps the columns of fc for its taps
+            targets = [StatefulTarget(tapped, draft, options.ctx_len, calibration["fc_scale"], torch.float32,
+                                      layers).eval() for layers in parts]
         width = draft.spec.config.hidden_size
-        for name, rows in functions["draft"]["rows"].items():
-            with stages.stage(f"converting the draft's {name} function ({rows} context rows)"):
-                ids = torch.zeros(1, block, dtype=torch.int32)
-                context = torch.arange(rows, dtype=torch.int32)[None]
-                _convert(stateful_draft, (ids, torch.zeros(1, rows, width), context, context[:, :1] + rows +
-                                          torch.arange(block, dtype=torch.int32)[None]),
-                         [ct.TensorType("input_ids", shape=(1, block), dtype=np.int32),
-                          ct.TensorType("context_hidden", shape=(1, rows, width), dtype=np.float16),
-                          ct.TensorType("ctx_position_ids", shape=(1, rows), dtype=np.int32),
-                          ct.TensorType("position_ids", shape=(1, block), dtype=np.int32)],
-                         ["draft_ids", "draft_confidence", "logits"], parts / f"{name}.mlpackage", options.bits,
-                         options.group_size)
+        for k, target in enumerate(targets):
+            with weights(target):
+                for rows in functions["target"]["rows"].values():
+                    function = names["target"][rows][k]
+                    layers = f", layers {target.start}..{target.stop - 1}" if streamed else ""
+                    with stages.stage(f"converting the target's {function} function ({rows} tokens{layers})"):
+                        example, inputs, outputs = _target_call(target, rows, width)
+                        _convert(target, example, inputs, outputs, converted / f"{function}.mlpackage", options.bits,
+                                 options.group_size)
+        stateful_draft = StatefulDraft(draft, options.ctx_len, block, torch.float32).eval()
+        with weights(stateful_draft):
+            for name, rows in functions["draft"]["rows"].items():
+                with stages.stage(f"converting the draft's {name} function ({rows} context rows)"):
+                    ids = torch.zeros(1, block, dtype=torch.int32)
+                    context = torch.arange(rows, dtype=torch.int32)[None]
+                    _convert(stateful_draft, (ids, torch.zeros(1, rows, width), context, context[:, :1] + rows +
+                                              torch.arange(block, dtype=torch.int32)[None]),
+                             [ct.TensorType("input_ids", shape=(1, block), dtype=np.int32),
+                              ct.TensorType("context_hidden", shape=(1, rows, width), dtype=np.float16),
+                              ct.TensorType("ctx_position_ids", shape=(1, rows), dtype=np.int32),
+                              ct.TensorType("position_ids", shape=(1, block), dtype=np.int32)],
+                             ["draft_ids", "draft_confidence", "logits"], converted / f"{name}.mlpackage",
+                             options.bits, options.group_size)
         with stages.stage("writing model.mlpackage (one copy of each weight)"):
-            _combine(parts, [n for graph in functions.values() for n in graph["rows"]], tmp / PACKAGE)
+            _combine(converted, [fn for graph in names.values() for fns in graph.values() for fn in fns], tmp / PACKAGE)
         hidden_size, vocab = draft.spec.config.hidden_size, manifest.vocab_size
         graphs = {
             "target": _spec(PACKAGE, {"input_ids": ("int32", [1, "seq_len"]),
@@ -185,11 +225,11 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                           lowering=Lowering(backend="coreml", options=asdict(options), padding="consecutive",
                                             functions=functions, row_multiple=block,
                                             calibration=calibration, report={
-                                                "states": {"target": target.state_names,
+                                                "states": {"target": [n for t in targets for n in t.state_names],
                                                            "draft": stateful_draft.state_names},
                                                 "converter": TESTED_WITH}))
         with stages.stage("checking the packages (evaluated in numpy) against the converted modules"):
-            lowered.lowering.max_relative_difference = check_packages(tmp, lowered, target, stateful_draft,
-                                                                      options.bits)
+            lowered.lowering.max_relative_difference = check_packages(
+                tmp, lowered, targets if streamed else targets[0], stateful_draft, options.bits, weights)
         lowered.save(tmp)
     return lowered

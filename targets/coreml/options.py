@@ -21,6 +21,7 @@ class CoremlOptions:
     bits: int | None = None  # block-wise weight quantization after conversion (coremltools.optimize), None: float16
     group_size: int = 32  # the quantization block (input channels per scale)
     dry_run: bool = False  # estimate the package and state sizes from the checkpoints; convert nothing
+    layers_per_part: int = 0  # target layers per function part (0: the whole target in each function)
 
     def validate(self, block_size: int) -> None:
         if self.compute_units not in COMPUTE_UNITS:
@@ -31,6 +32,8 @@ class CoremlOptions:
             raise DFlashError(f"--bits {self.bits}: CoreML quantizes weights to {' or '.join(map(str, BITS))} bits")
         if self.group_size not in GROUP_SIZES:
             raise DFlashError(f"--group-size {self.group_size}: choose {', '.join(map(str, GROUP_SIZES))}")
+        if self.layers_per_part < 0:
+            raise DFlashError(f"--layers-per-part {self.layers_per_part} must be 0 (the whole target) or more")
         if self.ctx_len < 2 * self.prefill_len:
             raise DFlashError(f"--ctx-len {self.ctx_len} must hold at least two prefill chunks "
                               f"({2 * self.prefill_len})")
@@ -46,6 +49,9 @@ FLAGS = (
          "constexpr_blockwise_shift_scale); default float16", type=int, choices=BITS),
     Flag("--group-size", "group_size", "input channels per quantization scale (with --bits)", type=int,
          choices=GROUP_SIZES),
+    Flag("--layers-per-part", "layers_per_part", "split the target into parts of this many layers, each converted "
+         "alone (memory stays near one part's weights, the pair is read from the checkpoints as needed) and run in "
+         "turn with its own K/V state; smaller programs also suit the Neural Engine. 0: one part", type=int),
     Flag("--dry-run", "dry_run", "estimate the package and K/V state sizes from the checkpoints' headers and write "
          "only the manifest (nothing converted: for sizes beyond this machine)", switch=True),
 )

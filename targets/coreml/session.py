@@ -29,10 +29,34 @@ def macos_version() -> tuple[int, ...] | None:
     return tuple(int(p) for p in platform.mac_ver()[0].split(".") if p.isdigit())
 
 
+def target_parts(num_layers: int, layers_per_part: int) -> list[tuple[int, int]]:
+    """The target's layer ranges, one per part (0 layers per part: the whole target)."""
+    if layers_per_part <= 0 or layers_per_part >= num_layers:
+        return [(0, num_layers)]
+    return [(start, min(start + layers_per_part, num_layers)) for start in range(0, num_layers, layers_per_part)]
+
+
+def part_functions(functions: dict) -> dict[int, list[str]]:
+    """Call rows -> the functions that compute a call of that size, one per part of the graph, in turn."""
+    count = len(functions.get("parts", [None]))
+    return {rows: [name] if count == 1 else [f"{name}_{k}" for k in range(count)]
+            for name, rows in functions["rows"].items()}
+
+
+def run_parts(parts: list, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`feeds` through a graph's parts in turn (callables on a dict of inputs): each part after the first reads the
+    previous one's hidden and tap_sum, and the call's positions."""
+    out = parts[0](feeds)
+    for part in parts[1:]:
+        out = part({"hidden_in": out["hidden"], "position_ids": feeds["position_ids"], "tap_sum_in": out["tap_sum"]})
+    return out
+
+
 class CoremlSession:
     """A stateful CoreML package: K/V live in a state object kept for the session's life. A graph with several
     functions (one per call size) loads each and shares one state object between them; each call runs the
-    function whose rows its `functions["input"]` has."""
+    function whose rows its `functions["input"]` has. A graph in parts has such functions per part, one state
+    object per part, and runs its parts in turn."""
 
     retains_state = True
 
@@ -45,23 +69,26 @@ class CoremlSession:
         ct = import_coremltools()
         units = {"all": ct.ComputeUnit.ALL, "cpu_and_ne": ct.ComputeUnit.CPU_AND_NE,
                  "cpu_and_gpu": ct.ComputeUnit.CPU_AND_GPU, "cpu_only": ct.ComputeUnit.CPU_ONLY}
-        names = functions["rows"] if functions else {None: None}
+        names = part_functions(functions) if functions else {None: [None]}
         self.by = functions["input"] if functions else None
-        self.models = {rows: ct.models.MLModel(str(package), compute_units=units[compute_units], function_name=name)
-                       for name, rows in names.items()}
+        self.models = {rows: [ct.models.MLModel(str(package), compute_units=units[compute_units], function_name=name)
+                              for name in parts] for rows, parts in names.items()}
         first = next(iter(self.models.values()))
-        self.state = first.make_state()
-        spec = first.get_spec().description
+        self.states = [model.make_state() for model in first]
+        spec = first[0].get_spec().description
         described = {f.name: f for f in spec.functions}
-        description = described[next(iter(names))] if described and functions else spec
-        self.input_names = [i.name for i in description.input]
-        self.output_names = [o.name for o in description.output]
+        parts = next(iter(names.values()))
+        first_part, last_part = (described[parts[0]], described[parts[-1]]) if described and functions else (spec, spec)
+        self.input_names = [i.name for i in first_part.input]
+        self.output_names = [o.name for o in last_part.output]
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
         inputs = {name: value.astype(np.int32) if value.dtype.kind == "i" else value.astype(np.float16)
                   for name, value in feeds.items()}
-        model = self.models[feeds[self.by].shape[1] if self.by else None]
-        out = model.predict(inputs, state=self.state)
+        models = self.models[feeds[self.by].shape[1] if self.by else None]
+        parts = [lambda part_feeds, model=model, state=state: model.predict(part_feeds, state=state)
+                 for model, state in zip(models, self.states)]
+        out = run_parts(parts, inputs)
         names = output_names or self.output_names
         return {n: np.asarray(out[n]).astype(np.int64) if n.endswith("_ids") else np.asarray(out[n]) for n in names}
 
