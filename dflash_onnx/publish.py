@@ -146,15 +146,17 @@ def available_memory() -> int | None:
     return values["MemAvailable"] + values.get("SwapFree", 0) if "MemAvailable" in values else None
 
 
-def _check_memory(out: Path, need_bytes: int) -> None:
-    """Refuse up front a stage whose measured peak (its factor times its weights) exceeds what is available."""
+def _check_memory(out: Path, need_bytes: int, hint: str = "") -> None:
+    """Refuse up front a stage whose measured peak (its factor times its weights) exceeds what is available;
+    `hint`: what else the user can do."""
     if need_bytes <= 0 or os.environ.get(MEMORY_CHECK_ENV):
         return
     available = available_memory()
     if available is not None and need_bytes > available:
+        hint = hint or "close other programs or use a machine with more memory"
         raise DFlashError(f"writing {out} needs about {_size(need_bytes)} of memory at its peak and this machine has "
-                          f"{_size(available)} available (RAM + swap): close other programs or use a machine with "
-                          f"more memory (set {MEMORY_CHECK_ENV}=1 to try anyway)")
+                          f"{_size(available)} available (RAM + swap): {hint} (set {MEMORY_CHECK_ENV}=1 to try "
+                          "anyway)")
 
 
 def _check_space(out: Path, need_bytes: int) -> None:
@@ -166,7 +168,7 @@ def _check_space(out: Path, need_bytes: int) -> None:
 
 @contextmanager
 def staged_directory(out: Path, sources: tuple[Path, ...] = (), overwrite: bool = False,
-                     need_bytes: int = 0, need_memory: int = 0) -> Iterator[Path]:
+                     need_bytes: int = 0, need_memory: int = 0, memory_hint: str = "") -> Iterator[Path]:
     """A staging directory to write `out` into, published whole on success and removed on any error. Under
     the lock of `out`: the --out checks again, stale staging of dead runs removed, free space and (where the
     caller estimates it) memory checked."""
@@ -175,7 +177,7 @@ def staged_directory(out: Path, sources: tuple[Path, ...] = (), overwrite: bool 
         check_out_dir(out, sources, overwrite)
         _clean_stale(out)
         _check_space(out, need_bytes)
-        _check_memory(out, need_memory)
+        _check_memory(out, need_memory, memory_hint)
         staging = _side_directory(out, "staging")
         try:
             yield staging

@@ -180,6 +180,19 @@ def test_bad_coreml_options(options, message, exported, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_conversion_too_big_for_the_machine_names_the_parts_that_fit(exported, tmp_path, monkeypatch):
+    from dflash_onnx import publish
+
+    source = exported("agree_b8").out
+    monkeypatch.delenv(publish.MEMORY_CHECK_ENV, raising=False)
+    monkeypatch.setattr(publish, "available_memory", lambda: 1024)
+    with pytest.raises(DFlashError, match=r"needs about .* convert the target in parts, e\.g\. --layers-per-part 1 "
+                                          r"\(about [\d.]+ GiB at its peak\)"):
+        lower_coreml(source, tmp_path / "out", CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL),
+                     LowerRequest(progress=False))
+    assert not list(tmp_path.iterdir())
+
+
 def _operations(package, function: str) -> list:
     """The MIL operations of a package's function (read from its spec: no CoreML runtime needed)."""
     spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()

@@ -26,6 +26,7 @@ def _summary(manifest: Manifest, out: Path) -> str:
         return f"dry run, nothing converted: {describe(manifest.lowering.report['estimate'])}; in {out}/estimate.json"
     weights = f"int{options.bits} weights (blocks of {options.group_size})" if options.bits else "float16"
     functions = "; ".join(f"{graph}: " + ", ".join(f"{name} ({rows})" for name, rows in spec["rows"].items())
+                          + (f", each in {len(spec['parts'])} parts" if "parts" in spec else "")
                           for graph, spec in manifest.lowering.functions.items())
     return (f"lowered to {out} for CoreML (stateful multifunction mlprogram, {weights}, ctx_len {options.ctx_len}; "
             f"{functions}; checked in numpy: {manifest.lowering.max_relative_difference:.2g} of the logit scale); "

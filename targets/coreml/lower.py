@@ -130,6 +130,14 @@ def _target_call(target: StatefulTarget, rows: int, width: int) -> tuple[tuple, 
              ct.TensorType("tap_sum_in", shape=(1, rows, target.draft_width), dtype=np.float16)], outputs)
 
 
+def _parts_hint(num_layers: int, target_dir: Path, draft_dir: Path) -> str:
+    """What to do when the whole target's conversion does not fit: convert it in parts, with their memory."""
+    per_part = max(1, num_layers // 6)
+    need = part_conversion_bytes(target_dir, draft_dir, target_parts(num_layers, per_part))
+    return (f"convert the target in parts, e.g. --layers-per-part {per_part} (about {need / 2**30:.1f} GiB at its "
+            "peak), or use a machine with more memory")
+
+
 def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                  request: LowerRequest | None = None) -> Manifest:
     """Write COREML_DIR: model.mlpackage (stateful, multifunction) and the manifest; with --dry-run only
@@ -155,8 +163,9 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     # export, the numpy check included)
     memory = 0.0 if streamed else 7.5 * 4 / np.dtype(manifest.numpy_dtype).itemsize
     extra = part_conversion_bytes(target_dir, draft_dir, parts) if streamed else 0
+    hint = "" if streamed else _parts_hint(manifest.target.num_layers, target_dir, draft_dir)
     with lowered_output(source, out, request, (target_dir, draft_dir), memory_factor=memory,
-                        extra_memory=extra) as tmp:
+                        extra_memory=extra, memory_hint=hint) as tmp:
         if streamed:
             with stages.stage("building target and draft without their weights"):
                 tapped, draft = meta_pair(target_dir, draft_dir, manifest.target_layer_ids, "float32")
