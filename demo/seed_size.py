@@ -8,7 +8,7 @@ figure as `/usr/bin/time`'s "Maximum resident set size"):
 2. `export --dtype float16`, 3. `optimize --passes int4 --pass-option int4.lm_head=true`, 4. `lower --target ort`;
 5. `generate` 16 tokens greedy and DFlash from one prompt (twice each): tokens compared, tokens/s reported;
 6. with `--ai100`, `--mlx`, `--coreml`: `lower --target ai100 --dry-run`, `lower --target mlx --bits 4`,
-   `lower --target coreml --bits 4` of the float16 export.
+   `lower --target coreml --bits 4 --layers-per-part 6` of the float16 export.
 
 The ratio column is the issue's yardstick: peak memory over the size of what an export or optimize writes, and
 over the size of the graphs a lowering or a decode reads. A stage the machine cannot hold is refused up front by
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lean", action="store_true", help="delete the pair and the float16 export once read")
     parser.add_argument("--ai100", action="store_true", help="also lower --target ai100 --dry-run (ctx 4096)")
     parser.add_argument("--mlx", action="store_true", help="also lower --target mlx --bits 4")
-    parser.add_argument("--coreml", action="store_true", help="also lower --target coreml --bits 4")
+    parser.add_argument("--coreml", action="store_true", help="also lower --target coreml --bits 4 --layers-per-part 6")
     parser.add_argument("--json", type=Path, help="write the rows and the decode comparison here")
     args = parser.parse_args(argv)
     work = args.work.expanduser()
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                                    "--dtype", "float16", "--out", onnx], onnx, None, writes=True)["exit"] == 0:
         extra = [(flag, target, options) for flag, target, options in (
             (args.ai100, "ai100", ["--dry-run", "--ctx-len", "4096"]), (args.mlx, "mlx", ["--bits", "4"]),
-            (args.coreml, "coreml", ["--bits", "4"])) if flag]
+            (args.coreml, "coreml", ["--bits", "4", "--layers-per-part", "6"])) if flag]
         if args.lean and not any(target in ("ai100", "coreml") for _, target, _ in extra):
             shutil.rmtree(pair)  # the AI 100 and CoreML lowerings re-export from the checkpoints
         if bench.stage("optimize-int4", [*CLI, "optimize", onnx, "--passes", "int4", "--pass-option",

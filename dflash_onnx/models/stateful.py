@@ -99,7 +99,7 @@ class StatefulTarget(nn.Module):
             width = text.hidden_size
             weight = torch.cat([weight[:, j * width:(j + 1) * width] for j in columns], dim=1) if columns else None
         self.fc_weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
-        self.draft_width = draft.fc.weight.shape[0]
+        self.width, self.draft_width = text.hidden_size, draft.fc.weight.shape[0]
         self.state_names = _buffers(self, range(self.start, self.stop), tapped.num_kv_heads, ctx_len,
                                     tapped.head_dim, dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = text.num_attention_heads, tapped.num_kv_heads, \

@@ -12,6 +12,11 @@ model.mlpackage with each weight stored once: the three target functions share t
 embedding and lm_head are the target's. Target functions share one state object (its K/V), the draft's
 theirs; the retained runners pad a call to the smallest function with consecutive positions. The package
 is then evaluated in numpy from its spec against the converted modules (check.py).
+
+With --layers-per-part the target is converted in parts (each call size's function per part, `decode_0`,
+`decode_1`, ..., each part with its own layers' states; StatefulTarget) and the pair is never loaded: the
+calibration runs the meta pair with each module's weights read when it is called, and each part's weights (then
+the draft's) are read from the checkpoints for its conversion and its check calls only.
 """
 
 from __future__ import annotations
@@ -115,7 +120,7 @@ def _spec(file: str, inputs: dict[str, tuple[str, list]], outputs: dict[str, tup
                      num_kv_heads=kv_heads, head_dim=head_dim, kv_inputs=[], kv_outputs=[])
 
 
-def _target_call(target: StatefulTarget, rows: int, width: int) -> tuple[tuple, list, list[str]]:
+def _target_call(target: StatefulTarget, rows: int) -> tuple[tuple, list, list[str]]:
     """Example inputs, input types and output names of one target function of `rows` tokens (a part's: see
     StatefulTarget)."""
     ct = import_coremltools()
@@ -125,8 +130,8 @@ def _target_call(target: StatefulTarget, rows: int, width: int) -> tuple[tuple, 
     if target.first:
         return ((torch.zeros(1, rows, dtype=torch.int32), positions),
                 [ct.TensorType("input_ids", shape=(1, rows), dtype=np.int32), position_type], outputs)
-    return ((torch.zeros(1, rows, width), positions, torch.zeros(1, rows, target.draft_width)),
-            [ct.TensorType("hidden_in", shape=(1, rows, width), dtype=np.float16), position_type,
+    return ((torch.zeros(1, rows, target.width), positions, torch.zeros(1, rows, target.draft_width)),
+            [ct.TensorType("hidden_in", shape=(1, rows, target.width), dtype=np.float16), position_type,
              ct.TensorType("tap_sum_in", shape=(1, rows, target.draft_width), dtype=np.float16)], outputs)
 
 
@@ -186,17 +191,17 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
         with weights(draft.fc):  # each part keeps the columns of fc for its taps
             targets = [StatefulTarget(tapped, draft, options.ctx_len, calibration["fc_scale"], torch.float32,
                                       layers).eval() for layers in parts]
-        width = draft.spec.config.hidden_size
         for k, target in enumerate(targets):
             with weights(target):
                 for rows in functions["target"]["rows"].values():
                     function = names["target"][rows][k]
                     layers = f", layers {target.start}..{target.stop - 1}" if streamed else ""
                     with stages.stage(f"converting the target's {function} function ({rows} tokens{layers})"):
-                        example, inputs, outputs = _target_call(target, rows, width)
+                        example, inputs, outputs = _target_call(target, rows)
                         _convert(target, example, inputs, outputs, converted / f"{function}.mlpackage", options.bits,
                                  options.group_size)
         stateful_draft = StatefulDraft(draft, options.ctx_len, block, torch.float32).eval()
+        width = draft.spec.config.hidden_size
         with weights(stateful_draft):
             for name, rows in functions["draft"]["rows"].items():
                 with stages.stage(f"converting the draft's {name} function ({rows} context rows)"):
