@@ -281,14 +281,15 @@ def weights_loaded(modules: list[nn.Module], sources: dict[int, Source], dtype: 
     duration, and put back on the meta device after: what a conversion that traces only these modules needs."""
     owners = {id(module): module for root in modules for module in root.modules()}.values()
     kept = [(module, dict(module._parameters)) for module in owners]
-    real: dict[int, nn.Parameter] = {}  # a tied parameter is read once and stays tied
+    real: dict[Source, nn.Parameter] = {}  # parameters read from the same tensor (tied ones) share one copy
     try:
         for module, own in kept:
             for name, param in own.items():
                 if param is not None and param.device.type == "meta":
-                    if id(param) not in real:
-                        real[id(param)] = nn.Parameter(sources[id(param)].read(dtype), requires_grad=False)
-                    module._parameters[name] = real[id(param)]
+                    source = sources[id(param)]
+                    if source not in real:
+                        real[source] = nn.Parameter(source.read(dtype), requires_grad=False)
+                    module._parameters[name] = real[source]
         yield
     finally:
         for module, own in kept:
