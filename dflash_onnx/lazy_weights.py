@@ -277,19 +277,21 @@ def weights_on_demand(roots: list[nn.Module], sources: dict[int, Source], dtype:
 
 @contextmanager
 def weights_loaded(modules: list[nn.Module], sources: dict[int, Source], dtype: torch.dtype) -> Iterator[None]:
-    """The parameters under `modules` that are on the meta device read from their checkpoints (as `dtype`) for the
-    duration, and put back on the meta device after: what a conversion that traces only these modules needs."""
+    """Every parameter under `modules` in `dtype` for the duration, put back after: those on the meta device read
+    from their checkpoints, real ones cast. What a conversion (or a run) of only these modules needs."""
     owners = {id(module): module for root in modules for module in root.modules()}.values()
     kept = [(module, dict(module._parameters)) for module in owners]
-    real: dict[Source, nn.Parameter] = {}  # parameters read from the same tensor (tied ones) share one copy
+    real: dict[Source | int, nn.Parameter] = {}  # parameters read from the same tensor (tied ones) share one copy
     try:
         for module, own in kept:
             for name, param in own.items():
-                if param is not None and param.device.type == "meta":
-                    source = sources[id(param)]
-                    if source not in real:
-                        real[source] = nn.Parameter(source.read(dtype), requires_grad=False)
-                    module._parameters[name] = real[source]
+                if param is None or (param.device.type != "meta" and param.dtype == dtype):
+                    continue
+                key = sources[id(param)] if param.device.type == "meta" else id(param)
+                if key not in real:
+                    value = key.read(dtype) if isinstance(key, Source) else param.detach().to(dtype)
+                    real[key] = nn.Parameter(value, requires_grad=False)
+                module._parameters[name] = real[key]
         yield
     finally:
         for module, own in kept:

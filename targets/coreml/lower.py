@@ -76,9 +76,19 @@ def _convert(module, example: tuple, inputs: list, outputs: list[str], path: Pat
                            compute_precision=ct.precision.FLOAT16)
     except Exception as exc:  # coremltools raises many types; keep its message
         raise DFlashError(f"coremltools could not convert {type(module).__name__}: {exc} ({TESTED_WITH})") from exc
+    converted = model
     if bits:
         model = _quantized(model, bits, group_size)
     model.save(str(path))
+    for written in {id(m): m for m in (converted, model)}.values():
+        _discard(written)
+
+
+def _discard(model) -> None:
+    """Remove the temporary package coremltools wrote `model` to: it keeps them until the process exits, which in
+    a lowering of many functions fills the disk (a Qwen3-4B target in parts: ~1.6 GB per function)."""
+    if getattr(model, "is_temp_package", False):
+        shutil.rmtree(model.package_path, ignore_errors=True)
 
 
 PACKAGE = "model.mlpackage"
@@ -120,9 +130,9 @@ def _spec(file: str, inputs: dict[str, tuple[str, list]], outputs: dict[str, tup
                      num_kv_heads=kv_heads, head_dim=head_dim, kv_inputs=[], kv_outputs=[])
 
 
-def _target_call(target: StatefulTarget, rows: int) -> tuple[tuple, list, list[str]]:
-    """Example inputs, input types and output names of one target function of `rows` tokens (a part's: see
-    StatefulTarget)."""
+def _target_call(target: StatefulTarget, rows: int, dtype: torch.dtype) -> tuple[tuple, list, list[str]]:
+    """Example inputs (floats in `dtype`, the trace's), input types and output names of one target function of
+    `rows` tokens (a part's: see StatefulTarget)."""
     ct = import_coremltools()
     positions = torch.arange(rows, dtype=torch.int32)[None]
     position_type = ct.TensorType("position_ids", shape=(1, rows), dtype=np.int32)
@@ -130,7 +140,8 @@ def _target_call(target: StatefulTarget, rows: int) -> tuple[tuple, list, list[s
     if target.first:
         return ((torch.zeros(1, rows, dtype=torch.int32), positions),
                 [ct.TensorType("input_ids", shape=(1, rows), dtype=np.int32), position_type], outputs)
-    return ((torch.zeros(1, rows, target.width), positions, torch.zeros(1, rows, target.draft_width)),
+    return ((torch.zeros(1, rows, target.width, dtype=dtype), positions,
+             torch.zeros(1, rows, target.draft_width, dtype=dtype)),
             [ct.TensorType("hidden_in", shape=(1, rows, target.width), dtype=np.float16), position_type,
              ct.TensorType("tap_sum_in", shape=(1, rows, target.draft_width), dtype=np.float16)], outputs)
 
@@ -176,38 +187,43 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                 tapped, draft = meta_pair(target_dir, draft_dir, manifest.target_layer_ids, "float32")
                 sources = pair_sources(tapped, draft, target_dir, draft_dir)
 
-            def weights(module: torch.nn.Module) -> AbstractContextManager:
-                return weights_loaded([module], sources, torch.float32)
+            def weights(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> AbstractContextManager:
+                return weights_loaded([module], sources, dtype)
+            # traced with float16 weights: coremltools converts float32 weights through several float32 copies
+            # (a Qwen3-4B embedding alone: 14.1 GB at its peak, 2.7 GB from float16 weights)
+            trace_dtype = torch.float16
         else:
             with stages.stage("loading target and draft"):
                 tapped, draft = load_tapped_pair(target_dir, draft_dir, manifest.target_layer_ids, "float32")
 
-            def weights(module: torch.nn.Module) -> AbstractContextManager:
+            def weights(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> AbstractContextManager:
                 return nullcontext()
+            trace_dtype = torch.float32
         with stages.stage("calibrating float16 range"), \
                 weights_on_demand([tapped, draft], sources, torch.float32) if streamed else nullcontext():
             calibration = calibrate_for_fp16(tapped, draft, manifest)
         converted = tmp / "functions"
         with weights(draft.fc):  # each part keeps the columns of fc for its taps
-            targets = [StatefulTarget(tapped, draft, options.ctx_len, calibration["fc_scale"], torch.float32,
+            targets = [StatefulTarget(tapped, draft, options.ctx_len, calibration["fc_scale"], trace_dtype,
                                       layers).eval() for layers in parts]
         for k, target in enumerate(targets):
-            with weights(target):
+            with weights(target, trace_dtype):
                 for rows in functions["target"]["rows"].values():
                     function = names["target"][rows][k]
                     layers = f", layers {target.start}..{target.stop - 1}" if streamed else ""
                     with stages.stage(f"converting the target's {function} function ({rows} tokens{layers})"):
-                        example, inputs, outputs = _target_call(target, rows)
+                        example, inputs, outputs = _target_call(target, rows, trace_dtype)
                         _convert(target, example, inputs, outputs, converted / f"{function}.mlpackage", options.bits,
                                  options.group_size)
-        stateful_draft = StatefulDraft(draft, options.ctx_len, block, torch.float32).eval()
+        stateful_draft = StatefulDraft(draft, options.ctx_len, block, trace_dtype).eval()
         width = draft.spec.config.hidden_size
-        with weights(stateful_draft):
+        with weights(stateful_draft, trace_dtype):
             for name, rows in functions["draft"]["rows"].items():
                 with stages.stage(f"converting the draft's {name} function ({rows} context rows)"):
                     ids = torch.zeros(1, block, dtype=torch.int32)
                     context = torch.arange(rows, dtype=torch.int32)[None]
-                    _convert(stateful_draft, (ids, torch.zeros(1, rows, width), context, context[:, :1] + rows +
+                    _convert(stateful_draft, (ids, torch.zeros(1, rows, width, dtype=trace_dtype), context,
+                                              context[:, :1] + rows +
                                               torch.arange(block, dtype=torch.int32)[None]),
                              [ct.TensorType("input_ids", shape=(1, block), dtype=np.int32),
                               ct.TensorType("context_hidden", shape=(1, rows, width), dtype=np.float16),
