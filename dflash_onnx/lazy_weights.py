@@ -281,7 +281,9 @@ def weights_loaded(modules: list[nn.Module], sources: dict[int, Source], dtype: 
     from their checkpoints, real ones cast. What a conversion (or a run) of only these modules needs."""
     owners = {id(module): module for root in modules for module in root.modules()}.values()
     kept = [(module, dict(module._parameters)) for module in owners]
-    real: dict[Source | int, nn.Parameter] = {}  # parameters read from the same tensor (tied ones) share one copy
+    # parameters read from the same tensor (tied ones) share its storage; each stays its own Parameter, as when
+    # loaded (torch.jit.trace refuses a Parameter object held by two modules)
+    real: dict[Source | int, torch.Tensor] = {}
     try:
         for module, own in kept:
             for name, param in own.items():
@@ -289,9 +291,8 @@ def weights_loaded(modules: list[nn.Module], sources: dict[int, Source], dtype: 
                     continue
                 key = sources[id(param)] if param.device.type == "meta" else id(param)
                 if key not in real:
-                    value = key.read(dtype) if isinstance(key, Source) else param.detach().to(dtype)
-                    real[key] = nn.Parameter(value, requires_grad=False)
-                module._parameters[name] = real[key]
+                    real[key] = key.read(dtype) if isinstance(key, Source) else param.detach().to(dtype)
+                module._parameters[name] = nn.Parameter(real[key], requires_grad=False)
         yield
     finally:
         for module, own in kept:

@@ -321,3 +321,26 @@ def test_a_target_in_parts(exported, coreml_lowered, tmp_path):
         for mode in ("greedy", "dflash"):
             assert in_parts.generate(prompt, 12, mode, stop_token_ids=[]).tokens == \
                 whole.generate(prompt, 12, mode, stop_token_ids=[]).tokens
+
+
+def test_tied_weights_read_for_a_trace_share_storage_not_parameters(exported):
+    """A part's weights read from the checkpoints (--layers-per-part): the draft's embedding and lm_head of a tied
+    target are one tensor read once, held by two Parameters (torch.jit.trace refuses one Parameter in two places),
+    and go back to the meta device after."""
+    from dflash_onnx.lazy_weights import pair_sources, weights_loaded
+    from dflash_onnx.pair import meta_pair
+
+    pair = exported("causal_gqa4_b4")  # tied embeddings
+    tapped, draft = meta_pair(pair.target_dir, pair.draft_dir, pair.spec.target_layer_ids)
+    sources = pair_sources(tapped, draft, pair.target_dir, pair.draft_dir)
+    block = pair.spec.block_size
+    stateful = StatefulDraft(draft, CTX_LEN, block, torch.float16).eval()
+    rows = torch.arange(4, dtype=torch.int32)[None]
+    with weights_loaded([stateful], sources, torch.float16):
+        assert draft.embed_tokens is not draft.lm_head and draft.embed_tokens.data_ptr() == draft.lm_head.data_ptr()
+        assert draft.embed_tokens.dtype == torch.float16
+        with torch.no_grad():
+            torch.jit.trace(stateful, (torch.zeros(1, block, dtype=torch.int32),
+                                       torch.zeros(1, 4, pair.spec.hidden_size, dtype=torch.float16), rows,
+                                       4 + torch.arange(block, dtype=torch.int32)[None]), check_trace=False)
+    assert {p.device.type for p in draft.parameters()} == {"meta"}

@@ -66,8 +66,11 @@ def _quantized(model, bits: int, group_size: int):
 def _convert(module, example: tuple, inputs: list, outputs: list[str], path: Path,
              bits: int | None = None, group_size: int = 32) -> None:
     ct = import_coremltools()
-    with torch.no_grad():
-        traced = torch.jit.trace(module, example, check_trace=False)
+    try:
+        with torch.no_grad():
+            traced = torch.jit.trace(module, example, check_trace=False)
+    except Exception as exc:  # torch raises many types; keep its message
+        raise DFlashError(f"torch.jit.trace failed on {type(module).__name__}: {exc} ({TESTED_WITH})") from exc
     states = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(getattr(module, n).shape), dtype=np.float16),
                            name=n) for n in module.state_names]
     try:
