@@ -289,6 +289,7 @@ def test_a_target_in_parts(exported, coreml_lowered, tmp_path):
     from the checkpoints read as needed and checked in numpy against the parts' modules; the parts run in turn
     decode exactly as the target in one part does."""
     from targets.coreml.check import MilSession
+    from targets.coreml.session import part_packages
 
     spec = exported("agree_b8").spec
     out = tmp_path / "parts"
@@ -298,9 +299,13 @@ def test_a_target_in_parts(exported, coreml_lowered, tmp_path):
     parts = manifest.lowering.functions["target"]["parts"]
     assert parts == [[start, min(start + 2, spec.target_layers)] for start in range(0, spec.target_layers, 2)]
     assert len(parts) > 1 and manifest.lowering.max_relative_difference < 5e-3
-    described = {f.name: f for f in ct.models.MLModel(str(out / "model.mlpackage"),
-                                                       skip_model_load=True).get_spec().description.functions}
+    assert manifest.lowering.functions["target"]["packages"] == [f"target_part{k}.mlpackage" for k in range(len(parts))]
+    assert manifest.draft.file == "draft.mlpackage" and sorted(p.name for p in out.glob("*.mlpackage")) == sorted(
+        ["draft.mlpackage", *manifest.lowering.functions["target"]["packages"]])
     for k, (start, stop) in enumerate(parts):
+        described = {f.name: f for f in ct.models.MLModel(str(out / f"target_part{k}.mlpackage"),
+                                                           skip_model_load=True).get_spec().description.functions}
+        assert set(described) == {f"{name}_{k}" for name in ("decode", "verify", "prefill")}
         for name in ("decode", "verify", "prefill"):
             function = described[f"{name}_{k}"]
             assert {s.name for s in function.state} == {f"{kind}_cache_{i}" for i in range(start, stop)
@@ -313,8 +318,8 @@ def test_a_target_in_parts(exported, coreml_lowered, tmp_path):
     def decoder(directory):
         lowered = load_manifest(directory)
         functions = lowered.lowering.functions
-        return Decoder(lowered, MilSession(directory / "model.mlpackage", functions["target"]),
-                       MilSession(directory / "model.mlpackage", functions["draft"]))
+        return Decoder(lowered, *(MilSession(part_packages(directory, functions[graph], getattr(lowered, graph).file),
+                                             functions[graph]) for graph in ("target", "draft")))
 
     in_parts, whole = decoder(out), decoder(coreml_lowered)
     for prompt in ([5, 6, 7], list(range(3, 23))):

@@ -18,7 +18,7 @@ from dflash_onnx.manifest import Manifest
 from dflash_onnx.runners import open_runners
 
 from .mil_eval import MilProgram, read_spec
-from .session import part_functions, run_parts
+from .session import part_functions, part_packages, run_parts
 
 # Largest logit difference to the float32 modules, relative to their largest |logit|: float16 compute (measured
 # on the tiny pairs: 1e-3), int8 / int4 weights (the int8 / int4 passes' bounds: a wrong op exceeds them)
@@ -65,10 +65,10 @@ class MilSession:
 
     retains_state = True
 
-    def __init__(self, package: Path, functions: dict):
-        spec = read_spec(package)
+    def __init__(self, packages: list[Path], functions: dict):
+        specs = {package: read_spec(package) for package in set(packages)}
         self.by = functions["input"]
-        self.programs = {size: [MilProgram(package, name, spec) for name in names]
+        self.programs = {size: [MilProgram(package, name, specs[package]) for package, name in zip(packages, names)]
                          for size, names in part_functions(functions).items()}
         first = next(iter(self.programs.values()))
         self.states = [program.initial_states() for program in first]
@@ -111,8 +111,9 @@ def check_packages(directory: Path, manifest: Manifest, target_module, draft_mod
                           TorchStatefulSession(target_module, ["greedy_ids", "logits", "context_hidden"], weights),
                           TorchStatefulSession(draft_module, ["draft_ids", "draft_confidence", "logits"], weights))
     functions = manifest.lowering.functions
-    got = _sequence(manifest, MilSession(Path(directory) / manifest.target.file, functions["target"]),
-                    MilSession(Path(directory) / manifest.draft.file, functions["draft"]))
+    got = _sequence(manifest, *(MilSession(part_packages(Path(directory), functions[graph],
+                                                         getattr(manifest, graph).file), functions[graph])
+                                for graph in ("target", "draft")))
     allowed, worst = TOLERANCE[bits], 0.0
     for name, (want_ids, want) in reference.items():
         ids, logits = got[name]

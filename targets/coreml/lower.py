@@ -112,8 +112,8 @@ def _dry_run(source: Path, out: Path, request: LowerRequest, manifest: Manifest,
 
 
 def _combine(parts: Path, names: list[str], package: Path) -> None:
-    """The single-function packages in `parts` as the functions of one package (identical weights stored once;
-    the default function the first), the parts removed."""
+    """The single-function packages `names` in `parts` as the functions of one package (identical weights stored
+    once; the default function the first), each removed once combined."""
     ct = import_coremltools()
     descriptor = ct.utils.MultiFunctionDescriptor()
     for name in names:
@@ -123,7 +123,8 @@ def _combine(parts: Path, names: list[str], package: Path) -> None:
         ct.utils.save_multifunction(descriptor, str(package))
     except Exception as exc:  # coremltools raises many types; keep its message
         raise DFlashError(f"coremltools could not write the multifunction package: {exc} ({TESTED_WITH})") from exc
-    shutil.rmtree(parts)
+    for name in names:
+        shutil.rmtree(parts / f"{name}.mlpackage")
 
 
 def _spec(file: str, inputs: dict[str, tuple[str, list]], outputs: dict[str, tuple[str, list]], layers: int,
@@ -234,16 +235,27 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                               ct.TensorType("position_ids", shape=(1, block), dtype=np.int32)],
                              ["draft_ids", "draft_confidence", "logits"], converted / f"{name}.mlpackage",
                              options.bits, options.group_size)
-        with stages.stage("writing model.mlpackage (one copy of each weight)"):
-            _combine(converted, [fn for graph in names.values() for fns in graph.values() for fn in fns], tmp / PACKAGE)
+        with stages.stage("writing the packages (one copy of each weight in each)"):
+            if streamed:  # a package per part and one for the draft: save_multifunction holds all it combines
+                files = {"target": [f"target_part{k}.mlpackage" for k in range(len(parts))],
+                         "draft": ["draft.mlpackage"]}
+                for k, package in enumerate(files["target"]):
+                    _combine(converted, [names["target"][rows][k] for rows in names["target"]], tmp / package)
+                _combine(converted, [fn for fns in names["draft"].values() for fn in fns], tmp / files["draft"][0])
+                functions["target"]["packages"] = files["target"]
+            else:
+                files = {"target": [PACKAGE], "draft": [PACKAGE]}
+                _combine(converted, [fn for graph in names.values() for fns in graph.values() for fn in fns],
+                         tmp / PACKAGE)
+            converted.rmdir()
         hidden_size, vocab = draft.spec.config.hidden_size, manifest.vocab_size
         graphs = {
-            "target": _spec(PACKAGE, {"input_ids": ("int32", [1, "seq_len"]),
+            "target": _spec(files["target"][0], {"input_ids": ("int32", [1, "seq_len"]),
                                                  "position_ids": ("int32", [1, "seq_len"])},
                             {"greedy_ids": ("int32", [1, "seq_len"]), "logits": ("float16", [1, "seq_len", vocab]),
                              "context_hidden": ("float16", [1, "seq_len", hidden_size])},
                             tapped.num_layers, tapped.num_kv_heads, tapped.head_dim),
-            "draft": _spec(PACKAGE, {"input_ids": ("int32", [1, block]),
+            "draft": _spec(files["draft"][0], {"input_ids": ("int32", [1, block]),
                                                "context_hidden": ("float16", [1, "seq_len", hidden_size]),
                                                "ctx_position_ids": ("int32", [1, "seq_len"]),
                                                "position_ids": ("int32", [1, block])},

@@ -10,6 +10,7 @@ import numpy as np
 
 from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest
+from dflash_onnx.paths import member
 
 from ..backend import recorded_options
 from .options import CoremlOptions
@@ -43,6 +44,14 @@ def part_functions(functions: dict) -> dict[int, list[str]]:
             for name, rows in functions["rows"].items()}
 
 
+def part_packages(directory: Path, functions: dict | None, file: str) -> list[Path]:
+    """The package of each part of a graph: its own in a lowering in parts (`functions["packages"]`), else the
+    graph's file; names checked to stay inside `directory`."""
+    functions = functions or {}
+    names = functions.get("packages") or [file] * len(functions.get("parts", [None]))
+    return [member(directory, name, "the manifest's CoreML package") for name in names]
+
+
 def run_parts(parts: list, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """`feeds` through a graph's parts in turn (callables on a dict of inputs): each part after the first reads the
     previous one's hidden and tap_sum, and the call's positions."""
@@ -60,11 +69,11 @@ class CoremlSession:
 
     retains_state = True
 
-    def __init__(self, package: Path, compute_units: str = "all", functions: dict | None = None):
+    def __init__(self, packages: list[Path], compute_units: str = "all", functions: dict | None = None):
         version = macos_version()
         if version is None or version < (15,):
             raise DFlashError(f"CoreML prediction needs macOS 15 or newer (this is {platform.system()} "
-                              f"{platform.release()}): copy {Path(package).parent} to a Mac and run "
+                              f"{platform.release()}): copy {Path(packages[0]).parent} to a Mac and run "
                               "'dflash-onnx generate COREML_DIR --backend coreml' there")
         ct = import_coremltools()
         units = {"all": ct.ComputeUnit.ALL, "cpu_and_ne": ct.ComputeUnit.CPU_AND_NE,
@@ -72,7 +81,7 @@ class CoremlSession:
         names = part_functions(functions) if functions else {None: [None]}
         self.by = functions["input"] if functions else None
         self.models = {rows: [ct.models.MLModel(str(package), compute_units=units[compute_units], function_name=name)
-                              for name in parts] for rows, parts in names.items()}
+                              for package, name in zip(packages, parts)] for rows, parts in names.items()}
         first = next(iter(self.models.values()))
         self.states = [model.make_state() for model in first]
         spec = first[0].get_spec().description
@@ -97,5 +106,5 @@ def open_session(directory: Path, manifest: Manifest, graph: str, compute_units:
     """The package of `graph` (its functions, in a multifunction lowering), on the compute units recorded at
     lowering unless others are given."""
     units = compute_units or recorded_options(CoremlOptions, manifest).compute_units
-    return CoremlSession(Path(directory) / getattr(manifest, graph).file, units,
-                         manifest.lowering.functions.get(graph))
+    functions = manifest.lowering.functions.get(graph)
+    return CoremlSession(part_packages(Path(directory), functions, getattr(manifest, graph).file), units, functions)
