@@ -57,16 +57,17 @@ def describe(found: dict) -> str:
             f"draft {found['state_bytes']['draft'] / gib:.2f} GiB ({found['method']})")
 
 
-# peak memory of one conversion per float32 byte of the modules it traces (the module, its TorchScript trace and
-# the MIL program's constants): measured on Qwen3-4B-shaped decoder layers, 1.02 GB per 0.40 GB layer
-CONVERSION_PER_BYTE = 2.6
+# peak memory of one conversion per float16 byte of the modules it traces (the module, its TorchScript trace, the
+# MIL program's constants, the int4 pass): measured on the Qwen3-4B-shaped pair in parts of 6 layers, 3.3x for the
+# end parts, up to 3.8x for the middle ones, 3.6x for the draft (10.4 GB)
+CONVERSION_PER_BYTE = 3.8
 
 
 def part_conversion_bytes(target_dir: Path, draft_dir: Path, parts: list[tuple[int, int]]) -> int:
     """Peak memory of a lowering in parts (each part's modules loaded only while it is converted and checked),
     from the headers: the largest of a target part (its layers, plus the embedding or lm_head at the ends) and
-    the draft (its layers plus its embedding and lm_head, the target's), in float32, times CONVERSION_PER_BYTE,
-    plus 1 GiB for the libraries."""
+    the draft (its layers plus its embedding and lm_head, the target's), in float16 (how they are traced), times
+    CONVERSION_PER_BYTE, plus 1 GiB for the libraries."""
     target = tensor_shapes(target_dir)
     layers: dict[int, int] = {}
     for name, shape in target.items():
@@ -77,4 +78,4 @@ def part_conversion_bytes(target_dir: Path, draft_dir: Path, parts: list[tuple[i
     part = max(sum(layers.get(i, 0) for i in range(start, stop)) + vocab * ((start == 0) + (stop == len(layers)))
                for start, stop in parts)
     draft = sum(math.prod(shape) for shape in tensor_shapes(draft_dir).values()) + 2 * vocab
-    return 2**30 + int(CONVERSION_PER_BYTE * 4 * max(part, draft))
+    return 2**30 + int(CONVERSION_PER_BYTE * 2 * max(part, draft))
