@@ -182,7 +182,8 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     # traced in float32 whatever the export's dtype; measured on the Qwen3-0.6B shape: 16.7 GB for a 2.3 GB float32
     # export, the numpy check included)
     memory = 0.0 if streamed else 7.5 * 4 / np.dtype(manifest.numpy_dtype).itemsize
-    extra = part_conversion_bytes(target_dir, draft_dir, parts) if streamed else 0
+    extra = part_conversion_bytes(target_dir, draft_dir, parts, (len(names["target"]), len(names["draft"]))) \
+        if streamed else 0
     hint = "" if streamed else _parts_hint(manifest.target.num_layers, target_dir, draft_dir)
     with lowered_output(source, out, request, (target_dir, draft_dir), memory_factor=memory,
                         extra_memory=extra, memory_hint=hint) as tmp:

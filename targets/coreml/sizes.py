@@ -61,13 +61,18 @@ def describe(found: dict) -> str:
 # MIL program's constants, the int4 pass): measured on the Qwen3-4B-shaped pair in parts of 6 layers, 3.3x for the
 # end parts, up to 3.8x for the middle ones, 3.6x for the draft (10.4 GB)
 CONVERSION_PER_BYTE = 3.8
+# ct.utils.save_multifunction holds each function's weights as float32 while it combines them: measured 17.9 GB
+# for the first 4B part's three functions (6 layers and the embedding, 1.0 billion values each)
+COMBINE_PER_FLOAT32 = 1.5
 
 
-def part_conversion_bytes(target_dir: Path, draft_dir: Path, parts: list[tuple[int, int]]) -> int:
+def part_conversion_bytes(target_dir: Path, draft_dir: Path, parts: list[tuple[int, int]],
+                          functions: tuple[int, int] = (3, 2)) -> int:
     """Peak memory of a lowering in parts (each part's modules loaded only while it is converted and checked),
     from the headers: the largest of a target part (its layers, plus the embedding or lm_head at the ends) and
-    the draft (its layers plus its embedding and lm_head, the target's), in float16 (how they are traced), times
-    CONVERSION_PER_BYTE, plus 1 GiB for the libraries."""
+    the draft (its layers plus its embedding and lm_head, the target's), converted from float16 (how they are
+    traced) or combined as float32 with its `functions` (target part's, draft's) siblings, plus 1 GiB for the
+    libraries."""
     target = tensor_shapes(target_dir)
     layers: dict[int, int] = {}
     for name, shape in target.items():
@@ -78,4 +83,6 @@ def part_conversion_bytes(target_dir: Path, draft_dir: Path, parts: list[tuple[i
     part = max(sum(layers.get(i, 0) for i in range(start, stop)) + vocab * ((start == 0) + (stop == len(layers)))
                for start, stop in parts)
     draft = sum(math.prod(shape) for shape in tensor_shapes(draft_dir).values()) + 2 * vocab
-    return 2**30 + int(CONVERSION_PER_BYTE * 2 * max(part, draft))
+    peaks = [max(CONVERSION_PER_BYTE * 2, COMBINE_PER_FLOAT32 * 4 * count) * values
+             for values, count in ((part, functions[0]), (draft, functions[1]))]
+    return 2**30 + int(max(peaks))
