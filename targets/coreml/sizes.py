@@ -64,6 +64,10 @@ CONVERSION_PER_BYTE = 3.8
 # ct.utils.save_multifunction holds each function's weights as float32 while it combines them: measured 17.9 GB
 # for the first 4B part's three functions (6 layers and the embedding, 1.0 billion values each)
 COMBINE_PER_FLOAT32 = 1.5
+# the check holds a function's values as the numpy evaluation makes them (float16 weights dequantized, float32 copies
+# for the matmuls) beside the float32 reference modules: measured 20.2 GB for the 4B pair's largest (the draft, 1.3
+# billion values), 15 bytes per value
+CHECK_PER_VALUE = 15.0
 
 
 def part_conversion_bytes(target_dir: Path, draft_dir: Path, parts: list[tuple[int, int]],
@@ -71,8 +75,8 @@ def part_conversion_bytes(target_dir: Path, draft_dir: Path, parts: list[tuple[i
     """Peak memory of a lowering in parts (each part's modules loaded only while it is converted and checked),
     from the headers: the largest of a target part (its layers, plus the embedding or lm_head at the ends) and
     the draft (its layers plus its embedding and lm_head, the target's), converted from float16 (how they are
-    traced) or combined as float32 with its `functions` (target part's, draft's) siblings, plus 1 GiB for the
-    libraries."""
+    traced), combined as float32 with its `functions` (target part's, draft's) siblings, or checked in numpy,
+    plus 1 GiB for the libraries."""
     target = tensor_shapes(target_dir)
     layers: dict[int, int] = {}
     for name, shape in target.items():
@@ -83,6 +87,6 @@ def part_conversion_bytes(target_dir: Path, draft_dir: Path, parts: list[tuple[i
     part = max(sum(layers.get(i, 0) for i in range(start, stop)) + vocab * ((start == 0) + (stop == len(layers)))
                for start, stop in parts)
     draft = sum(math.prod(shape) for shape in tensor_shapes(draft_dir).values()) + 2 * vocab
-    peaks = [max(CONVERSION_PER_BYTE * 2, COMBINE_PER_FLOAT32 * 4 * count) * values
+    peaks = [max(CONVERSION_PER_BYTE * 2, COMBINE_PER_FLOAT32 * 4 * count, CHECK_PER_VALUE) * values
              for values, count in ((part, functions[0]), (draft, functions[1]))]
     return 2**30 + int(max(peaks))
