@@ -190,6 +190,14 @@ class MilProgram:
         self._weights = libmilstoragepython._BlobStorageReader(
             str(package / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"))
         self._constants: dict[str, np.ndarray] = {}
+        last_read: dict[str, int] = {}
+        for index, op in enumerate(self.operations):
+            for binding in op.inputs.values():
+                last_read.update((a.name, index) for a in binding.arguments if a.name)
+        self._last_reads: dict[int, list[str]] = {}  # op index -> the values no later op reads (freed after it)
+        for name, index in last_read.items():
+            if name not in self.outputs:
+                self._last_reads.setdefault(index, []).append(name)
         unknown = sorted({op.type for op in self.operations} - set(OPS) - {"const", "read_state", "write_state"})
         if unknown:
             raise DFlashError(f"{package.name}: MIL ops the numpy evaluator does not know: {', '.join(unknown)}")
@@ -224,7 +232,9 @@ class MilProgram:
     def run(self, feeds: dict[str, np.ndarray], states: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values: dict[str, np.ndarray] = {name: np.asarray(feeds[name]) for name in self.input_names}
         values.update(states)
-        for op in self.operations:
+        for index, op in enumerate(self.operations):
+            for name in self._last_reads.get(index - 1, ()):  # a 4B part's weights would otherwise all stay held
+                values.pop(name, None)
             if op.type == "const":  # weights are read from the file at each use, small constants kept
                 name, value = op.outputs[0].name, op.attributes["val"]
                 if name in self._constants:
