@@ -173,8 +173,11 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                  "draft": {"input": "context_hidden", "rows": {"draft": block,
                                                                **{f"draft_{k}": v for k, v in prefill.items()}}}}
     names = {graph: part_functions(spec) for graph, spec in functions.items()}
-    # loading, calibrating, one conversion per function, writing the package, the check
-    stages = Stages(4 + sum(len(fns) for graph in names.values() for fns in graph.values()), enabled=request.progress)
+    # building or loading, calibrating, one conversion per function, writing the package(s) (in parts: one per part
+    # and the draft's), the check
+    packages = len(parts) + 1 if len(parts) > 1 else 1
+    stages = Stages(3 + packages + sum(len(fns) for graph in names.values() for fns in graph.values()),
+                    enabled=request.progress)
     if options.dry_run:
         return _dry_run(source, out, request, manifest, options, functions, (target_dir, draft_dir))
     streamed = len(parts) > 1
@@ -185,7 +188,9 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     extra = part_conversion_bytes(target_dir, draft_dir, parts, (len(names["target"]), len(names["draft"]))) \
         if streamed else 0
     hint = "" if streamed else _parts_hint(manifest.target.num_layers, target_dir, draft_dir)
-    with lowered_output(source, out, request, (target_dir, draft_dir), memory_factor=memory,
+    # disk: the packages (about the export's float16 weights), and in parts one part's functions before they combine
+    disk = 1.3 + (len(names["target"]) / len(parts) if streamed else 0.0)
+    with lowered_output(source, out, request, (target_dir, draft_dir), size_factor=disk, memory_factor=memory,
                         extra_memory=extra, memory_hint=hint) as tmp:
         if streamed:
             with stages.stage("building target and draft without their weights"):
@@ -211,6 +216,8 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
         with weights(draft.fc):  # each part keeps the columns of fc for its taps
             targets = [StatefulTarget(tapped, draft, options.ctx_len, calibration["fc_scale"], trace_dtype,
                                       layers).eval() for layers in parts]
+        files = {"target": [f"target_part{k}.mlpackage" for k in range(len(parts))] if streamed else [PACKAGE],
+                 "draft": ["draft.mlpackage"] if streamed else [PACKAGE]}
         for k, target in enumerate(targets):
             with weights(target, trace_dtype):
                 for rows in functions["target"]["rows"].values():
@@ -220,6 +227,10 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                         example, inputs, outputs = _target_call(target, rows, trace_dtype)
                         _convert(target, example, inputs, outputs, converted / f"{function}.mlpackage", options.bits,
                                  options.group_size)
+            if streamed:  # combined at once: the disk holds one part's functions, not every part's
+                with stages.stage(f"writing {files['target'][k]}"):
+                    _combine(converted, [names["target"][rows][k] for rows in names["target"]],
+                             tmp / files["target"][k])
         stateful_draft = StatefulDraft(draft, options.ctx_len, block, trace_dtype).eval()
         width = draft.spec.config.hidden_size
         with weights(stateful_draft, trace_dtype):
@@ -236,16 +247,11 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                               ct.TensorType("position_ids", shape=(1, block), dtype=np.int32)],
                              ["draft_ids", "draft_confidence", "logits"], converted / f"{name}.mlpackage",
                              options.bits, options.group_size)
-        with stages.stage("writing the packages (one copy of each weight in each)"):
+        with stages.stage(f"writing {files['draft'][0]} (one copy of each weight)"):
             if streamed:  # a package per part and one for the draft: save_multifunction holds all it combines
-                files = {"target": [f"target_part{k}.mlpackage" for k in range(len(parts))],
-                         "draft": ["draft.mlpackage"]}
-                for k, package in enumerate(files["target"]):
-                    _combine(converted, [names["target"][rows][k] for rows in names["target"]], tmp / package)
                 _combine(converted, [fn for fns in names["draft"].values() for fn in fns], tmp / files["draft"][0])
                 functions["target"]["packages"] = files["target"]
             else:
-                files = {"target": [PACKAGE], "draft": [PACKAGE]}
                 _combine(converted, [fn for graph in names.values() for fns in graph.values() for fn in fns],
                          tmp / PACKAGE)
             converted.rmdir()
