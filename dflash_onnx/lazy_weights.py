@@ -7,8 +7,10 @@ each after writing it, so the export's peak memory is about its largest tensor, 
 (RoPE frequencies) are computed, not stored: they stay real while the modules are built and are kept as values.
 The trace itself runs on fake CPU tensors (no memory), so the graph is the one a loaded model gives.
 
-Lowerings that must also run the pair before tracing it (the AI 100 float16 calibration) run the meta pair with
-`weights_on_demand`: each module reads its own weights when it is called and drops them when it returns.
+Lowerings that must also run the pair before tracing it (the AI 100 and CoreML float16 calibrations) run the meta
+pair with `weights_on_demand`: each module reads its own weights when it is called and drops them when it returns.
+A conversion that needs real weights for a few modules at a time (CoreML in parts) takes them with
+`weights_loaded` for its duration.
 """
 
 from __future__ import annotations
@@ -89,7 +91,6 @@ class Checkpoint:
         for file in weight_files(self.directory, kind):
             for key, shape in file_tensor_shapes(file).items():
                 self.files[key], self.shapes[key] = file, tuple(shape)
-
 
 
 @dataclass(frozen=True)

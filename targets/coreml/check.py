@@ -18,7 +18,7 @@ from dflash_onnx.manifest import Manifest
 from dflash_onnx.runners import open_runners
 
 from .mil_eval import MilProgram, read_spec
-from .session import part_functions, part_packages, run_parts
+from .session import part_functions, part_packages, run_parts, typed_feeds
 
 # Largest logit difference to the float32 modules, relative to their largest |logit|: float16 compute (measured
 # on the tiny pairs: 1e-3), int8 / int4 weights (the int8 / int4 passes' bounds: a wrong op exceeds them)
@@ -75,8 +75,7 @@ class MilSession:
         self.input_names, self.output_names = first[0].input_names, first[-1].outputs
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
-        inputs = {name: value.astype(np.int32) if value.dtype.kind == "i" else value.astype(np.float16)
-                  for name, value in feeds.items()}
+        inputs = typed_feeds(feeds)
         programs = self.programs[feeds[self.by].shape[1]]
         out = run_parts([lambda part_feeds, program=program, states=states: program.run(part_feeds, states)
                          for program, states in zip(programs, self.states)], inputs)

@@ -52,6 +52,12 @@ def part_packages(directory: Path, functions: dict | None, file: str) -> list[Pa
     return [member(directory, name, "the manifest's CoreML package") for name in names]
 
 
+def typed_feeds(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Feeds as the packages declare their inputs: int32 ids and positions, float16 activations."""
+    return {name: value.astype(np.int32) if value.dtype.kind == "i" else value.astype(np.float16)
+            for name, value in feeds.items()}
+
+
 def run_parts(parts: list, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """`feeds` through a graph's parts in turn (callables on a dict of inputs): each part after the first reads the
     previous one's hidden and tap_sum, and the call's positions."""
@@ -92,12 +98,10 @@ class CoremlSession:
         self.output_names = [o.name for o in last_part.output]
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
-        inputs = {name: value.astype(np.int32) if value.dtype.kind == "i" else value.astype(np.float16)
-                  for name, value in feeds.items()}
         models = self.models[feeds[self.by].shape[1] if self.by else None]
-        parts = [lambda part_feeds, model=model, state=state: model.predict(part_feeds, state=state)
+        parts = [lambda part_feeds, model=model, state=state: model.predict(typed_feeds(part_feeds), state=state)
                  for model, state in zip(models, self.states)]
-        out = run_parts(parts, inputs)
+        out = run_parts(parts, feeds)
         names = output_names or self.output_names
         return {n: np.asarray(out[n]).astype(np.int64) if n.endswith("_ids") else np.asarray(out[n]) for n in names}
 
