@@ -62,7 +62,7 @@ class StatefulTarget(nn.Module):
 
     As RetainedTarget: `context_hidden` is the draft's hidden_norm(fc(taps)), fc divided by `fc_scale`.
 
-    A part (`layers` = (start, stop), a range of the decoder's layers; converted as its own function, so that no
+    A part (`layers` = (start, stop), a range of the decoder's layers; converted into its own package, so that no
     conversion holds more than a part's weights and each program stays small enough for the Neural Engine) holds
     those layers' K/V states only. The first part reads input_ids, the others forward(hidden_in, position_ids,
     tap_sum_in); every part but the last returns (hidden, tap_sum), the last the outputs above. fc of the
