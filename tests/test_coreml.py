@@ -215,7 +215,7 @@ def test_packages_use_fused_attention_on_grouped_kv(coreml_lowered, exported):
         # softmax comes after its argmax)
 
 
-def test_int4_packages(exported, coreml_lowered, tmp_path):
+def test_int4_packages(exported, coreml_lowered, tmp_path, monkeypatch):
     out = tmp_path / "int4"
     lower_coreml(exported("agree_b8").out, out, CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL, bits=4),
                  LowerRequest(progress=False))
@@ -228,9 +228,42 @@ def test_int4_packages(exported, coreml_lowered, tmp_path):
         assert kinds.count("scaled_dot_product_attention") == layers
     weights = Path("model.mlpackage", "Data", "com.apple.CoreML", "weights", "weight.bin")
     assert (out / weights).stat().st_size < 0.5 * (coreml_lowered / weights).stat().st_size  # the tiny pair: 0.36
-    assert load_manifest(out).lowering.options["bits"] == 4
+    lowered = load_manifest(out).lowering
+    assert lowered.options["bits"] == 4
+    # checked against the modules with their weights rounded as the package holds them: float16 compute only
+    assert lowered.max_relative_difference < 5e-3
+    from targets.coreml import rounded_weights
+
+    # a package whose blocks run along the other axis than the reference's (measured: 0.16 of the logit scale,
+    # as with unrounded weights) is refused
+    by_rows = rounded_weights.rounded
+    monkeypatch.setattr(rounded_weights, "rounded", lambda weight, bits, size: by_rows(weight.t(), bits, size).t()
+                        if weight.shape[0] % size == 0 else by_rows(weight, bits, size))
+    with pytest.raises(DFlashError, match="the CoreML packages change target logits"):
+        lower_coreml(exported("agree_b8").out, tmp_path / "wrong", CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL,
+                                                                                 bits=4), LowerRequest(progress=False))
     with pytest.raises(DFlashError, match="--bits 3"):
         CoremlOptions(bits=3).validate(8)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_checks_rounded_weights_are_coremltools_quantization(bits):
+    """The check's reference rounds the weights by coremltools' rule, written independently: equal to what
+    coremltools' quantizer stores (its integers times its float16 scales), a block of zeros included; tensors it
+    leaves in float16 (too small, or rows not a multiple of the block) unchanged."""
+    from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights
+
+    from targets.coreml.rounded_weights import rounded
+
+    weight = torch.randn(96, 256, generator=torch.Generator().manual_seed(bits)) * 0.05
+    weight[3, 32:64] = 0
+    params = linear_quantize_weights.blockwise_compress(weight.half().numpy(), nbits=bits, mode="LINEAR_SYMMETRIC",
+                                                        signed=True, block_sizes=[1, 32])
+    stored = params.data.astype(np.float16) * params.scale.repeat(32, axis=1)
+    assert np.array_equal(rounded(weight, bits, 32).numpy(), stored.astype(np.float32))
+    assert len(np.unique(rounded(weight, bits, 32).numpy()[0, :32])) <= 2**bits  # one block: its levels
+    for small in (torch.randn(32, 64), torch.randn(96, 200)):
+        assert torch.equal(rounded(small, bits, 32), small)
 
 
 def test_packages_evaluated_in_numpy_match_the_modules(coreml_lowered, exported, tmp_path, monkeypatch):
@@ -320,6 +353,12 @@ def test_a_target_in_parts(exported, coreml_lowered, tmp_path):
         functions = lowered.lowering.functions
         return Decoder(lowered, *(MilSession(part_packages(directory, functions[graph], getattr(lowered, graph).file),
                                              functions[graph]) for graph in ("target", "draft")))
+
+    # the dry run's estimate counts every package: the draft's own embedding and lm_head included
+    planned = lower_coreml(exported("agree_b8").out, tmp_path / "dry", CoremlOptions(
+        ctx_len=CTX_LEN, prefill_len=PREFILL, layers_per_part=2, dry_run=True), LowerRequest(progress=False))
+    written = sum(p.stat().st_size for p in out.glob("*.mlpackage/Data/com.apple.CoreML/weights/weight.bin"))
+    assert abs(planned.lowering.report["estimate"]["package_bytes"] - written) < 0.03 * written  # 1 %; 6.6 % without
 
     in_parts, whole = decoder(out), decoder(coreml_lowered)
     for prompt in ([5, 6, 7], list(range(3, 23))):

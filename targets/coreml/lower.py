@@ -37,14 +37,14 @@ from dflash_onnx.models.calibration import calibrate_for_fp16
 from dflash_onnx.models.stateful import StatefulDraft, StatefulTarget
 from dflash_onnx.pair import load_tapped_pair, meta_pair
 from dflash_onnx.progress import Stages
-from dflash_onnx.publish import copy_tokenizer_files
+from dflash_onnx.publish import copy_tokenizer_files, directory_bytes
 
 from ..backend import LowerRequest
 from ..lowering import lowered_output, start_lowering
 from .check import PART_OUTPUTS, check_packages
 from .options import CoremlOptions
 from .session import import_coremltools, part_functions, target_parts
-from .sizes import estimate, part_conversion_bytes
+from .sizes import disk_bytes, estimate, part_conversion_bytes
 
 TESTED_WITH = ("coremltools 9.0 with torch 2.13.0 (TorchScript frontend; coremltools warns it was tested up to "
                "torch 2.7)")
@@ -188,8 +188,8 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     extra = part_conversion_bytes(target_dir, draft_dir, parts, (len(names["target"]), len(names["draft"]))) \
         if streamed else 0
     hint = "" if streamed else _parts_hint(manifest.target.num_layers, target_dir, draft_dir)
-    # disk: the packages (about the export's float16 weights), and in parts one part's functions before they combine
-    disk = 1.3 + (len(names["target"]) / len(parts) if streamed else 0.0)
+    disk = disk_bytes(target_dir, draft_dir, options, parts, (len(names["target"]), len(names["draft"]))) \
+        / directory_bytes(source)
     with lowered_output(source, out, request, (target_dir, draft_dir), size_factor=disk, memory_factor=memory,
                         extra_memory=extra, memory_hint=hint) as tmp:
         if streamed:
@@ -282,6 +282,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                                                 "converter": TESTED_WITH}))
         with stages.stage("checking the packages (evaluated in numpy) against the converted modules"):
             lowered.lowering.max_relative_difference = check_packages(
-                tmp, lowered, targets if streamed else targets[0], stateful_draft, options.bits, weights)
+                tmp, lowered, targets if streamed else targets[0], stateful_draft, options.bits, options.group_size,
+                weights)
         lowered.save(tmp)
     return lowered
