@@ -177,6 +177,19 @@ def test_quantized_mlx_is_lossless_against_its_own_greedy(bits, exported, mlx_lo
         assert dflash.tokens == decoder.generate(prompt, 32, "greedy", stop_token_ids=[]).tokens
         taus.append(dflash.tau)
     assert np.mean(taus) > 1.5  # the quantized draft still agrees with the quantized target
+    # checked against the export with its weights rounded as stored (targets/mlx/rounded.py): float arithmetic only
+    assert load_manifest(directory).lowering.max_relative_difference < 1e-4
+
+
+def test_the_quantized_check_tells_rounding_from_float(exported, tmp_path, monkeypatch):
+    """Held to the float tolerance, an MLX int4 lowering checked against unrounded weights (what a wrong
+    quantization looks like to the check) is refused."""
+    from targets.mlx import lower
+
+    monkeypatch.setattr(lower, "rounded_initializers", lambda directory, manifest, graph: ({}, []))
+    with pytest.raises(DFlashError, match=r"the MLX lowering changes .*\(allowed 0.0001\)"):
+        lower_mlx(exported("agree_b8").out, tmp_path / "unrounded", MlxOptions(4, 32, ctx_len=512),
+                  LowerRequest(progress=False))
 
 
 def test_draft_shares_the_targets_embedding_and_head(mlx_lowered):

@@ -57,9 +57,11 @@ class OrtSession:
 
     def __init__(self, path: Path, providers: list[str] | None = None, intra_op_threads: int | None = None,
                  allow_spinning: bool = True, optimization_level: str = "all", stop_spinning_after_run: bool = False,
-                 session_config: dict[str, str] | None = None, structure: onnx.ModelProto | None = None):
+                 session_config: dict[str, str] | None = None, structure: onnx.ModelProto | None = None,
+                 initializers: dict[str, np.ndarray] | None = None):
         """`structure`: run this graph instead of the file's (its weights still read from beside `path`), e.g. the
-        file's graph with its quantized matmuls computing in float (targets/ort/check.py)."""
+        file's graph with its quantized matmuls computing in float (targets/ort/check.py). `initializers`: values
+        that replace the graph's initializers of those names (e.g. weights rounded as a quantized lowering's)."""
         options = ort.SessionOptions()
         options.log_severity_level = 4  # failures reach the user as one DFlashError line, not ORT's log
         options.graph_optimization_level = ort_level(optimization_level)
@@ -72,6 +74,9 @@ class OrtSession:
         for key, value in (session_config or {}).items():  # e.g. session.dynamic_block_base
             options.add_session_config_entry(key, value)
         checked_graph(Path(path))  # before ORT opens the weights it names
+        self._replaced = {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in (initializers or {}).items()}
+        for name, value in self._replaced.items():  # ORT reads them from these buffers: kept with the session
+            options.add_initializer(name, value)
         if structure is not None:  # the weights its external data names are read from the file's directory
             options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                              str(Path(path).parent))
