@@ -18,7 +18,7 @@ from dflash_onnx.errors import DFlashError
 from dflash_onnx.manifest import Manifest
 from dflash_onnx.runners import open_runners
 
-from .mil_eval import MilProgram, read_spec
+from .mil_eval import MilProgram, read_spec, weight_reader
 from .rounded_weights import rounded_weights
 from .session import part_functions, part_packages, run_parts, typed_feeds
 
@@ -69,8 +69,10 @@ class MilSession:
 
     def __init__(self, packages: list[Path], functions: dict):
         specs = {package: read_spec(package) for package in set(packages)}
+        readers = {package: weight_reader(package) for package in specs}
         self.by = functions["input"]
-        self.programs = {size: [MilProgram(package, name, specs[package]) for package, name in zip(packages, names)]
+        self.programs = {size: [MilProgram(package, name, specs[package], readers[package])
+                                for package, name in zip(packages, names)]
                          for size, names in part_functions(functions).items()}
         first = next(iter(self.programs.values()))
         self.states = [program.initial_states() for program in first]

@@ -168,12 +168,22 @@ def function_states(spec, function: str) -> dict[str, tuple[int, ...]]:
     return {s.name: tuple(s.type.stateType.arrayType.shape) for s in described[function].state}
 
 
+def weight_reader(package: Path):
+    """coremltools' reader of the package's weight file. It maps the whole file, and the pages a run reads count
+    in the process's resident memory once per mapping: functions of one package share a reader (the 4B target in
+    parts, three functions per package, held up to 30 GB resident with one each)."""
+    from coremltools import libmilstoragepython
+
+    return libmilstoragepython._BlobStorageReader(str(Path(package) / "Data" / "com.apple.CoreML" / "weights" /
+                                                      "weight.bin"))
+
+
 class MilProgram:
     """One function of an mlprogram package, run in numpy: `run(feeds, states)` updates `states` (name -> array,
     as the function's state descriptions) in place and returns the outputs."""
 
-    def __init__(self, package: Path, function: str = "main", spec=None):
-        from coremltools import libmilstoragepython
+    def __init__(self, package: Path, function: str = "main", spec=None, weights=None):
+        """`weights`: the package's `weight_reader`, shared by its functions (each reader maps the whole file)."""
         from coremltools.proto import MIL_pb2
 
         package = Path(package)
@@ -187,8 +197,7 @@ class MilProgram:
         self.states = function_states(spec, function)
         self.input_names = [i.name for i in main.inputs if i.name not in self.states]
         self._names = MIL_pb2.DataType.Name
-        self._weights = libmilstoragepython._BlobStorageReader(
-            str(package / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"))
+        self._weights = weights or weight_reader(package)
         self._constants: dict[str, np.ndarray] = {}
         last_read: dict[str, int] = {}
         for index, op in enumerate(self.operations):
