@@ -266,6 +266,21 @@ def test_the_checks_rounded_weights_are_coremltools_quantization(bits):
         assert torch.equal(rounded(small, bits, 32), small)
 
 
+def test_rounded_weights_are_put_back_and_tied_ones_stay_tied():
+    from targets.coreml.rounded_weights import rounded, rounded_weights
+
+    embedding = torch.nn.Embedding(96, 64)
+    head = torch.nn.Linear(64, 96, bias=False)
+    head.weight = torch.nn.Parameter(embedding.weight.detach())  # tied: one tensor, two Parameters
+    model = torch.nn.ModuleDict({"embed": embedding, "head": head, "norm": torch.nn.LayerNorm(64)})
+    before = {name: param for name, param in model.named_parameters(remove_duplicate=False)}
+    with rounded_weights(model, 4, 32):
+        assert torch.equal(model["embed"].weight, rounded(before["embed.weight"], 4, 32))
+        assert model["embed"].weight.data_ptr() == model["head"].weight.data_ptr()
+        assert model["norm"].weight is before["norm.weight"]  # 1-D: coremltools leaves it float16
+    assert all(param is before[name] for name, param in model.named_parameters(remove_duplicate=False))
+
+
 def test_packages_evaluated_in_numpy_match_the_modules(coreml_lowered, exported, tmp_path, monkeypatch):
     """The lowering evaluates the packages it wrote from their spec in numpy (targets/coreml/mil_eval.py) on a
     prefill, a verify with a partial commit, a decode and draft proposals, against the float32 modules: greedy ids
