@@ -10,7 +10,8 @@ checkpoint with mlx-lm, and reports per target call at 1 and 16 tokens:
 
 Needs mlx (mlx[cpu] on Linux) and mlx-lm (`pip install mlx-lm`); torch + transformers to build and export.
 
-    python demo/mlx_host_time.py --work /tmp/mlxbench [--contexts 256,4000] [--repeats 20] [--load 1] [--json FILE]
+    python demo/mlx_host_time.py --work /tmp/mlxbench [--contexts 256,4000] [--repeats 20] [--load 1] [--cold]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -96,15 +97,23 @@ def _native(model, cache):
     return call
 
 
-def _measure(calls: dict, context: int, rows: int, repeats: int) -> dict[str, tuple[float, float]]:
+COLD_BYTES = 64 * 2**20  # more than the CPU's caches: touched before a call, none of its host data is cached
+
+
+def _measure(calls: dict, context: int, rows: int, repeats: int, cold: np.ndarray | None = None
+             ) -> dict[str, tuple[float, float]]:
     """Median (host, step) seconds of `rows`-token calls at `context` (each rolled back to it) per backend, the
-    backends taking turns call by call so that a drift in the machine's speed reaches them alike."""
+    backends taking turns call by call so that a drift in the machine's speed reaches them alike. `cold`: an
+    array written before each call, so every backend's call starts with the caches the previous call left
+    (which differ with what ran before: a 16-row step streams ~1 GB through them) replaced alike."""
     ids = list(range(3, 3 + rows))
     samples: dict[str, list] = {name: [] for name in calls}
     for call in calls.values():
         call(ids, context)  # warm (shapes, kernels)
     for _ in range(repeats):
         for name, call in calls.items():
+            if cold is not None:
+                cold += 1.0
             samples[name].append(call(ids, context))
     return {name: (statistics.median(s[0] for s in found), statistics.median(s[1] for s in found))
             for name, found in samples.items()}
@@ -123,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="measure beside N busy processes (python -c 'while True: pass'), ended by pid")
+    parser.add_argument("--cold", action="store_true",
+                        help="write 64 MB before each call: every call starts with cold caches, whatever ran before")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     work = args.work
@@ -154,17 +165,19 @@ def main(argv: list[str] | None = None) -> None:
     rows_table = []
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     try:
-        _table(contexts, args.repeats, model, cache, runs, rows_table)
+        _table(contexts, args.repeats, model, cache, runs, rows_table,
+               np.zeros(COLD_BYTES // 8) if args.cold else None)
     finally:
         for process in busy:
             process.kill()
             process.wait()
     if args.json:
         args.json.write_text(json.dumps({"spec": SPEC.__dict__, "mlx": mx.__version__, "load": args.load,
-                                         "rows": rows_table}, indent=1, default=str))
+                                         "cold": args.cold, "rows": rows_table}, indent=1, default=str))
 
 
-def _table(contexts: list[int], repeats: int, model, cache, runs: dict, rows_table: list) -> None:
+def _table(contexts: list[int], repeats: int, model, cache, runs: dict, rows_table: list,
+           cold: np.ndarray | None) -> None:
     calls = {"mlx-lm": _native(model, cache), **{name: call for name, (_, call) in runs.items()}}
     for context in contexts:
         found = {rows: {"context": context, "rows": rows, "nodes": {n: len(s.nodes) for n, (s, _) in runs.items()}}
@@ -172,7 +185,7 @@ def _table(contexts: list[int], repeats: int, model, cache, runs: dict, rows_tab
         for call in calls.values():
             _prefill(call, context)  # once per backend and context: every measured call is rolled back to it
         for rows in (1, 16):
-            found[rows].update(_measure(calls, context, rows, repeats))
+            found[rows].update(_measure(calls, context, rows, repeats, cold))
         for rows, row in found.items():
             rows_table.append(row)
             native_step = row["mlx-lm"][1]

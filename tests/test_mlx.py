@@ -181,15 +181,16 @@ def test_quantized_mlx_is_lossless_against_its_own_greedy(bits, exported, mlx_lo
     assert load_manifest(directory).lowering.max_relative_difference < 1e-4
 
 
-def test_the_quantized_check_tells_rounding_from_float(exported, tmp_path, monkeypatch):
+def test_the_quantized_check_tells_rounding_from_float(exported, mlx_lowered, monkeypatch):
     """Held to the float tolerance, an MLX int4 lowering checked against unrounded weights (what a wrong
     quantization looks like to the check) is refused."""
     from targets.mlx import lower
 
+    directory, source = mlx_lowered("agree_b8", bits=4), exported("agree_b8").out
+    assert lower._check(source, load_manifest(source), directory, load_manifest(directory), 4) < 1e-4
     monkeypatch.setattr(lower, "rounded_initializers", lambda directory, manifest, graph: ({}, []))
     with pytest.raises(DFlashError, match=r"the MLX lowering changes .*\(allowed 0.0001\)"):
-        lower_mlx(exported("agree_b8").out, tmp_path / "unrounded", MlxOptions(4, 32, ctx_len=512),
-                  LowerRequest(progress=False))
+        lower._check(source, load_manifest(source), directory, load_manifest(directory), 4)
 
 
 def test_draft_shares_the_targets_embedding_and_head(mlx_lowered):

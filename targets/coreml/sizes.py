@@ -48,7 +48,8 @@ def estimate(target_dir: Path, draft_dir: Path, options: CoremlOptions) -> dict:
     shapes = {"target": tensor_shapes(target_dir), "draft": tensor_shapes(draft_dir)}
     text = read_config(Path(target_dir), "target")
     text = text.get("text_config", text)
-    in_parts = len(target_parts(text["num_hidden_layers"], options.layers_per_part)) > 1
+    count = len(target_parts(text["num_hidden_layers"], options.layers_per_part))
+    in_parts = count > 1
     vocab = _vocab_tensors(shapes["target"])
     copies = {"target": vocab[:1] if in_parts and len(vocab) == 1 else [], "draft": vocab if in_parts else []}
     weights = {kind: sum(_tensor_bytes(shape, options.bits, options.group_size)
@@ -58,8 +59,7 @@ def estimate(target_dir: Path, draft_dir: Path, options: CoremlOptions) -> dict:
               "draft": _state_bytes(read_config(Path(draft_dir), "draft"), options.ctx_len)}
     return {"method": "estimate from the checkpoints' headers (nothing converted)",
             "precision": f"int{options.bits}, blocks of {options.group_size}" if options.bits else "float16",
-            "packages": (f"target_part0..{len(target_parts(text['num_hidden_layers'], options.layers_per_part)) - 1}"
-                         ".mlpackage, draft.mlpackage") if in_parts else "model.mlpackage",
+            "packages": f"target_part0..{count - 1}.mlpackage, draft.mlpackage" if in_parts else "model.mlpackage",
             "weights_bytes": weights, "package_bytes": sum(weights.values()), "state_bytes": states,
             "ctx_len": options.ctx_len}
 
@@ -125,5 +125,5 @@ def disk_bytes(target_dir: Path, draft_dir: Path, options: CoremlOptions, parts:
     if len(parts) > 1:
         waiting = max((functions[0] + 1) * part, (functions[1] + 1) * draft) * per_value
     else:
-        waiting = sum(count * bytes_ for count, bytes_ in zip(functions, found["weights_bytes"].values()))
+        waiting = functions[0] * found["weights_bytes"]["target"] + functions[1] * draft * per_value
     return int(1.1 * found["package_bytes"] + waiting + (2 * max(part, draft) if options.bits else 0))

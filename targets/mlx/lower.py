@@ -201,7 +201,8 @@ def _check(source: Path, exported: Manifest, directory: Path, lowered: Manifest,
         fits = {n for n, v in rounded.items() if n in exported_as and tuple(exported_as[n].dims) == v.shape}
         mixed.extend(unrounded + sorted(rounded.keys() - fits))
         return OrtSession(path, initializers={
-            n: rounded[n].astype(onnx.helper.tensor_dtype_to_np_dtype(exported_as[n].data_type)) for n in fits})
+            n: rounded[n].astype(onnx.helper.tensor_dtype_to_np_dtype(exported_as[n].data_type), copy=False)
+            for n in fits})
 
     differences = compare_lowering(exported, reference, lambda g: open_session(directory, lowered, g), lowered)
     allowed = UNROUNDED_TOLERANCE[bits] if mixed else TOLERANCE[lowered.dtype]
@@ -220,7 +221,8 @@ def _checked(source: Path, exported: Manifest, directory: Path, lowered: Manifes
     would outlast the lowering's budget; then a warning with the figures, and None recorded."""
     weights = max(sum(p.stat().st_size for p in source.glob(f"{getattr(exported, graph).file}*"))
                   for graph in ("target", "draft"))
-    need = weights * (2 if exported.dtype == "float16" else 1)
+    # with --bits, beside it the quantized weights dequantized for it (rounded.py): about the graph's weights again
+    need = weights * ((2 if exported.dtype == "float16" else 1) + (1 if bits else 0))
     available = available_memory()
     if available is not None and need > 0.8 * available:
         print(f"warning: the check against the export is skipped: ONNX Runtime would hold about {need / 1e9:.1f} GB "

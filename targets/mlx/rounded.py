@@ -21,9 +21,9 @@ from .session import import_mlx
 
 
 def rounded_initializers(directory: Path, manifest: Manifest, graph: str) -> tuple[dict[str, np.ndarray], list[str]]:
-    """(initializer name -> its dequantized value in the initializer's layout, float32; the names read more than
-    one way, left unrounded) for `graph` of the MLX lowering in `directory` (the draft's names shared with the
-    target's included)."""
+    """(initializer name -> its dequantized value in the initializer's layout and the dtype it was quantized
+    from; the names read more than one way, left unrounded) for `graph` of the MLX lowering in `directory` (the
+    draft's names shared with the target's included)."""
     mx = import_mlx()
     directory = Path(directory)
     stores = {name: mx.load(str(directory / f"{name}.safetensors")) for name in {"target", graph}}
@@ -43,6 +43,6 @@ def rounded_initializers(directory: Path, manifest: Manifest, graph: str) -> tup
         suffix = forms[0]
         value = mx.dequantize(store[f"{key}.{suffix}.w"], store[f"{key}.{suffix}.scales"],
                               store[f"{key}.{suffix}.biases"], group_size=options["group_size"], bits=options["bits"])
-        value = np.array(value.astype(mx.float32))
+        value = np.array(value)  # the scales' dtype: the weight's before quantization
         rounded[name] = np.ascontiguousarray(value.T if suffix == "q" else value)
     return rounded, mixed
