@@ -20,12 +20,18 @@ from torch import nn
 from .sizes import QUANTIZED_FROM
 
 
+def quantized(weight: torch.Tensor, group_size: int) -> bool:
+    """Whether coremltools quantizes `weight`: 2-D, more than its weight_threshold values, rows that split into
+    blocks of `group_size`."""
+    return weight.dim() == 2 and weight.numel() > QUANTIZED_FROM and weight.shape[1] % group_size == 0
+
+
 def rounded(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """`weight` [rows, inputs] quantized block-wise as coremltools does and dequantized, in float32; unchanged
-    where coremltools leaves it float16 (too small, or inputs not a multiple of `group_size`)."""
-    rows, inputs = weight.shape
-    if weight.numel() <= QUANTIZED_FROM or inputs % group_size:
+    where coremltools leaves it float16 (`quantized`)."""
+    if not quantized(weight, group_size):
         return weight.float()
+    rows, inputs = weight.shape
     levels = 2 ** (bits - 1) - 1
     # float16 arithmetic throughout, as coremltools computes on the float16 weights
     blocks = weight.detach().to(torch.float16).reshape(rows, inputs // group_size, group_size)
@@ -36,15 +42,15 @@ def rounded(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
 
 @contextmanager
 def rounded_weights(module: nn.Module, bits: int, group_size: int) -> Iterator[None]:
-    """Every 2-D floating parameter under `module` replaced by its rounded copy (`rounded`) for the duration, put
-    back after; parameters sharing a tensor (tied) share the copy."""
+    """Every parameter under `module` that coremltools quantizes replaced by its rounded copy (`rounded`) for the
+    duration, put back after; parameters sharing a tensor (tied) share the copy."""
     owners = {id(m): m for m in module.modules()}.values()
     kept = [(owner, dict(owner._parameters)) for owner in owners]
     copies: dict[tuple, torch.Tensor] = {}
     try:
         for owner, own in kept:
             for name, param in own.items():
-                if param is None or param.dim() != 2 or not param.is_floating_point():
+                if param is None or not param.is_floating_point() or not quantized(param, group_size):
                     continue
                 key = (param.data_ptr(), tuple(param.shape), param.stride())
                 if key not in copies:
