@@ -98,11 +98,14 @@ def lowered_costs(directory: Path, manifest: Manifest, open_session, context: in
 
 def lowered_output(source: Path, out: Path, request: LowerRequest, checkpoints: tuple[Path, Path] | None = None,
                    size_factor: float = 1.1, memory_factor: float = 0.0,
-                   extra_memory: int = 0, memory_hint: str = "") -> AbstractContextManager[Path]:
+                   extra_memory: int = 0, memory_hint: str = "", disk_bytes: int | None = None
+                   ) -> AbstractContextManager[Path]:
     """The staging directory a lowering writes OUT into (published whole, OUT locked meanwhile), with the
-    free space it needs taken as `size_factor` times the export's size, and the memory (checked where the
+    free space it needs taken as `size_factor` times the export's size (or `disk_bytes`, where the backend
+    estimates it), and the memory (checked where the
     backend measured its peak) `memory_factor` times it plus `extra_memory` bytes (`memory_hint`: what the user can
     do when the machine has less)."""
     size = directory_bytes(Path(source))
     return staged_directory(Path(out), (Path(source), *(checkpoints or ())), request.overwrite,
-                            int(size_factor * size), int(memory_factor * size) + extra_memory, memory_hint)
+                            int(size_factor * size) if disk_bytes is None else disk_bytes,
+                            int(memory_factor * size) + extra_memory, memory_hint)

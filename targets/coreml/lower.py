@@ -37,7 +37,7 @@ from dflash_onnx.models.calibration import calibrate_for_fp16
 from dflash_onnx.models.stateful import StatefulDraft, StatefulTarget
 from dflash_onnx.pair import load_tapped_pair, meta_pair
 from dflash_onnx.progress import Stages
-from dflash_onnx.publish import copy_tokenizer_files, directory_bytes
+from dflash_onnx.publish import copy_tokenizer_files
 
 from ..backend import LowerRequest
 from ..lowering import lowered_output, start_lowering
@@ -188,10 +188,9 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     extra = part_conversion_bytes(target_dir, draft_dir, parts, (len(names["target"]), len(names["draft"]))) \
         if streamed else 0
     hint = "" if streamed else _parts_hint(manifest.target.num_layers, target_dir, draft_dir)
-    disk = disk_bytes(target_dir, draft_dir, options, parts, (len(names["target"]), len(names["draft"]))) \
-        / directory_bytes(source)
-    with lowered_output(source, out, request, (target_dir, draft_dir), size_factor=disk, memory_factor=memory,
-                        extra_memory=extra, memory_hint=hint) as tmp:
+    disk = disk_bytes(target_dir, draft_dir, options, parts, (len(names["target"]), len(names["draft"])))
+    with lowered_output(source, out, request, (target_dir, draft_dir), memory_factor=memory, extra_memory=extra,
+                        memory_hint=hint, disk_bytes=disk) as tmp:
         if streamed:
             with stages.stage("building target and draft without their weights"):
                 tapped, draft = meta_pair(target_dir, draft_dir, manifest.target_layer_ids, "float32")

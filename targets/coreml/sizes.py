@@ -95,7 +95,7 @@ def _module_values(target_dir: Path, draft_dir: Path, parts: list[tuple[int, int
         found = re.search(r"layers\.(\d+)\.", name)
         if found:
             layers[int(found.group(1))] = layers.get(int(found.group(1)), 0) + math.prod(shape)
-    vocab = max((math.prod(shape) for shape in target.values()), default=0)
+    vocab = max((math.prod(shape) for shape in _vocab_tensors(target)), default=0)
     part = max(sum(layers.get(i, 0) for i in range(start, stop)) + vocab * ((start == 0) + (stop == len(layers)))
                for start, stop in parts)
     return part, sum(math.prod(shape) for shape in tensor_shapes(draft_dir).values()) + 2 * vocab
