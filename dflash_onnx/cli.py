@@ -19,7 +19,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output directory (created atomically)")
     parser.add_argument("--block-size", type=int, help="draft block size (default: the draft's trained one)")
     parser.add_argument("--allow-longer-block", action="store_true", help="allow a block above the trained size")
-    parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset, 18..23 (default 18)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     parser.add_argument("--no-stream", dest="stream", action="store_false",
@@ -391,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     optimize = commands.add_parser("optimize", help="apply graph passes to an exported directory")
     optimize.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
     optimize.add_argument("--passes", required=True,
-                          help="comma-separated, in order: cleanup, rope-fusion, ort-fusions, int8, int4, fp16, tidy")
+                          help="comma-separated, in order: cleanup, rope-fusion, ort-fusions, int8, int4, fp16, fp32, "
+                               "tidy")
     optimize.add_argument("--out", dest="dest", type=Path, required=True, help="new directory (created atomically)")
     optimize.add_argument("--pass-option", action="append", default=[], metavar="[PASS.]KEY=VALUE",
                           help="e.g. int4.block_size=64, int4.graphs=draft, int4.lm_head=true, symmetric=false")

@@ -29,6 +29,7 @@ from .model_dirs import export_bytes, largest_tensor_bytes
 from .models.draft import DFlashDraft, DraftSpec
 from .models.target import TappedTarget, check_against_hf
 from .pair import (
+    DTYPES,
     LOGIT_TOLERANCE,
     TargetInfo,
     architecture_check_model,
@@ -172,7 +173,7 @@ def export_pair(
     info = TargetInfo.from_dir(target_dir)
     spec = DraftSpec.from_dir(draft_dir)
     block = validate_pair(info, spec, block_size, allow_longer_block, dtype)
-    torch_dtype = torch.float16 if dtype == "float16" else torch.float32
+    torch_dtype = DTYPES[dtype]
     stages = Stages(7 if stream else 6, enabled=progress)
     written = export_bytes([target_dir, draft_dir], torch_dtype.itemsize)
     # peak memory: streamed, the libraries (~0.7 GB) and about two copies of the largest tensor (Qwen3-4B shape,

@@ -16,7 +16,8 @@ from .errors import DFlashError
 from .manifest import GraphSpec, TensorSpec
 from .paths import member
 
-ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
+ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+               onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT64: "int64",
                onnx.TensorProto.INT32: "int32"}
 
 

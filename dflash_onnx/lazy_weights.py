@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 import torch
@@ -33,7 +34,7 @@ from .model_dirs import file_tensor_shapes, weight_files
 from .models.draft import DFlashDraft
 from .models.target import TappedTarget
 
-IR_DTYPES = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16}
+IR_DTYPES = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
 
 
 @contextmanager
@@ -78,7 +79,14 @@ def make_fake(module: nn.Module, mode: FakeTensorMode) -> None:
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    return torch.empty((), dtype=dtype).numpy().dtype
+    return np.dtype(ml_dtypes.bfloat16) if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype
+
+
+def as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """`tensor` as numpy without a copy; bfloat16 (which numpy lacks) as ml_dtypes' bfloat16, bit for bit."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
 
 
 class Checkpoint:
@@ -114,7 +122,7 @@ class Source:
 
     def lazy(self, dtype: torch.dtype, name: str) -> ir.LazyTensor:
         """The tensor as `dtype`, read when the graph writer asks for its bytes."""
-        return ir.LazyTensor(lambda: ir.Tensor(self.read(dtype).numpy(), name=name), dtype=IR_DTYPES[dtype],
+        return ir.LazyTensor(lambda: ir.Tensor(as_numpy(self.read(dtype)), name=name), dtype=IR_DTYPES[dtype],
                              shape=ir.Shape(self.shape), name=name)
 
 

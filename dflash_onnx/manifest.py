@@ -42,6 +42,11 @@ class GraphSpec:
     def output_names(self) -> list[str]:
         return [t.name for t in self.outputs]
 
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype of its K/V inputs: the precision the decoding loop feeds it (the manifest's `dtype`)."""
+        return next(t.dtype for t in self.inputs if t.name == self.kv_inputs[0])
+
 
 @dataclass
 class CostModel:
@@ -137,9 +142,10 @@ class Manifest:
     @property
     def numpy_dtype(self) -> type:
         """The numpy type of the graphs' float inputs and K/V."""
+        import ml_dtypes
         import numpy as np
 
-        return np.float16 if self.dtype == "float16" else np.float32
+        return {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}.get(self.dtype, np.float32)
 
     def checkpoints(self, target_dir: Path | None = None, draft_dir: Path | None = None,
                     flag: str = "--{kind}") -> tuple[Path, Path]:

@@ -17,9 +17,10 @@ from .model_dirs import read_config, weight_files
 from .models.draft import DFlashDraft, DraftSpec
 from .models.target import TappedTarget
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Largest logit difference accepted between two computations of the same model, per dtype.
-LOGIT_TOLERANCE = {"float32": 2e-3, "float16": 5e-2}
+# bfloat16 keeps 8 bits of mantissa to float16's 11: 8x float16's bound.
+LOGIT_TOLERANCE = {"float32": 2e-3, "float16": 5e-2, "bfloat16": 0.4}
 
 
 @dataclass

@@ -79,7 +79,7 @@ def genai_build(manifest: Manifest) -> tuple[str, str]:
     """The model builder's precision and execution provider that match this directory: its weight-only
     quantization (int4 against `-p int4`, int8 against `-p int8`), else its float dtype, and its provider."""
     dtype = manifest.dtype if manifest.backend != "coreml" else "float32"
-    precision = manifest.weight_quantization or {"float32": "fp32", "float16": "fp16"}[dtype]
+    precision = manifest.weight_quantization or {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
     provider = manifest.lowering.provider if manifest.backend == "ort" and manifest.lowering else "cpu"
     return precision, "cuda" if provider == "cuda" else "cpu"
 
@@ -193,7 +193,7 @@ def _mlx_lm(target_dir: Path, manifest: Manifest, prompts: list[dict], max_new_t
 
     generate_step = importlib.import_module("mlx_lm.generate").generate_step
     model = mlx_lm_model(target_dir)
-    model.set_dtype(mx.float16 if manifest.dtype == "float16" else mx.float32)
+    model.set_dtype({"float16": mx.float16, "bfloat16": mx.bfloat16}.get(manifest.dtype, mx.float32))
     options = manifest.lowering.options if manifest.backend == "mlx" else {}
     precision = manifest.dtype
     if options.get("bits"):

@@ -26,6 +26,7 @@ def registry() -> dict[str, GraphPass]:
         draft_attention,
         draft_rows,
         fp16,
+        fp32,
         kv_buffer,
         ort_fusions,
         quantize,
@@ -50,6 +51,9 @@ def registry() -> dict[str, GraphPass]:
         GraphPass("fp16", fp16.run, 1e-2, True,
                   "float16 weights and activations, fp32 norm/softmax islands, draft fc pre-scaled, overflow check",
                   calibrated=True, loads_weights=True),
+        GraphPass("fp32", fp32.run, 1e-5, False,
+                  "bfloat16 (or float16) graphs widened to float32, exactly: for ONNX Runtime's CPU provider, "
+                  "which has no bfloat16 kernels"),
         GraphPass("draft-attention", draft_attention.run, 1e-5, False,
                   "draft: grouped-query MultiHeadAttention over per-head repeated K/V -> one ONNX Attention",
                   lowerings=LOWERINGS),

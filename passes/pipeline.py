@@ -117,7 +117,9 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
         applied = [{"name": p.name, "options": {**p.recorded_defaults, **pass_options.get("*", {}),
                                                 **pass_options.get(p.name, {})},
                     "bound": p.bound, "lossy": p.lossy} for p in chosen]
-        result = replace(manifest, passes=[*manifest.passes, *applied], costs=None, **specs)  # other graphs now
+        # other graphs now, fed at their K/V's precision (fp32 widens a bfloat16 export)
+        result = replace(manifest, passes=[*manifest.passes, *applied], costs=None, dtype=specs["target"].kv_dtype,
+                         **specs)
         result.save(tmp)
         (tmp / "passes_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return result, report

@@ -97,6 +97,10 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
         raise DFlashError(f"int{bits}: graphs={graphs} must be target, draft or both")
     if graphs not in (context.graph, "both"):
         return model, {"skipped": f"graphs={graphs}"}
+    if any(v.dtype == ir.DataType.BFLOAT16 for v in model.graph.initializers.values()):
+        # its kernel takes float32 and float16 weights; given bfloat16 ones it returns zero scales (measured)
+        raise DFlashError(f"int{bits}: ONNX Runtime's quantizer takes float32 and float16 weights, not this "
+                          f"{context.graph} graph's bfloat16: widen it first, --passes fp32,int{bits}")
     block_size = context.int_option("block_size", BLOCK_SIZE)
     if block_size < 16 or block_size & (block_size - 1):
         raise DFlashError(f"int{bits}: block_size={block_size} must be a power of two >= 16")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 
 from dflash_onnx.feeds import draft_feeds, target_feeds
@@ -61,6 +62,18 @@ def _draft_sequence(manifest: Manifest, session) -> dict[str, np.ndarray]:
     return outputs
 
 
+def _on_host(value) -> np.ndarray:
+    """A session's output as numpy, bfloat16 widened to float32 (exact): numpy has no bfloat16 of its own, and
+    cannot read MLX's at all."""
+    try:
+        value = np.asarray(value)
+    except ValueError:
+        import mlx.core as mx
+
+        value = np.asarray(value.astype(mx.float32))
+    return value.astype(np.float32) if value.dtype == ml_dtypes.bfloat16 else value
+
+
 def _outputs(manifest: Manifest, open_graph: Callable[[str], Session], calls: list[tuple[str, dict]],
              sequence: bool) -> dict[str, np.ndarray]:
     """The float outputs of the sample calls (of the draft's K/V, the call's new rows: all a rows-form draft
@@ -72,8 +85,9 @@ def _outputs(manifest: Manifest, open_graph: Callable[[str], Session], calls: li
         for index, (called, feeds) in enumerate(calls):
             if called != graph:
                 continue
+            feeds = {n: v.astype(manifest.numpy_dtype) if v.dtype.kind == "f" else v for n, v in feeds.items()}
             for name, value in session.run(feeds).items():
-                value = np.asarray(value)  # K/V a session keeps on its device (MLX) included
+                value = _on_host(value)  # K/V a session keeps on its device (MLX) included
                 if value.dtype.kind == "f":
                     if graph == "draft" and name in manifest.draft.kv_outputs:
                         value = value[:, value.shape[1] - feeds["target_hidden"].shape[1]:]

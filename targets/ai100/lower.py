@@ -188,6 +188,11 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options | None = None,
     out = Path(out)
     stages = Stages(6, enabled=request.progress)
     compiler = find_compiler()
+    if manifest.dtype == "bfloat16":  # the compiler takes float32 or float16 graphs
+        print("the export is bfloat16, which Cloud AI 100 lacks: its graphs are written float16 from the checkpoints "
+              "(the device computes float16; a bfloat16 weight within float16's range is exact in it)",
+              file=sys.stderr)
+        manifest = replace(manifest, dtype="float16")
     torch_dtype = DTYPES[manifest.dtype]
     if options.no_stream:
         # peak memory relative to the export, measured on the Qwen3-0.6B shape's dry run: 3.3x float16 (the loaded

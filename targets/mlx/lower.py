@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -69,7 +70,8 @@ def weight_uses(graph: onnx.GraphProto) -> dict[str, set[str]]:
 
 
 def _quantizable(array: np.ndarray, group_size: int) -> bool:
-    return array.ndim == 2 and array.dtype.kind == "f" and min(array.shape) >= group_size and \
+    floating = array.dtype.kind == "f" or array.dtype == ml_dtypes.bfloat16
+    return array.ndim == 2 and floating and min(array.shape) >= group_size and \
         all(d % group_size == 0 for d in array.shape)
 
 
@@ -139,7 +141,8 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
     bits = options.bits
     # disk: the fused copy (the export's size) beside the MLX weights (quantized: ~0.3x / ~0.55x a float16 export)
     written = {4: 0.35, 8: 0.6}.get(bits, 1.0)
-    with lowered_output(source, out, request, size_factor=1.1 + written) as tmp:
+    widened = 2.0 if manifest.dtype == "bfloat16" else 0.0  # the check's float32 twin of a bfloat16 export
+    with lowered_output(source, out, request, size_factor=1.1 + written + widened) as tmp:
         origin = Path(source)
         if options.kv_buffer:
             origin = tmp / "fused"
@@ -181,13 +184,21 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
 # reference reads the quantized weights rounded as the lowering stored them (rounded.py), so the same bounds hold;
 # only where a weight is read more than one way (no rounded value fits every reader) are quantized weights held to
 # the int8/int4 passes' bounds.
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 8e-2}
 UNROUNDED_TOLERANCE = {8: 0.15, 4: 0.75}
 
 
 def _check(source: Path, exported: Manifest, directory: Path, lowered: Manifest, bits: int | None) -> float:
     """The MLX graphs against the export on ONNX Runtime (targets/check.py), its weights rounded as the MLX
-    graphs' are; refused beyond TOLERANCE."""
+    graphs' are; refused beyond TOLERANCE. A bfloat16 export runs there widened to float32 (the fp32 pass: the
+    same weights; ONNX Runtime's CPU provider has no bfloat16 kernels)."""
+    if exported.dtype == "bfloat16":
+        widened = directory / "reference"
+        exported, _ = apply_pipeline(source, ["fp32"], widened, progress=False)
+        try:
+            return _check(widened, exported, directory, lowered, bits)
+        finally:
+            shutil.rmtree(widened, ignore_errors=True)
     from targets.ort.session import OrtSession
 
     mixed: list[str] = []
@@ -222,7 +233,7 @@ def _checked(source: Path, exported: Manifest, directory: Path, lowered: Manifes
     weights = max(sum(p.stat().st_size for p in source.glob(f"{getattr(exported, graph).file}*"))
                   for graph in ("target", "draft"))
     # with --bits, beside it the quantized weights dequantized for it (rounded.py): about the graph's weights again
-    need = weights * ((2 if exported.dtype == "float16" else 1) + (1 if bits else 0))
+    need = weights * ((1 if exported.dtype == "float32" else 2) + (1 if bits else 0))
     available = available_memory()
     if available is not None and need > 0.8 * available:
         print(f"warning: the check against the export is skipped: ONNX Runtime would hold about {need / 1e9:.1f} GB "

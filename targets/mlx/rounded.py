@@ -25,6 +25,8 @@ def rounded_initializers(directory: Path, manifest: Manifest, graph: str) -> tup
     from; the names read more than one way, left unrounded) for `graph` of the MLX lowering in `directory` (the
     draft's names shared with the target's included)."""
     mx = import_mlx()
+    from .ops import as_numpy
+
     directory = Path(directory)
     stores = {name: mx.load(str(directory / f"{name}.safetensors")) for name in {"target", graph}}
     quantized = {key.rsplit(".", 2)[0] for key in stores[graph] if key.endswith((".q.w", ".qt.w"))}
@@ -43,6 +45,6 @@ def rounded_initializers(directory: Path, manifest: Manifest, graph: str) -> tup
         suffix = forms[0]
         value = mx.dequantize(store[f"{key}.{suffix}.w"], store[f"{key}.{suffix}.scales"],
                               store[f"{key}.{suffix}.biases"], group_size=options["group_size"], bits=options["bits"])
-        value = np.array(value)  # the scales' dtype: the weight's before quantization
+        value = as_numpy(value)  # the scales' dtype: the weight's before quantization
         rounded[name] = np.ascontiguousarray(value.T if suffix == "q" else value)
     return rounded, mixed

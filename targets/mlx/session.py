@@ -177,7 +177,7 @@ class MlxSession:
 
     def __init__(self, directory: Path, manifest: Manifest, graph: str):
         mx = import_mlx()
-        from .ops import OPS, QuantizedWeight, rope_base, rope_frequencies
+        from .ops import OPS, QuantizedWeight, as_numpy, rope_base, rope_frequencies
         from .segments import shape_only
 
         directory = Path(directory)
@@ -219,7 +219,7 @@ class MlxSession:
             for name in inputs:
                 if name and name not in self.values and stored(name) is not None:
                     array = stored(name)
-                    self.values[name] = np.array(array) if array.size <= 64 else array  # small constants: host
+                    self.values[name] = as_numpy(array) if array.size <= 64 else array  # small constants: host
         frequencies: dict[tuple[str, str], object] = {}
 
         def attributes(node: onnx.NodeProto, inputs: list[str]) -> dict:
@@ -227,13 +227,13 @@ class MlxSession:
             if tables and max(tables) < len(inputs) and all(stored(inputs[i]) is not None for i in tables):
                 key = (inputs[tables[0]], inputs[tables[1]])
                 if key not in frequencies:
-                    found = rope_frequencies(*(np.array(stored(name)) for name in key))
+                    found = rope_frequencies(*(as_numpy(stored(name)) for name in key))
                     frequencies[key] = None if found is None else (rope_base(found), mx.array(found))
                 if frequencies[key] is not None:
                     attrs["rope"] = frequencies[key]
             return attrs
 
-        dtype = mx.float16 if manifest.dtype == "float16" else mx.float32
+        dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(manifest.dtype, mx.float32)
         keys = [(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n, _ in nodes]
         self._keys, self.nodes = _split_attention(
             keys, [(OPS[key], inputs, list(n.output), attributes(n, inputs), f"{n.op_type} {n.name}")
@@ -250,7 +250,7 @@ class MlxSession:
         kept = set(spec.kv_inputs) if self.retains_state else set()
         self.input_names = [i.name for i in model.graph.input if i.name not in self.values and i.name not in kept]
         self._kept_outputs = tuple(spec.kv_outputs) if self.retains_state else ()
-        self._mx = mx
+        self._mx, self._as_numpy = mx, as_numpy
         self._plans: dict[tuple[str, ...], list] = {}
         # the buffer form's runs between attentions are compiled (segments.py); its host values depend on shapes
         self._compiled = manifest.form == "buffer"
@@ -302,7 +302,7 @@ class MlxSession:
         self._mx.eval(*device, *kept)
         if state is not None:  # after the call: the draft's past views are gone, so its row writes update the
             self._mx.eval(*state.keep(dict(zip(self._kept_outputs, kept)), feeds))  # buffers in place
-        return {n: v if n in self.kv_outputs or not isinstance(v, self._mx.array) else np.array(v)
+        return {n: v if n in self.kv_outputs or not isinstance(v, self._mx.array) else self._as_numpy(v)
                 for n, v in results.items()}
 
 

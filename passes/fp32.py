@@ -1,0 +1,59 @@
+"""fp32: a bfloat16 (or float16) graph widened to float32, exactly.
+
+Every bfloat16 and float16 value of a bfloat16 or float16 number is a float32 number, so the widened graph holds
+the same weights and computes the export's math in float32. It exists for ONNX Runtime's CPU provider, which has no
+bfloat16 kernels (MatMul, Add, Mul, ReduceMean, Softmax ... are refused when a session opens): a bfloat16 export
+runs there widened, or widened and then quantized (`--passes fp32,int4`). Weights are converted as the graph file
+is written, one tensor at a time, straight from the memory-mapped source.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from .base import PassContext
+
+NARROW = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
+
+
+def _widened_tensor(tensor: ir.TensorProtocol) -> ir.LazyTensor:
+    def read() -> ir.Tensor:
+        value = ir.Tensor(tensor.numpy().astype(np.float32), name=tensor.name)
+        if isinstance(tensor, ir.ExternalTensor):
+            tensor.release()  # unmap the narrow source: its pages would stay in this process's memory
+        return value
+
+    return ir.LazyTensor(read, dtype=ir.DataType.FLOAT, shape=tensor.shape, name=tensor.name)
+
+
+def _widen_value(value: ir.Value) -> bool:
+    if value.type is None or value.dtype not in NARROW:
+        return False
+    value.dtype = ir.DataType.FLOAT
+    if value.const_value is not None:
+        value.const_value = _widened_tensor(value.const_value)
+    return True
+
+
+def _widen_attributes(node: ir.Node) -> int:
+    """Casts to a narrow type cast to float32; tensor attributes (Constant, ConstantOfShape) become float32."""
+    changed = 0
+    for name, attribute in list(node.attributes.items()):
+        if attribute.type == ir.AttributeType.INT and node.op_type == "Cast" and name == "to" \
+                and attribute.value in {int(d) for d in NARROW}:
+            node.attributes[name] = ir.AttrInt64(name, int(ir.DataType.FLOAT))
+            changed += 1
+        elif attribute.type == ir.AttributeType.TENSOR and attribute.value.dtype in NARROW:
+            node.attributes[name] = ir.AttrTensor(name, ir.Tensor(attribute.value.numpy().astype(np.float32)))
+            changed += 1
+    return changed
+
+
+def run(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
+    graph = model.graph
+    values = [*graph.inputs, *graph.initializers.values()]
+    values += [output for node in ir.traversal.RecursiveGraphIterator(graph) for output in node.outputs]
+    widened = {id(v) for v in values if _widen_value(v)}
+    attributes = sum(_widen_attributes(node) for node in ir.traversal.RecursiveGraphIterator(graph))
+    return model, {"values_widened": len(widened), "attributes_widened": attributes}
