@@ -17,14 +17,34 @@ from .base import PassContext
 NARROW = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
 
 
-def _widened_tensor(tensor: ir.TensorProtocol) -> ir.LazyTensor:
-    def read() -> ir.Tensor:
-        value = ir.Tensor(tensor.numpy().astype(np.float32), name=tensor.name)
-        if isinstance(tensor, ir.ExternalTensor):
-            tensor.release()  # unmap the narrow source: its pages would stay in this process's memory
-        return value
+ROWS = 8192  # rows widened at a time when the tensor is written
 
-    return ir.LazyTensor(read, dtype=ir.DataType.FLOAT, shape=tensor.shape, name=tensor.name)
+
+def _release(tensor: ir.TensorProtocol) -> None:
+    if isinstance(tensor, ir.ExternalTensor):
+        tensor.release()  # unmap the narrow source: its pages would stay in this process's memory
+
+
+class WidenedTensor(ir.LazyTensor):
+    """`narrow` as float32, computed when read. Written, it widens ROWS rows at a time (a Qwen3-4B embedding is
+    1.56 GB in float32); a pass that reads it in parts (int4/int8) can widen `narrow`'s parts itself."""
+
+    def __init__(self, narrow: ir.TensorProtocol):
+        def read() -> ir.Tensor:
+            value = ir.Tensor(narrow.numpy().astype(np.float32), name=narrow.name)
+            _release(narrow)
+            return value
+
+        super().__init__(read, dtype=ir.DataType.FLOAT, shape=narrow.shape, name=narrow.name)
+        self.narrow = narrow
+
+    def tofile(self, file) -> None:
+        values = self.narrow.numpy()
+        flat = values.reshape(len(values), -1) if values.ndim else values.reshape(1, 1)
+        for start in range(0, len(flat), ROWS):
+            file.write(flat[start:start + ROWS].astype(np.float32).tobytes())
+        del values, flat
+        _release(self.narrow)
 
 
 def _widen_value(value: ir.Value) -> bool:
@@ -32,7 +52,7 @@ def _widen_value(value: ir.Value) -> bool:
         return False
     value.dtype = ir.DataType.FLOAT
     if value.const_value is not None:
-        value.const_value = _widened_tensor(value.const_value)
+        value.const_value = WidenedTensor(value.const_value)
     return True
 
 

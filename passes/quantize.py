@@ -46,14 +46,17 @@ class _QuantizedWeight:
     def _quantized(self) -> tuple[np.ndarray, ...]:
         """Quantized COLUMNS output columns at a time (each column's blocks are its own), so that a transposed
         weight is never copied whole."""
-        weight = self.source.numpy()
+        narrow = getattr(self.source, "narrow", None)  # the fp32 pass's widened weight: widened a block at a time
+        stored = narrow if narrow is not None else self.source
+        weight = stored.numpy()
         weight = weight.T if self.transposed else weight
-        chunks = [self.quantizer.qbits_block_quant(np.ascontiguousarray(weight[:, start:start + COLUMNS]))
+        dtype = np.float32 if narrow is not None else None
+        chunks = [self.quantizer.qbits_block_quant(np.ascontiguousarray(weight[:, start:start + COLUMNS], dtype))
                   for start in range(0, weight.shape[1], COLUMNS)]
         arrays = tuple(np.concatenate(parts) for parts in zip(*chunks))
         del weight, chunks
-        if isinstance(self.source, ir.ExternalTensor):
-            self.source.release()  # unmap the float weight: its pages would stay in this process's memory
+        if isinstance(stored, ir.ExternalTensor):
+            stored.release()  # unmap the float weight: its pages would stay in this process's memory
         return arrays
 
     def part(self, index: int, name: str):

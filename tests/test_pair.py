@@ -51,8 +51,8 @@ def test_block_size_rules(pair_dirs):
     with pytest.raises(DFlashError, match="above the draft's trained block size 4.*--allow-longer-block"):
         validate_pair(info, spec, block_size=8)
     assert validate_pair(info, spec, block_size=8, allow_longer_block=True) == 8
-    with pytest.raises(DFlashError, match="dtype 'bfloat16' is not supported"):
-        validate_pair(info, spec, dtype="bfloat16")
+    with pytest.raises(DFlashError, match="dtype 'float64' is not supported"):
+        validate_pair(info, spec, dtype="float64")
 
 
 def test_missing_directories_and_configs(tmp_path, pair_dirs):

@@ -29,7 +29,7 @@ from ..backend import LowerRequest
 from ..lowering import lowered_output, record_measurements, start_lowering
 from .check import check_lowering
 from .options import OrtOptions
-from .session import bfloat16_on_cpu, open_session, ort_level, provider_name
+from .session import bfloat16_refusal, open_session, ort_level, provider_name
 from .spinning_measure import measure_spinning
 
 
@@ -88,8 +88,8 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
     if options.provider == "cuda" and options.kv_buffer and manifest.dtype == "float32":
         raise DFlashError("--provider cuda: the buffer form's GroupQueryAttention runs float16 (or bfloat16) on "
                           "CUDA only: export with --dtype float16, or lower with --kv-buffer off")
-    if options.provider == "cpu" and manifest.dtype == "bfloat16":
-        raise DFlashError(f"cannot lower {source} for CPU: {bfloat16_on_cpu(Path(source))}")
+    if manifest.dtype == "bfloat16":
+        raise DFlashError(bfloat16_refusal(Path(source)))
     provider = provider_name(options.provider)
     if options.provider == "cpu" and manifest.dtype == "float16" and not manifest.weight_quantization:
         print("warning: ONNX Runtime's CPU provider has no float16 MatMul: its sessions convert float16 weights to "

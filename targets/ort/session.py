@@ -26,17 +26,17 @@ INSTALL_HINTS = {"cuda": "pip install onnxruntime-gpu", "tensorrt": "pip install
                  "qnn": "pip install onnxruntime-qnn"}
 
 
-def bfloat16_on_cpu(directory: Path) -> str:
-    """What to do with a bfloat16 export on ONNX Runtime's CPU provider, which has no bfloat16 kernels."""
-    return (f"ONNX Runtime's CPU provider has no bfloat16 kernels (MatMul, Add, Mul ...): widen {directory} for CPU "
-            f"with 'dflash-onnx optimize {directory} --passes fp32 --out DEST' (exact; --passes fp32,int4 to "
-            "quantize too), lower it with --target mlx, or run it on CUDA (lower --target ort --provider cuda)")
+def bfloat16_refusal(directory: Path) -> str:
+    """Why ONNX Runtime does not run a bfloat16 export here, and what to do instead."""
+    return (f"ONNX Runtime does not run the bfloat16 export {directory}: its CPU provider has no bfloat16 kernels "
+            "(MatMul, Add, Mul ...) and its Python API returns no bfloat16 outputs (no numpy type); widen it with "
+            f"'dflash-onnx optimize {directory} --passes fp32 --out DEST' (exact; --passes fp32,int4 to quantize "
+            "too), lower it with --target mlx, or export --dtype float16 for CUDA")
 
 
-def _has_bfloat16(graph: onnx.ModelProto) -> bool:
-    values = [*graph.graph.input, *graph.graph.output, *graph.graph.value_info]
-    return any(v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for v in values) or any(
-        t.data_type == onnx.TensorProto.BFLOAT16 for t in graph.graph.initializer)
+def _has_bfloat16_io(graph: onnx.ModelProto) -> bool:
+    return any(v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+               for v in (*graph.graph.input, *graph.graph.output))
 
 
 def ort_level(name: str) -> ort.GraphOptimizationLevel:
@@ -87,6 +87,8 @@ class OrtSession:
         for key, value in (session_config or {}).items():  # e.g. session.dynamic_block_base
             options.add_session_config_entry(key, value)
         graph = checked_graph(Path(path))  # before ORT opens the weights it names
+        if _has_bfloat16_io(structure or graph):
+            raise DFlashError(bfloat16_refusal(Path(path).parent))
         self._replaced = {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in (initializers or {}).items()}
         for name, value in self._replaced.items():  # ORT reads them from these buffers: kept with the session
             options.add_initializer(name, value)
@@ -99,11 +101,7 @@ class OrtSession:
                 providers=providers or ["CPUExecutionProvider"]
             )
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
-            first = str(exc).splitlines()[0]
-            on_cpu = (providers or ["CPUExecutionProvider"])[0] == "CPUExecutionProvider"
-            if on_cpu and "NOT_IMPLEMENTED" in first and _has_bfloat16(structure or graph):
-                raise DFlashError(f"cannot run {path}: {bfloat16_on_cpu(Path(path).parent)}") from None
-            raise DFlashError(f"ONNX Runtime cannot load {path}: {first}") from None
+            raise DFlashError(f"ONNX Runtime cannot load {path}: {str(exc).splitlines()[0]}") from None
         self.path = Path(path)
         self.device = DEVICES.get(self._session.get_providers()[0], "cpu")  # where its K/V buffers live
         self.input_names = [i.name for i in self._session.get_inputs()]
