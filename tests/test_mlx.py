@@ -199,6 +199,24 @@ def test_half_precision_quantized_matmuls_keep_float_accuracy_on_the_cpu(dtype):
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-2
 
 
+def test_new_call_shapes_do_not_copy_the_weights(mlx_lowered):
+    """Compiled runs capture the weights as constants: loaded lazily (mx.load), each call shape's trace loaded its
+    own copy (+1.5 GB per new verify size at the Qwen3-4B shape); the session loads them once when it opens."""
+    import gc
+
+    directory = mlx_lowered("agree_b8", bits=4)
+    weights = sum(a.nbytes for a in mx.load(str(directory / "target.safetensors")).values())
+    decoder = open_decoder(directory, backend="mlx")
+    prompt = list(range(3, 40))
+    decoder.generate(prompt, 12, "dflash", stop_token_ids=[], verify="full")  # K/V buffers at their largest here
+    gc.collect()
+    before = mx.get_active_memory()
+    for tokens in (3, 4, 6, 7):  # DFlash steps verifying blocks of new sizes: new traces
+        decoder.generate(prompt, tokens, "dflash", stop_token_ids=[], verify="full")
+    gc.collect()
+    assert mx.get_active_memory() - before < 0.1 * weights
+
+
 def test_the_quantized_check_tells_rounding_from_float(exported, mlx_lowered, monkeypatch):
     """Held to the float tolerance, an MLX int4 lowering checked against unrounded weights (what a wrong
     quantization looks like to the check) is refused."""
