@@ -1,10 +1,10 @@
 """fp32: a bfloat16 (or float16) graph widened to float32, exactly.
 
-Every bfloat16 and float16 value of a bfloat16 or float16 number is a float32 number, so the widened graph holds
-the same weights and computes the export's math in float32. It exists for ONNX Runtime's CPU provider, which has no
+Every bfloat16 and every float16 number is also a float32 number, so the widened graph holds the same weights and
+computes the export's math in float32. It exists for ONNX Runtime's CPU provider, which has no
 bfloat16 kernels (MatMul, Add, Mul, ReduceMean, Softmax ... are refused when a session opens): a bfloat16 export
 runs there widened, or widened and then quantized (`--passes fp32,int4`). Weights are converted as the graph file
-is written, one tensor at a time, straight from the memory-mapped source.
+is written, ROWS rows at a time, straight from the memory-mapped source.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import onnx_ir as ir
 from .base import PassContext
 
 NARROW = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
-
-
 ROWS = 8192  # rows widened at a time when the tensor is written
 
 
