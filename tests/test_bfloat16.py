@@ -52,17 +52,17 @@ def test_the_export_stores_the_checkpoints_bfloat16_weights_bit_for_bit(pair):
     manifest = load_manifest(pair / "export")
     assert manifest.dtype == "bfloat16" and manifest.target.kv_dtype == "bfloat16"
     assert manifest.numpy_dtype == ml_dtypes.bfloat16
-    stored = []
+    stored: set[bytes] = set()
     for graph in ("target.onnx", "draft.onnx"):
         for tensor in onnx.load(str(pair / "export" / graph)).graph.initializer:
             if tensor.data_type == onnx.TensorProto.BFLOAT16:
                 value = numpy_helper.to_array(tensor).view(np.uint16)
-                stored += [value.tobytes(), value.T.tobytes()]
+                stored |= {value.tobytes(), value.T.tobytes()}
     checkpoint = {**load_file(str(pair / "target" / "model.safetensors")),
                   **load_file(str(pair / "draft" / "model.safetensors"))}
     matrices = {k: v for k, v in checkpoint.items() if v.ndim == 2}
     assert len(matrices) > 10
-    missing = [k for k, v in matrices.items() if v.view(torch.int16).numpy().tobytes() not in set(stored)]
+    missing = [k for k, v in matrices.items() if v.view(torch.int16).numpy().tobytes() not in stored]
     assert not missing, f"checkpoint tensors not stored bit for bit: {missing}"
 
 
