@@ -5,13 +5,16 @@ lowers it for MLX in the fused buffer form (default) and op by op (`--kv-buffer 
 checkpoint with mlx-lm, and reports per target call at 1 and 16 tokens:
 
 - host: the time to build the call's computation (MLX is lazy: the Python work before `mx.eval`),
-- step: the whole call, evaluated, after prefilling `--contexts` tokens (each step rolled back, so the
-  context stays put), and each backend's step relative to mlx-lm's.
+- step: the whole call, evaluated, at a context of `--contexts` tokens (each step rolled back, so the context
+  stays put), and each backend's step relative to mlx-lm's. The context is prefilled token by token, or with
+  `--synthetic-context` its K/V rows are written directly (random values, the same for every backend: a step's
+  time does not depend on them, and prefilling 4000 tokens of this 36-layer model takes ~10 min per backend on
+  mlx[cpu]).
 
 Needs mlx (mlx[cpu] on Linux) and mlx-lm (`pip install mlx-lm`); torch + transformers to build and export.
 
     python demo/mlx_host_time.py --work /tmp/mlxbench [--contexts 256,4000] [--repeats 20] [--load 1] [--cold]
-        [--fused-only] [--json FILE]
+        [--fused-only] [--synthetic-context] [--json FILE]
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ class _TimedEval:
 
 
 def _ours(session: MlxSession, graph):
-    """A call of `ids` at position `start` on our session -> (host seconds, total seconds). The buffer form keeps
-    its K/V; the concat form's come back and are fed again (their prefix: a rollback to `start`)."""
+    """(call, fill) on our session: a call of `ids` at position `start` -> (host seconds, total seconds), and
+    `fill(rows)`, which sets the K/V context to `rows` given rows. The buffer form keeps its K/V; the concat
+    form's come back and are fed again (their prefix: a rollback to `start`)."""
     timed = _TimedEval()
     session._mx = timed
     buffer = session.retains_state
@@ -79,7 +83,27 @@ def _ours(session: MlxSession, graph):
             kv.update({n: out[o] for n, o in zip(kv_inputs, kv_outputs)})
         return timed.called - began, done - began
 
-    return call
+    def fill(rows: list[mx.array]) -> None:
+        if buffer:
+            held = session.state.feeds({"total_sequence_length": rows[0].shape[2]})
+            for name, given in zip(kv_inputs, rows):
+                held[name][:, :, :given.shape[2]] = given.astype(held[name].dtype)
+            mx.eval(*held.values())
+        else:
+            kv.update({n: np.array(r.transpose(0, 2, 1, 3)) for n, r in zip(kv_inputs, rows)})
+
+    return call, fill
+
+
+def _native_fill(cache):
+    """`fill(rows)` for mlx-lm's cache: K/V inputs alternate key, value per layer, as mlx-lm's cache pairs them."""
+    def fill(rows: list[mx.array]) -> None:
+        for c, keys, values in zip(cache, rows[0::2], rows[1::2]):
+            c.trim(c.offset)
+            c.update_and_fetch(keys, values)
+        mx.eval([c.state for c in cache])
+
+    return fill
 
 
 def _native(model, cache):
@@ -134,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="measure beside N busy processes (python -c 'while True: pass'), ended by pid")
     parser.add_argument("--fused-only", action="store_true",
                         help="leave out the op-by-op lowering (its 4000-token calls take minutes on mlx[cpu])")
+    parser.add_argument("--synthetic-context", action="store_true",
+                        help="write each context's K/V rows directly (random) instead of prefilling it token by token")
     parser.add_argument("--cold", action="store_true",
                         help="write 64 MB before each call: every call starts with cold caches, whatever ran before")
     args = parser.parse_args(argv)
@@ -163,12 +189,12 @@ def main(argv: list[str] | None = None) -> None:
     for name, directory in lowered.items():
         manifest = load_manifest(directory)
         session = MlxSession(directory, manifest, "target")
-        runs[name] = (session, _ours(session, manifest.target))
+        runs[name] = (session, *_ours(session, manifest.target))
     rows_table = []
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     try:
-        _table(contexts, args.repeats, model, cache, runs, rows_table,
-               np.zeros(COLD_BYTES // 8) if args.cold else None)
+        _table(contexts, args.repeats, model, cache, runs, manifest.target, rows_table,
+               np.zeros(COLD_BYTES // 8) if args.cold else None, args.synthetic_context)
     finally:
         for process in busy:
             process.kill()
@@ -178,14 +204,21 @@ def main(argv: list[str] | None = None) -> None:
                                          "cold": args.cold, "rows": rows_table}, indent=1, default=str))
 
 
-def _table(contexts: list[int], repeats: int, model, cache, runs: dict, rows_table: list,
-           cold: np.ndarray | None) -> None:
-    calls = {"mlx-lm": _native(model, cache), **{name: call for name, (_, call) in runs.items()}}
+def _table(contexts: list[int], repeats: int, model, cache, runs: dict, graph, rows_table: list,
+           cold: np.ndarray | None, synthetic: bool) -> None:
+    calls = {"mlx-lm": _native(model, cache), **{name: call for name, (_, call, _) in runs.items()}}
+    fills = {"mlx-lm": _native_fill(cache), **{name: fill for name, (_, _, fill) in runs.items()}}
+    heads, head_dim, layers = graph.num_kv_heads, graph.head_dim, len(graph.kv_inputs)
     for context in contexts:
-        found = {rows: {"context": context, "rows": rows, "nodes": {n: len(s.nodes) for n, (s, _) in runs.items()}}
-                 for rows in (1, 16)}
-        for call in calls.values():
-            _prefill(call, context)  # once per backend and context: every measured call is rolled back to it
+        found = {rows: {"context": context, "rows": rows, "synthetic": synthetic,
+                        "nodes": {n: len(s.nodes) for n, (s, _, _) in runs.items()}} for rows in (1, 16)}
+        if synthetic:
+            given = [mx.random.normal((1, heads, context, head_dim), key=mx.random.key(i)) for i in range(layers)]
+            for fill in fills.values():
+                fill(given)
+        else:
+            for call in calls.values():
+                _prefill(call, context)  # once per backend and context: every measured call is rolled back to it
         for rows in (1, 16):
             found[rows].update(_measure(calls, context, rows, repeats, cold))
         for rows, row in found.items():

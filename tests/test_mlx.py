@@ -349,3 +349,52 @@ def test_a_target_too_slow_to_check_skips_the_check_and_measurements_with_the_fi
     assert "the check against the export is skipped: one decode call took" in err
     assert "measuring batch invariance and the cost curve is skipped" in err and "calibrate DIR" in err
     assert manifest.lowering.max_relative_difference is None and manifest.costs is None
+
+
+def test_host_time_demo_fills_both_caches_with_the_same_context(exported, mlx_lowered):
+    """demo/mlx_host_time.py --synthetic-context writes the same K/V rows into mlx-lm's cache and our buffers
+    instead of prefilling: the next call then gives the same logits on both (rows laid out alike), and logits
+    other than a call after a real prefill (so the rows were read, not ignored)."""
+    pytest.importorskip("mlx_lm", reason="mlx-lm (the test extra installs it)")
+    import importlib.util
+    from pathlib import Path
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dflash_onnx.peers import mlx_lm_model
+
+    path = Path(__file__).resolve().parents[1] / "demo" / "mlx_host_time.py"
+    spec = importlib.util.spec_from_file_location("mlx_host_time", path)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    directory = mlx_lowered("agree_b8", kv_buffer=True)
+    manifest = load_manifest(directory)
+    graph = manifest.target
+    session = MlxSession(directory, manifest, "target")
+    _, fill_ours = demo._ours(session, graph)
+    model = mlx_lm_model(exported("agree_b8").target_dir)
+    cache = make_prompt_cache(model)
+    context, ids = 40, [5, 6, 7]
+    rows = [mx.random.normal((1, graph.num_kv_heads, context, graph.head_dim), key=mx.random.key(i))
+            for i in range(len(graph.kv_inputs))]
+
+    def ours() -> np.ndarray:
+        end = context + len(ids)
+        return session.run({"input_ids": np.array([ids]), "position_ids": np.arange(context, end)[None],
+                            "seqlens_k": np.array([end - 1], np.int32),
+                            "total_sequence_length": np.array(end, np.int32)}, ["logits"])["logits"]
+
+    def native() -> np.ndarray:
+        logits = np.array(model(mx.array([ids]), cache=cache))
+        for c in cache:
+            c.trim(len(ids))
+        return logits
+
+    fill_ours(rows)
+    demo._native_fill(cache)(rows)
+    filled = ours()
+    np.testing.assert_allclose(filled, native(), atol=1e-4)
+    for c in cache:
+        c.trim(c.offset)
+    model(mx.array([list(range(3, 3 + context))]), cache=cache)
+    assert np.abs(native() - filled).max() > 1e-2
