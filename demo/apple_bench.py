@@ -45,15 +45,18 @@ def stage(name: str, command: list[str], work: Path, done: Path) -> None:
 
 
 def _row(label: str, report: dict) -> list[str]:
+    """The table's rows for one bench report: tokens/s, DFlash / greedy and tau, then the peers' ratios, quiet and
+    beside the busy process."""
     rows = []
-    for kind, aggregate in (("quiet", report["aggregate"]), ("1 busy", report.get("loaded", {}).get("aggregate"))):
-        if not aggregate:
+    for kind, run in (("quiet", report), ("1 busy", report.get("loaded"))):
+        if not run:
             continue
+        aggregate = run["aggregate"]
         rows.append(f"| {label} | {kind} | {aggregate['greedy']['tokens_per_second']:.1f} | "
                     f"{aggregate['dflash']['tokens_per_second']:.1f} | {aggregate['speedup']:.2f}x | "
                     f"{aggregate['tau']:.2f} |")
-    for name, ratio in (report.get("peers") or {}).get("ratios", {}).items():
-        rows.append(f"| {label} | {name} | | | {ratio:.2f}x | |")
+        for name, ratio in (run.get("peers") or {}).get("ratios", {}).items():
+            rows.append(f"| {label} | {name} ({kind}) | | | {ratio:.2f}x | |")
     return rows
 
 

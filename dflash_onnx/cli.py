@@ -31,6 +31,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args) -> int:
+    from .export_request import check_export_request
+
+    check_export_request(Path(args.target), Path(args.draft), Path(args.out), args.opset, args.overwrite)
     from .export import export_pair
     from .publish import check_out_dir, lock_out, scratch_directory
 
@@ -87,12 +90,17 @@ def _generate(args) -> int:
         except UnicodeEncodeError:  # undecodable bytes on the command line arrive as lone surrogates
             raise DFlashError("--prompt is not valid UTF-8 text: pass UTF-8, or --prompt-ids") from None
     verify = parse_verify(args.verify)
+    # the flags are checked before the sessions open (seconds at scale): a typo fails at once
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    if args.max_new_tokens < 1:
+        raise DFlashError(f"max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    prompt = _parse_ids(args.prompt_ids) if args.prompt is None else None
     decoder = open_decoder(args.out, backend=args.backend, batch_invariant=args.batch_invariant == "on",
                            **_session_overrides(args))
     decoder.costs = _cost_model(args, decoder.manifest) or decoder.costs
     codec = TextCodec(args.out) if (args.prompt is not None or has_tokenizer(args.out)) else None
-    prompt = codec.prompt_ids(args.prompt, raw=args.raw) if args.prompt is not None else _parse_ids(args.prompt_ids)
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    if prompt is None:
+        prompt = codec.prompt_ids(args.prompt, raw=args.raw)
     stream = TextStream(codec) if codec is not None else None
 
     def show(chunk: list[int]) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from . import __version__
 from .errors import DFlashError
+from .export_request import DEFAULT_OPSET, check_export_request
 from .graph_files import graph_spec, share_initializers
 from .lazy_weights import LazyWeights, pair_weights
 from .manifest import GraphSpec, Manifest
@@ -39,9 +40,8 @@ from .pair import (
     validate_pair,
 )
 from .progress import Stages
-from .publish import check_out_dir, copy_tokenizer_files, staged_directory
+from .publish import copy_tokenizer_files, staged_directory
 
-DEFAULT_OPSET = 18
 # Changes whenever the graphs' inputs or outputs change (2: the draft's `draft_confidence`), so that caches of
 # exports (the demo's) are rebuilt rather than reused with an older contract.
 GRAPH_REVISION = 2
@@ -167,9 +167,7 @@ def export_pair(
     (the default) traces the graphs without weights and writes each weight from the checkpoints as the graph
     files are saved (lazy_weights.py): peak memory about one tensor. Without it the pair is loaded whole."""
     target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out)
-    check_out_dir(out, (target_dir, draft_dir), overwrite)
-    if not 18 <= opset <= 23:
-        raise DFlashError(f"opset {opset} is not supported: choose 18..23 (torch's exporter emits 18 and newer)")
+    check_export_request(target_dir, draft_dir, out, opset, overwrite)
     info = TargetInfo.from_dir(target_dir)
     spec = DraftSpec.from_dir(draft_dir)
     block = validate_pair(info, spec, block_size, allow_longer_block, dtype)

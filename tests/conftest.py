@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,15 @@ DTYPES = {"agree_b4_fp16": "float16"}
 # for it, tested). agree_b4_fp16 covers float16 graphs: RoPE stays out of GroupQueryAttention and the draft's
 # rotations keep their per-call cos/sin (both rewrites are float32-only), the rest of the lowering applies.
 KV_BUFFER = {"agree_b8": True, "llama_sliding_b16": True, "causal_gqa4_b4": False, "agree_b4_fp16": True}
+
+
+def demo_module(name: str):
+    """A script of demo/ (not a package) imported by path, for tests of its functions."""
+    path = Path(__file__).resolve().parents[1] / "demo" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @dataclass

@@ -308,6 +308,28 @@ def test_bad_input_gets_one_line_and_changes_nothing(case_id, outcomes):
         assert not leftovers, leftovers
 
 
+def test_flags_and_checkpoints_are_refused_before_torch_or_onnx_loads(world, tmp_path):
+    """The checks that need no model run before the imports that take seconds (torch, transformers, onnx): with
+    those made unimportable, a wrong path, a pickle-only checkpoint, a bad opset and bad generate flags still get
+    their one-line error."""
+    blocked = "import sys; sys.modules.update(dict.fromkeys(('torch', 'transformers', 'onnx', 'onnx_ir'), None))"
+    pickled = world.copy("target", "t_pickle_early")
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    out = tmp_path / "out"
+    for argv, expect in (
+            (["export", "--target", tmp_path / "nowhere", "--draft", world.draft, "--out", out], "does not exist"),
+            (["export", "--target", pickled, "--draft", world.draft, "--out", out], "has only pickle weights"),
+            (["export", "--target", world.target, "--draft", world.draft, "--out", out, "--opset", "17"],
+             "opset 17 is not supported"),
+            (["generate", world.export, "--prompt-ids", "3,x"], "must be comma-separated integers"),
+            (["generate", world.export, "--prompt-ids", "3", "--max-new-tokens", "0"], "at least 1"),
+            (["generate", world.export, "--prompt-ids", "3", "--temperature", "-1"], "--temperature must be")):
+        done = cli(*argv, inject=blocked)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, (argv, done.stderr[-2000:])
+        assert re.search(expect, done.stderr), (expect, done.stderr)
+    assert not out.exists()
+
+
 # --- faults that must not lose data ------------------------------------------------------------------------------
 
 def _writer_args(world: World, out: Path, *extra: str) -> list:

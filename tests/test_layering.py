@@ -138,18 +138,30 @@ def _top_level_imports(module: str) -> set[str]:
     return found
 
 
-def test_loading_the_registry_needs_only_the_core_runtime():
-    """Every command imports `targets`; that must not pull in torch, the lowerings' tools or an optional
-    backend's runtime (MLX, coremltools and the AI 100 SDK load when their session opens)."""
-    loaded, pending = set(), ["targets"]
+def _loaded_at_import(start: str) -> tuple[set[str], set[str]]:
+    """The project modules and third-party libraries importing `start` loads right away."""
+    loaded, libraries, pending = {start}, set(), [start]
     while pending:
-        module = pending.pop()
-        imports = _top_level_imports(module)
-        assert _libraries(imports) <= RUNTIME_LIBRARIES | {"onnx", "onnxruntime"}, f"{module}: {_libraries(imports)}"
+        imports = _top_level_imports(pending.pop())
+        libraries |= _libraries(imports)
         for imported in _project(imports) - loaded:
             loaded.add(imported)
             pending.append(imported)
-    assert {"targets.ort.session", "targets.mlx.session"} <= loaded and "targets.ort.lower" not in loaded
+    return loaded, libraries
+
+
+def test_loading_the_registry_needs_only_the_core_runtime():
+    """Every command imports `targets`: that must not pull in torch, onnx (~1 s with ml_dtypes: a bad flag is
+    refused before it) or the lowerings' tools; the ORT and MLX sessions, which need onnx, load when one opens,
+    with the core runtime and onnx only."""
+    loaded, libraries = _loaded_at_import("targets")
+    assert libraries <= RUNTIME_LIBRARIES | {"onnxruntime"}, libraries
+    assert not {m for m in loaded if m.endswith(".lower")}, loaded
+    assert not {"targets.ort.session", "targets.mlx.session"} & loaded, loaded
+    for session in ("targets.ort.session", "targets.mlx.session"):
+        loaded, libraries = _loaded_at_import(session)
+        assert libraries <= RUNTIME_LIBRARIES | {"onnx", "onnxruntime"}, (session, libraries)
+        assert not {m for m in loaded if m.endswith(".lower")}, (session, loaded)
 
 
 def test_commands_reach_backends_through_the_registry():

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import KV_BUFFER
+from conftest import KV_BUFFER, demo_module
 from reference import (  # skips the module when the oracle is missing
     DFlashDraftModel,
     dflash_model,
@@ -291,6 +291,10 @@ def test_mlx_lm_peer_decodes_our_tokens(exported, mlx_lowered):
     (row,) = report["peers"]["rows"]
     assert row["name"].startswith("mlx-lm greedy (float32") and row["identical_to_ours"]
     assert "ours greedy / mlx-lm greedy" in report["peers"]["ratios"]
+    # demo/apple_bench.py's table reads this report as a Mac's bench writes it
+    table = demo_module("apple_bench")._row("MLX", json.loads(json.dumps(report)))
+    assert table[0].startswith("| MLX | quiet | ") and f"{report['aggregate']['tau']:.2f} |" in table[0]
+    assert any(line.startswith("| MLX | ours greedy / mlx-lm greedy (quiet) | ") for line in table)
 
 
 def test_rope_tables_are_recognised_only_when_exact():
@@ -356,17 +360,11 @@ def test_host_time_demo_fills_both_caches_with_the_same_context(exported, mlx_lo
     instead of prefilling: the next call then gives the same logits on both (rows laid out alike), and logits
     other than a call after a real prefill (so the rows were read, not ignored)."""
     pytest.importorskip("mlx_lm", reason="mlx-lm (the test extra installs it)")
-    import importlib.util
-    from pathlib import Path
-
     from mlx_lm.models.cache import make_prompt_cache
 
     from dflash_onnx.peers import mlx_lm_model
 
-    path = Path(__file__).resolve().parents[1] / "demo" / "mlx_host_time.py"
-    spec = importlib.util.spec_from_file_location("mlx_host_time", path)
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = demo_module("mlx_host_time")
     directory = mlx_lowered("agree_b8", kv_buffer=True)
     manifest = load_manifest(directory)
     graph = manifest.target

@@ -9,7 +9,12 @@ from dflash_onnx.manifest import Manifest
 
 from ..backend import Backend, LowerRequest, own_lowerings_only, recorded_options
 from .options import FLAGS, MlxOptions
-from .session import open_session
+
+
+def _open_session(directory: Path, manifest: Manifest, graph: str):
+    from .session import open_session  # imports onnx (~1 s with ml_dtypes): only when a session opens
+
+    return open_session(directory, manifest, graph)
 
 
 def _lower(source: Path, out: Path, options: MlxOptions, request: LowerRequest) -> Manifest:
@@ -26,5 +31,5 @@ def _summary(manifest: Manifest, out: Path) -> str:
 
 
 BACKEND = Backend(name="mlx", title="MLX", options_type=MlxOptions, flags=FLAGS, reexports=False, lower=_lower,
-                  summary=_summary, can_open=own_lowerings_only("mlx", "MLX"), open_session=open_session,
+                  summary=_summary, can_open=own_lowerings_only("mlx", "MLX"), open_session=_open_session,
                   session_options=())

@@ -9,7 +9,12 @@ from dflash_onnx.manifest import Manifest
 
 from ..backend import Backend, LowerRequest, recorded_options
 from .options import FLAGS, OrtOptions
-from .session import open_session
+
+
+def _open_session(directory: Path, manifest: Manifest, graph: str, **overrides):
+    from .session import open_session  # imports onnx (~1 s with ml_dtypes): only when a session opens
+
+    return open_session(directory, manifest, graph, **overrides)
 
 
 def _lower(source: Path, out: Path, options: OrtOptions, request: LowerRequest) -> Manifest:
@@ -54,6 +59,6 @@ def _can_open(directory: Path, manifest: Manifest) -> str | None:
 
 
 BACKEND = Backend(name="ort", title="ONNX Runtime", options_type=OrtOptions, flags=FLAGS, reexports=False,
-                  lower=_lower, summary=_summary, can_open=_can_open, open_session=open_session,
+                  lower=_lower, summary=_summary, can_open=_can_open, open_session=_open_session,
                   session_options=("providers", "intra_op_threads", "allow_spinning", "optimization_level",
                                    "session_config", "spinning"))
