@@ -67,10 +67,16 @@ def test_bench_and_steps(kind, directories, tmp_path):
     assert json.loads(done.stdout)[0]["decode_ms"] > 0
 
 
-def test_what_needs_torch_says_so_in_one_line(directories, tmp_path):
+def test_what_needs_torch_says_so_in_one_line(directories, exported, tmp_path):
     done = _cli("bench", str(directories["export"]), "--num-prompts", "1", "--max-new-tokens", "4", "--repeats", "1",
                 "--contexts", "16", "--curve-repeats", "1", "--quiet", "--peers", "hf")
     assert done.returncode == 2 and "peers hf run PyTorch" in done.stderr and "pip install torch==2.13.0" in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
-    done = _cli("export", "--target", str(tmp_path), "--draft", str(tmp_path), "--out", str(tmp_path / "out"))
+    pair = exported("agree_b8")
+    done = _cli("export", "--target", str(pair.target_dir), "--draft", str(pair.draft_dir), "--out",
+                str(tmp_path / "out"))
     assert done.returncode == 2 and "needs PyTorch and transformers" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    # what needs no torch is checked first: a directory that is not a checkpoint is named as such
+    done = _cli("export", "--target", str(tmp_path), "--draft", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and "has no config.json" in done.stderr
