@@ -35,7 +35,7 @@ def run_export(args) -> int:
 
     check_export_request(Path(args.target), Path(args.draft), Path(args.out), args.opset, args.overwrite)
     from .export import export_pair
-    from .publish import check_out_dir, lock_out, scratch_directory
+    from .publish import lock_out, scratch_directory
 
     passes = [n.strip() for n in (getattr(args, "passes", None) or "").split(",") if n.strip()]
     if not passes:
@@ -47,7 +47,6 @@ def run_export(args) -> int:
     else:
         from passes.pipeline import apply_pipeline, parse_pass_options
 
-        check_out_dir(Path(args.out), (args.target, args.draft), args.overwrite)
         with lock_out(Path(args.out)), scratch_directory(Path(args.out)) as raw:  # OUT is ours for the whole run
             export_pair(args.target, args.draft, raw / "raw", block_size=args.block_size, dtype=args.dtype,
                         opset=args.opset, allow_longer_block=args.allow_longer_block, progress=not args.quiet,
@@ -80,6 +79,7 @@ def _cost_model(args, manifest):
 def _generate(args) -> int:
     from targets import open_decoder
 
+    from .decode import check_max_new_tokens
     from .policy import parse_verify
     from .sampling import SamplingParams
     from .tokenizer import TextCodec, TextStream, has_tokenizer
@@ -92,8 +92,7 @@ def _generate(args) -> int:
     verify = parse_verify(args.verify)
     # the flags are checked before the sessions open (seconds at scale): a typo fails at once
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    if args.max_new_tokens < 1:
-        raise DFlashError(f"max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    check_max_new_tokens(args.max_new_tokens)
     prompt = _parse_ids(args.prompt_ids) if args.prompt is None else None
     decoder = open_decoder(args.out, backend=args.backend, batch_invariant=args.batch_invariant == "on",
                            **_session_overrides(args))

@@ -67,6 +67,12 @@ def _agreeing_prefix(drafted: list[int], posterior: list[int]) -> int:
     return len(drafted)
 
 
+def check_max_new_tokens(max_new_tokens: int) -> None:
+    """Refused by `generate`, and by the CLI before it opens the sessions."""
+    if max_new_tokens < 1:
+        raise DFlashError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+
+
 class Decoder:
     """Greedy and DFlash decoding over a target and a draft Session described by one manifest."""
 
@@ -106,8 +112,7 @@ class Decoder:
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if prompt.size == 0:
             raise DFlashError("the prompt is empty: give at least one token")
-        if max_new_tokens < 1:
-            raise DFlashError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        check_max_new_tokens(max_new_tokens)
         if mode not in MODES:
             raise DFlashError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if prompt.min() < 0 or prompt.max() >= self.manifest.vocab_size:
