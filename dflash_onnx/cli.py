@@ -9,7 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .errors import DFlashError
+from .runtime.errors import DFlashError
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,11 +31,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args) -> int:
-    from .export_request import check_export_request
+    from .exporter.export_request import check_export_request
 
     check_export_request(Path(args.target), Path(args.draft), Path(args.out), args.opset, args.overwrite)
-    from .export import export_pair
-    from .publish import lock_out, scratch_directory
+    from .artifacts.publish import lock_out, scratch_directory
+    from .exporter.export import export_pair
 
     passes = [n.strip() for n in (getattr(args, "passes", None) or "").split(",") if n.strip()]
     if not passes:
@@ -48,11 +48,12 @@ def run_export(args) -> int:
         from passes.pipeline import apply_pipeline, parse_pass_options
 
         with lock_out(Path(args.out)), scratch_directory(Path(args.out)) as raw:  # OUT is ours for the whole run
-            export_pair(args.target, args.draft, raw / "raw", block_size=args.block_size, dtype=args.dtype,
-                        opset=args.opset, allow_longer_block=args.allow_longer_block, progress=not args.quiet,
-                        stream=getattr(args, "stream", True))
+            exported = export_pair(args.target, args.draft, raw / "raw", block_size=args.block_size,
+                                   dtype=args.dtype, opset=args.opset, allow_longer_block=args.allow_longer_block,
+                                   progress=not args.quiet, stream=getattr(args, "stream", True))
             manifest, _ = apply_pipeline(raw / "raw", passes, args.out, parse_pass_options(args.pass_option),
-                                         overwrite=args.overwrite, progress=not args.quiet)
+                                         overwrite=args.overwrite, progress=not args.quiet, manifest=exported,
+                                         open_graph=_on_ort(raw / "raw", exported))
     sizes = {p.name: p.stat().st_size for p in Path(args.out).iterdir() if p.suffix in (".onnx", ".data")}
     print(f"exported to {args.out}: block size {manifest.block_size}, dtype {manifest.dtype}, opset {manifest.opset}")
     for name, size in sorted(sizes.items()):
@@ -71,7 +72,7 @@ def _cost_model(args, manifest):
     """--cost-model FILE: a cost curve measured elsewhere, replayed instead of the directory's."""
     if args.cost_model is None:
         return None
-    from .costs import read_costs
+    from .runtime.costs import read_costs
 
     return read_costs(args.cost_model, manifest.block_size)
 
@@ -79,10 +80,10 @@ def _cost_model(args, manifest):
 def _generate(args) -> int:
     from targets import open_decoder
 
-    from .decode import check_max_new_tokens
-    from .policy import parse_verify
-    from .sampling import SamplingParams
-    from .tokenizer import TextCodec, TextStream, has_tokenizer
+    from .runtime.decode import check_max_new_tokens
+    from .runtime.policy import parse_verify
+    from .runtime.sampling import SamplingParams
+    from .runtime.tokenizer import TextCodec, TextStream, has_tokenizer
 
     if args.prompt is not None:
         try:
@@ -156,12 +157,23 @@ def _lower(args) -> int:
     return 0
 
 
+def _on_ort(directory: Path, manifest):
+    """How the passes open an export's graphs to record calibration inputs: on ONNX Runtime, via the registry."""
+    from targets import open_session
+
+    return lambda graph: open_session(directory, manifest, graph, "ort")
+
+
 def _optimize(args) -> int:
     from passes.pipeline import apply_pipeline, parse_pass_options
 
+    from .runtime.manifest import load_export
+
     names = [n.strip() for n in args.passes.split(",") if n.strip()]
+    source = load_export(Path(args.out), "run passes on")
     manifest, report = apply_pipeline(args.out, names, args.dest, parse_pass_options(args.pass_option),
-                                      overwrite=args.overwrite, progress=not args.quiet)
+                                      overwrite=args.overwrite, progress=not args.quiet, manifest=source,
+                                      open_graph=_on_ort(Path(args.out), source))
     print(f"{'pass':>8} {'graph':<6} {'nodes':>15} {'MiB':>19}")
     for row in report:
         print(f"{row['pass']:>8} {row['graph']:<6} {row['nodes_before']:>6} -> {row['nodes_after']:<6} "
@@ -171,23 +183,23 @@ def _optimize(args) -> int:
 
 
 def _steps(args) -> int:
-    from .steps import measure, table
+    from .commands.steps import markdown, measure, table
 
     if args.repeats < 1 or args.context < 0:
         raise DFlashError(f"--repeats must be at least 1 and --context at least 0, got {args.repeats} and "
                           f"{args.context}")
 
     rows = measure(args.dirs, context=args.context, repeats=args.repeats)
-    print(json.dumps(rows, indent=2) if args.json else table(rows))
+    print(json.dumps(rows, indent=2) if args.json else markdown(rows) if args.markdown else table(rows))
     return 0
 
 
 def _calibrate(args) -> int:
     from targets import backend_for, open_session, record_row_multiple
 
-    from .costs import measure_costs, read_costs
-    from .manifest import load_manifest
-    from .publish import lock_out
+    from .artifacts.publish import lock_out
+    from .runtime.costs import measure_costs, read_costs
+    from .runtime.manifest import load_manifest
 
     if args.repeats < 1 or args.context < 0:
         raise DFlashError(f"--repeats must be at least 1 and --context at least 0, got {args.repeats} and "
@@ -214,7 +226,7 @@ def _calibrate(args) -> int:
 
 
 def _parity(args) -> int:
-    from .parity import run_parity
+    from .commands.parity import run_parity
 
     report = run_parity(args.out, args.target, args.draft, num_prompts=args.prompts,
                         max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -248,9 +260,9 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _bench(args) -> int:
-    from .bench import BenchOptions, format_report, run_bench
-    from .manifest import load_manifest
-    from .policy import parse_verify
+    from .commands.bench import BenchOptions, format_report, run_bench
+    from .runtime.manifest import load_manifest
+    from .runtime.policy import parse_verify
 
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
                         ("--num-prompts", args.num_prompts), ("--curve-repeats", args.curve_repeats)):
@@ -273,7 +285,7 @@ def _bench(args) -> int:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
     if args.plot:
-        from .bench_plot import plot_report
+        from .commands.bench_plot import plot_report
 
         plot_report(report, args.plot)
         print(f"wrote {args.plot}")
@@ -287,7 +299,7 @@ def _session_overrides(args) -> dict:
 
 
 def _demo(args) -> int:
-    from .demo import run_demo
+    from .commands.demo import run_demo
 
     return run_demo(as_json=args.json, max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
 
@@ -411,7 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("dirs", type=Path, nargs="+", help="exported directories to compare")
     steps.add_argument("--context", type=int, default=256, help="K/V length the steps run at")
     steps.add_argument("--repeats", type=int, default=20)
-    steps.add_argument("--json", action="store_true")
+    shown = steps.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true")
+    shown.add_argument("--markdown", action="store_true",
+                       help="a table as docs/ prints it, with the command, date and machine under it")
     steps.set_defaults(func=_steps)
 
     bench = commands.add_parser(

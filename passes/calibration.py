@@ -1,20 +1,24 @@
 """Calibration for passes that need real activations: the feeds decoding gives each graph, and peaks.
 
 Feeds are recorded from DFlash decoding of random prompts on the untransformed export (so the draft sees
-real target features and real KV), and ONNX Runtime's MinMax calibrator measures every float tensor.
+real target features and real KV), and ONNX Runtime's MinMax calibrator measures every float tensor. The
+caller hands over how to open the export's graphs (a backend's sessions live above the passes).
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from dflash_onnx.decode import Decoder
-from dflash_onnx.manifest import load_export
-from targets.ort.session import OrtSession
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.runtime.session import Session
+
+OpenGraph = Callable[[str], Session]  # "target" or "draft" -> a session on that graph of the source export
 
 
 class _RecordingSession:
@@ -30,14 +34,12 @@ class _RecordingSession:
         return self._session.run(feeds, output_names)
 
 
-def record_feeds(directory: Path, prompts: int = 4, prompt_length: int = 32, new_tokens: int = 16,
-                 seed: int = 0) -> dict[str, list[dict[str, np.ndarray]]]:
-    """Inputs of every target and draft call while DFlash-decoding `prompts` random prompts of the export in
-    `directory` on ONNX Runtime."""
-    manifest = load_export(Path(directory), "calibrate")
+def record_feeds(manifest: Manifest, open_graph: OpenGraph, prompts: int = 4, prompt_length: int = 32,
+                 new_tokens: int = 16, seed: int = 0) -> dict[str, list[dict[str, np.ndarray]]]:
+    """Inputs of every target and draft call while DFlash-decoding `prompts` random prompts of the export that
+    `manifest` describes, on the sessions `open_graph` opens."""
     store: dict[str, list] = {"target": [], "draft": []}
-    target, draft = (_RecordingSession(OrtSession(Path(directory) / getattr(manifest, g).file), store[g])
-                     for g in ("target", "draft"))
+    target, draft = (_RecordingSession(open_graph(g), store[g]) for g in ("target", "draft"))
     decoder = Decoder(manifest, target, draft)
     rng = np.random.default_rng(seed)
     for _ in range(prompts):

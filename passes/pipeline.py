@@ -11,14 +11,14 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from dflash_onnx.errors import DFlashError
-from dflash_onnx.graph_files import checked_graph, graph_spec, share_initializers
-from dflash_onnx.manifest import GraphSpec, Manifest, load_export
-from dflash_onnx.publish import check_out_dir, copy_tokenizer_files, staged_directory
+from dflash_onnx.artifacts.graph_files import checked_graph, graph_spec, share_initializers
+from dflash_onnx.artifacts.publish import check_out_dir, copy_tokenizer_files, staged_directory
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import GraphSpec, Manifest, load_export
 
 from . import registry
 from .base import GraphPass, PassContext
-from .calibration import record_feeds
+from .calibration import OpenGraph, record_feeds
 
 
 def parse_pass_options(items: list[str]) -> dict[str, dict]:
@@ -79,13 +79,16 @@ def _run_graph(path: Path, spec: GraphSpec, context: dict, chosen: list[GraphPas
 
 
 def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict[str, dict] | None = None,
-                   overwrite: bool = False, progress: bool = True,
-                   lowering: str | None = None) -> tuple[Manifest, list[dict]]:
-    """Run `names` in order on both graphs of `source`; write `out` (atomically) with passes_report.json.
-    The manifest describes the graphs written (their inputs and outputs read back from the files).
-    `lowering` names the backend whose own rewrites may run."""
+                   overwrite: bool = False, progress: bool = True, lowering: str | None = None, *,
+                   manifest: Manifest | None = None, open_graph: OpenGraph | None = None
+                   ) -> tuple[Manifest, list[dict]]:
+    """Run `names` in order on both graphs of the export in `source`; write `out` (atomically) with
+    passes_report.json. The manifest returned describes the graphs written (their inputs and outputs read back
+    from the files). `lowering` names the backend whose own rewrites may run; `manifest` is the source's, where
+    the caller has read it already (`load_export`); `open_graph` opens the source's graphs, on which calibrated
+    passes record decoding inputs."""
     chosen = select_passes(names, lowering)
-    manifest = load_export(source, "run passes on")
+    manifest = manifest or load_export(source, "run passes on")
     out = Path(out)
     check_out_dir(out, (Path(source),), overwrite)
     pass_options = pass_options or {}
@@ -99,7 +102,9 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
         if any(p.calibrated for p in chosen):
             if progress:
                 print("recording calibration inputs (DFlash on random prompts)", file=sys.stderr)
-            feeds = record_feeds(Path(source))
+            if open_graph is None:
+                raise ValueError(f"{[p.name for p in chosen if p.calibrated]}: calibrated passes need open_graph")
+            feeds = record_feeds(manifest, open_graph)
         specs = {}
         for graph in ("target", "draft"):
             spec = getattr(manifest, graph)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_onnx.decode import Decoder
-from dflash_onnx.export import export_pair
-from dflash_onnx.tiny import TinySpec, build_pair
+from dflash_onnx.exporter.export import export_pair
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.runtime.decode import Decoder
 from targets import LowerRequest, open_decoder
 
 # Each exported pair covers a different corner: GQA ratios 1/2/4, 1-3 draft layers, tapped layers
@@ -35,9 +35,9 @@ DTYPES = {"agree_b4_fp16": "float16"}
 KV_BUFFER = {"agree_b8": True, "llama_sliding_b16": True, "causal_gqa4_b4": False, "agree_b4_fp16": True}
 
 
-def demo_module(name: str):
-    """A script of demo/ (not a package) imported by path, for tests of its functions."""
-    path = Path(__file__).resolve().parents[1] / "demo" / f"{name}.py"
+def benchmark_script(name: str):
+    """A script of benchmarks/ (not a package) imported by path, for tests of its functions."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -16,3 +16,12 @@ def apply_pass(run, model: onnx.ModelProto, graph: str = "target", options: dict
                           options=options or {}, calibration_feeds=feeds)
     result, details = run(ir.from_proto(model), context)
     return ir.to_proto(result), details
+
+
+def on_ort(directory):
+    """How the CLI hands calibrated passes an export's graphs: its sessions on ONNX Runtime, via the registry."""
+    from dflash_onnx.runtime.manifest import load_manifest
+    from targets import open_session
+
+    manifest = load_manifest(directory)
+    return lambda graph: open_session(directory, manifest, graph, "ort")

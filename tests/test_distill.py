@@ -13,9 +13,9 @@ from reference import (  # skips the module when the oracle is missing
 )
 from transformers import AutoModelForCausalLM
 
-from dflash_onnx.errors import DFlashError
-from dflash_onnx.pair import load_draft, load_target
-from dflash_onnx.tiny import TinySpec, build_pair
+from dflash_onnx.exporter.pair import load_draft, load_target
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.runtime.errors import DFlashError
 from dflash_onnx.training import distill as distill_module
 from dflash_onnx.training.distill import DistillOptions, distill
 

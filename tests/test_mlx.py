@@ -7,15 +7,15 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import KV_BUFFER, demo_module
+from conftest import KV_BUFFER, benchmark_script
 from reference import (  # skips the module when the oracle is missing
     DFlashDraftModel,
     dflash_model,
 )
 from transformers import AutoModelForCausalLM
 
-from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import load_manifest
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
 from targets import LowerRequest, open_decoder
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed: pip install 'mlx[cpu]' (Linux) or mlx (macOS)")
@@ -173,7 +173,9 @@ def test_quantized_mlx_is_lossless_against_its_own_greedy(bits, exported, mlx_lo
     assert decoder.row_multiple == (measured["row_multiple"] if measured["invariant"] else 1)
     taus = []
     for prompt in _prompts(6, exported("agree_b8").spec.vocab_size, seed=3):
-        dflash = decoder.generate(prompt, 32, "dflash", stop_token_ids=[])
+        # full blocks: tau measures the draft, not the verify policy (which reads the lowering's cost curve, taken
+        # while the other test process shared the cores)
+        dflash = decoder.generate(prompt, 32, "dflash", stop_token_ids=[], verify="full")
         assert dflash.tokens == decoder.generate(prompt, 32, "greedy", stop_token_ids=[]).tokens
         taus.append(dflash.tau)
     assert np.mean(taus) > 1.5  # the quantized draft still agrees with the quantized target
@@ -271,6 +273,10 @@ def test_lower_and_generate_commands(exported, tmp_path, capsys):
     assert len(json.loads(capsys.readouterr().out)["tokens"]) == 6
     assert main(["steps", str(out), "--repeats", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["backend"] == "mlx"
+    assert main(["steps", str(out), "--repeats", "1", "--markdown"]) == 0  # the table as docs/ prints it
+    table, _, line = capsys.readouterr().out.strip().partition("\n\n")
+    assert table.splitlines()[2].startswith("| `mlx` | ") and len(table.splitlines()) == 3
+    assert line.startswith("ms per call at a context of 256 tokens. Measured ") and "dflash-onnx steps" in line
     # a backend's options are refused with another backend's --target, naming whose they are
     assert main(["lower", str(exported("agree_b2").out), "--target", "ort", "--out", str(tmp_path / "o"),
                  "--bits", "4"]) == 2
@@ -284,17 +290,19 @@ def test_mlx_lm_peer_decodes_our_tokens(exported, mlx_lowered):
     """`bench --peers mlx-lm`: mlx-lm's native model of the target (same weights, float) greedy-decodes the tokens
     our fused MLX lowering does, and its figures sit beside ours."""
     pytest.importorskip("mlx_lm", reason="mlx-lm (the test extra installs it)")
-    from dflash_onnx.bench import BenchOptions, run_bench
+    from dflash_onnx.commands.bench import BenchOptions, run_bench
 
     options = BenchOptions(max_new_tokens=12, repeats=1, num_prompts=2, contexts=[16], curve_repeats=1)
     report = run_bench(mlx_lowered("agree_b8"), "mlx", None, options, ["mlx-lm"], (None, None), progress=False)
     (row,) = report["peers"]["rows"]
     assert row["name"].startswith("mlx-lm greedy (float32") and row["identical_to_ours"]
     assert "ours greedy / mlx-lm greedy" in report["peers"]["ratios"]
-    # demo/apple_bench.py's table reads this report as a Mac's bench writes it
-    table = demo_module("apple_bench")._row("MLX", json.loads(json.dumps(report)))
-    assert table[0].startswith("| MLX | quiet | ") and f"{report['aggregate']['tau']:.2f} |" in table[0]
-    assert any(line.startswith("| MLX | ours greedy / mlx-lm greedy (quiet) | ") for line in table)
+    # benchmarks/apple_bench.py's table reads this report as a Mac's bench writes it
+    apple_bench = benchmark_script("apple_bench")
+    rows = apple_bench._row("MLX", json.loads(json.dumps(report)))
+    assert rows[0][:2] == ["MLX", "quiet"] and rows[0][-1] == f"{report['aggregate']['tau']:.2f}"
+    assert any(row[:2] == ["MLX", "ours greedy / mlx-lm greedy (quiet)"] for row in rows)
+    assert len({len(row) for row in rows}) == 1 and len(rows[0]) == len(apple_bench.HEADER)
 
 
 def test_rope_tables_are_recognised_only_when_exact():
@@ -356,15 +364,15 @@ def test_a_target_too_slow_to_check_skips_the_check_and_measurements_with_the_fi
 
 
 def test_host_time_demo_fills_both_caches_with_the_same_context(exported, mlx_lowered):
-    """demo/mlx_host_time.py --synthetic-context writes the same K/V rows into mlx-lm's cache and our buffers
+    """benchmarks/mlx_host_time.py --synthetic-context writes the same K/V rows into mlx-lm's cache and our buffers
     instead of prefilling: the next call then gives the same logits on both (rows laid out alike), and logits
     other than a call after a real prefill (so the rows were read, not ignored)."""
     pytest.importorskip("mlx_lm", reason="mlx-lm (the test extra installs it)")
     from mlx_lm.models.cache import make_prompt_cache
 
-    from dflash_onnx.peers import mlx_lm_model
+    from dflash_onnx.commands.peers import mlx_lm_model
 
-    demo = demo_module("mlx_host_time")
+    demo = benchmark_script("mlx_host_time")
     directory = mlx_lowered("agree_b8", kv_buffer=True)
     manifest = load_manifest(directory)
     graph = manifest.target

@@ -8,11 +8,11 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
-from passtools import apply_pass
+from passtools import apply_pass, on_ort
 
-from dflash_onnx.decode import Decoder
-from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import load_manifest
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
 from passes import registry
 from passes.pipeline import apply_pipeline, parse_pass_options
 from targets import open_decoder
@@ -31,7 +31,8 @@ def optimized(exported, tmp_path_factory):
         if key not in cache:
             out = tmp_path_factory.mktemp("passes") / key
             names = PIPELINES.get(key, [key.split("@")[0]])
-            apply_pipeline(exported("agree_b8").out, names, out, options or SMALL_BLOCKS, progress=False)
+            source = exported("agree_b8").out
+            apply_pipeline(source, names, out, options or SMALL_BLOCKS, progress=False, open_graph=on_ort(source))
             cache[key] = out
         return cache[key]
 
@@ -115,7 +116,7 @@ def test_quantization_report_and_what_it_leaves_alone(optimized):
 def test_the_default_block_is_recorded_in_the_manifest(exported, tmp_path):
     """Blocks of 64 unless asked (ORT's CPU kernel holds 1.25x their int4 bytes; 1.5x at 32), and the manifest
     records the size even when defaulted, so peers (onnxruntime-genai's builder) quantize alike."""
-    from dflash_onnx.manifest import load_manifest
+    from dflash_onnx.runtime.manifest import load_manifest
     from passes.quantize import BLOCK_SIZE
 
     out = tmp_path / "int4"
@@ -186,7 +187,7 @@ def test_optimize_command(exported, tmp_path, capsys):
 
 
 def test_parity_accepts_a_quantized_export_within_its_stated_bound(exported, optimized):
-    from dflash_onnx.parity import run_parity
+    from dflash_onnx.commands.parity import run_parity
 
     pair = exported("agree_b8")
     report = run_parity(optimized("int8"), pair.target_dir, pair.draft_dir, num_prompts=2, max_new_tokens=12)

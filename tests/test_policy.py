@@ -1,7 +1,7 @@
 """The verify policy: its confidence calibration, its choices on known curves, and the replayed demo.
 
 The simulation replays steps recorded on the demo pair (tests/data/demo_trace.json, written by
-demo/record_trace.py: per full-block step, the draft's confidence in each proposal and how many the target
+benchmarks/record_trace.py: per full-block step, the draft's confidence in each proposal and how many the target
 accepted) under cost curves of three kinds of hardware."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import CostModel
-from dflash_onnx.policy import BINS, Calibration, VerifyPolicy, isotonic, parse_verify, simulate
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import CostModel
+from dflash_onnx.runtime.policy import BINS, Calibration, VerifyPolicy, isotonic, parse_verify, simulate
 
 TRACE = json.loads((Path(__file__).parent / "data" / "demo_trace.json").read_text())
 STEPS = [(np.asarray(s["confidence"]), s["accepted"]) for s in TRACE["steps"]]

@@ -11,8 +11,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from passtools import apply_pass
 
-from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import load_manifest
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
 from passes.pipeline import apply_pipeline
 from passes.rope_fusion import FORMS, run
 

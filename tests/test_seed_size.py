@@ -1,24 +1,15 @@
-"""demo/seed_size.py's measurements: a stage's peak memory is its own child's (os.wait4), and a refused stage
+"""benchmarks/seed_size.py's measurements: a stage's peak memory is its own child's (os.wait4), and a refused stage
 leaves its one-line reason in the table instead of a ratio."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "seed_size.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("seed_size", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import benchmark_script
 
 
 def test_a_stage_reports_its_own_peak_and_a_refusal_its_reason(tmp_path):
-    seed_size = _module()
+    seed_size = benchmark_script("seed_size")
     bench = seed_size.Bench(tmp_path)
     out = tmp_path / "out"
     hold = (f"import numpy, pathlib; a = numpy.ones(300 * 2**20 // 8); pathlib.Path({str(out)!r}).mkdir(); "

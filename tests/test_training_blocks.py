@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_onnx.pair import load_draft, load_target
+from dflash_onnx.exporter.pair import load_draft, load_target
 from dflash_onnx.training.blocks import (
     acceptance_lengths,
     block_input_ids,

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..errors import DFlashError
-from ..models.draft import DFlashDraft, DraftSpec, build_target_layer_ids
-from ..tokenizer import TextCodec
+from dflash_onnx.exporter.models.draft import DFlashDraft, DraftSpec, build_target_layer_ids
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.tokenizer import TextCodec
+
 from . import blocks, checkpoint, data
 
 SAVED_AWAY = ("embed_tokens", "lm_head")
@@ -119,7 +120,7 @@ def held_out_tau(draft: DFlashDraft, examples: list[tuple[torch.Tensor, torch.Te
 
 
 def _save_draft(draft: DFlashDraft, config: dict, out: Path, report: dict) -> None:
-    from ..publish import staged_directory
+    from dflash_onnx.artifacts.publish import staged_directory
 
     with staged_directory(out) as tmp:
         state = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if k not in SAVED_AWAY}
@@ -133,7 +134,7 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
     """Train a draft for the target in `target_dir`; write it to `out`; return the training report."""
     from tqdm import tqdm
 
-    from ..pair import load_target
+    from dflash_onnx.exporter.pair import load_target
 
     options.validate()
     target_dir, out = Path(target_dir), Path(out)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import onnx
 
-from dflash_onnx.errors import DFlashError
-from dflash_onnx.manifest import Manifest
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest
 
 from .options import Ai100Options
 

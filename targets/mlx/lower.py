@@ -22,10 +22,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from dflash_onnx.errors import DFlashError
-from dflash_onnx.graph_files import checked_graph, share_initializers
-from dflash_onnx.manifest import Lowering, Manifest
-from dflash_onnx.publish import available_memory, copy_tokenizer_files
+from dflash_onnx.artifacts.graph_files import checked_graph, share_initializers
+from dflash_onnx.artifacts.publish import available_memory, copy_tokenizer_files
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Lowering, Manifest
 from passes.pipeline import apply_pipeline
 
 from ..backend import LowerRequest
@@ -194,7 +194,7 @@ def _check(source: Path, exported: Manifest, directory: Path, lowered: Manifest,
     same weights; ONNX Runtime's CPU provider has no bfloat16 kernels)."""
     if exported.dtype == "bfloat16":
         widened = directory / "reference"
-        exported, _ = apply_pipeline(source, ["fp32"], widened, progress=False)
+        exported, _ = apply_pipeline(source, ["fp32"], widened, progress=False, manifest=exported)
         try:
             return _check(widened, exported, directory, lowered, bits)
         finally:
@@ -258,7 +258,8 @@ def _fused(source: Path, out: Path, options: MlxOptions, manifest: Manifest, pro
     names = [n for n in FUSED_PASSES if n not in {p["name"] for p in manifest.passes}]
     pass_options = {"kv-buffer": {"ctx_len": str(options.ctx_len)},
                     "rope-cache": {"rows": str(options.ctx_len + manifest.block_size)}}
-    fused, _ = apply_pipeline(source, names, out, pass_options, progress=progress, lowering="mlx")
+    fused, _ = apply_pipeline(source, names, out, pass_options, progress=progress, lowering="mlx",
+                              manifest=manifest)
     (out / "passes_report.json").unlink()
     share_initializers(out, manifest.draft.file, manifest.target.file, manifest.vocab_size)
     return replace(fused, passes=manifest.passes, form="buffer", ctx_len=options.ctx_len,

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from dflash_onnx.errors import DFlashError
-from dflash_onnx.graph_files import share_initializers
-from dflash_onnx.manifest import Lowering, Manifest
-from dflash_onnx.publish import copy_tokenizer_files
+from dflash_onnx.artifacts.graph_files import share_initializers
+from dflash_onnx.artifacts.publish import copy_tokenizer_files
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Lowering, Manifest
 from passes import registry
 from passes.pipeline import apply_pipeline
 
@@ -109,7 +109,8 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
         fused_dir, fused, rewrites = tmp / "fused", manifest, {}
         if names:
             fused, report = apply_pipeline(Path(source), names, fused_dir, pass_options, progress=request.progress,
-                                           lowering="ort")
+                                           lowering="ort", manifest=manifest,
+                                           open_graph=lambda graph: open_session(Path(source), manifest, graph))
             shutil.move(str(fused_dir / "passes_report.json"), tmp / "passes_report.json")
             rewrites = _by_pass(report)
             # the manifest lists the passes chosen; what the lowering's own rewrites did is in lowering.rewrites

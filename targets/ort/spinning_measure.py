@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from dflash_onnx.costs import TARGET_OUTPUTS, call_ms
-from dflash_onnx.feeds import target_feeds
-from dflash_onnx.load import busy_processes
-from dflash_onnx.manifest import Manifest
+from dflash_onnx.runtime.busy import busy_processes
+from dflash_onnx.runtime.costs import TARGET_OUTPUTS, call_ms
+from dflash_onnx.runtime.feeds import target_feeds
+from dflash_onnx.runtime.manifest import Manifest
 
 from .spinning import MODES
 

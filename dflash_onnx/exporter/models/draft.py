@@ -1,0 +1,275 @@
+"""The DFlash draft model in PyTorch, faithful to the reference `dflash` package (0.1.0).
+
+Written for export: context K/V are explicit tensors ([batch, seq, kv_heads, head_dim]) instead of
+a cache object, the attention mask is built from shapes, and the target's embedding and lm_head are
+parameters of this module so that the exported draft graph is self-contained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.nn import functional as F
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+)
+
+from dflash_onnx.artifacts.model_dirs import read_config, weight_files
+from dflash_onnx.runtime.errors import DFlashError
+
+DFLASH2_KEYS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default tapped layers when a checkpoint names none (the reference's rule)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + (i * span) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """The DFlash-specific facts of a draft checkpoint, read from its config.json."""
+
+    config: Qwen3Config
+    target_layer_ids: list[int]
+    block_size: int
+    mask_token_id: int | None
+    num_target_layers: int
+    input_embedding_scale: float
+    output_multiplier: float
+    final_logit_softcapping: float | None
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> DraftSpec:
+        dflash = dict(raw.get("dflash_config") or {})
+        architectures = raw.get("architectures") or []
+        if any("DFlash2" in a for a in architectures) or any(k in dflash or k in raw for k in DFLASH2_KEYS):
+            raise DFlashError(
+                "this is a DFlash2 draft (candidate selector / dynamic convolutions): not supported yet; "
+                "use a DFlash (v1) draft such as z-lab's *-DFlash-b16 checkpoints"
+            )
+        if "num_target_layers" not in raw:
+            raise DFlashError("draft config.json has no 'num_target_layers': is this a DFlash draft directory?")
+        try:
+            config = Qwen3Config(**{k: v for k, v in raw.items() if k != "dflash_config"})
+
+            def value(name, default=None):
+                return dflash.get(name, raw.get(name, default))
+
+            layer_ids = value("target_layer_ids") or build_target_layer_ids(
+                int(raw["num_target_layers"]), config.num_hidden_layers
+            )
+            softcap = value("final_logit_softcapping")
+            mask = value("mask_token_id")
+            return cls(
+                config=config,
+                target_layer_ids=[int(i) for i in layer_ids],
+                block_size=int(value("block_size", 16)),
+                mask_token_id=None if mask is None else int(mask),
+                num_target_layers=int(raw["num_target_layers"]),
+                input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+                output_multiplier=float(value("output_multiplier", 1.0)),
+                final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+            )
+        except (TypeError, ValueError) as exc:  # a field of the wrong type or shape
+            raise DFlashError(f"draft config.json cannot describe a DFlash draft: {exc}") from None
+
+    @classmethod
+    def from_dir(cls, path: Path) -> DraftSpec:
+        return cls.from_dict(read_config(Path(path), "draft"))
+
+
+def confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The probability of each row's argmax, computed in float32: what the verify policy reads per proposed
+    token (greedy decoding moves these B-1 floats to the host, never the logits)."""
+    return torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, seq, heads, head_dim] with cos/sin [batch, seq, head_dim]."""
+    return x * cos[:, :, None, :] + _rotate_half(x) * sin[:, :, None, :]
+
+
+def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, is_causal: bool, window: int | None) -> torch.Tensor:
+    """DFlash's attention rule on absolute positions (broadcasting query_pos [..., Q, 1] against key_pos
+    [..., 1, K]): causal layers see keys up to the query, sliding layers keys less than `window` away."""
+    distance = query_pos - key_pos
+    conditions = [distance >= 0] if is_causal else []
+    if window is not None:
+        conditions.append(distance < window)
+        if not is_causal:
+            conditions.append(-distance < window)
+    mask = conditions[0] if conditions else distance == distance  # all true, built from a comparison (CoreML)
+    for condition in conditions[1:]:
+        mask = mask & condition
+    return mask
+
+
+def draft_attention_mask(
+    num_queries: int, num_keys: int, is_causal: bool, sliding_window: int | None, device=None
+) -> torch.Tensor | None:
+    """Which keys each block query sees; the queries are the last `num_queries` key positions."""
+    if not is_causal and sliding_window is None:
+        return None
+    query_pos = num_keys - num_queries + torch.arange(num_queries, device=device)[:, None]
+    return visible(query_pos, torch.arange(num_keys, device=device)[None, :], is_causal, sliding_window)
+
+
+class DraftAttention(nn.Module):
+    """Queries from the block; keys/values from [past context ; new context ; block]."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        layer_types = getattr(config, "layer_types", None)
+        layer_type = layer_types[layer_idx] if layer_types else "full_attention"
+        is_causal = getattr(config, "is_causal", None)
+        self.is_causal = layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
+        self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
+
+    def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], heads, self.head_dim)
+
+    def forward(self, block, context, cos, sin, past_key, past_value, mask: torch.Tensor | None = None):
+        """`mask` [queries, keys] overrides the inference rule (training packs many blocks in one call)."""
+        ctx_len = context.shape[1]
+        cos_ctx, sin_ctx = cos[:, :ctx_len], sin[:, :ctx_len]
+        cos_blk, sin_blk = cos[:, ctx_len:], sin[:, ctx_len:]
+        q = _rope(self.q_norm(self._heads(self.q_proj(block), self.num_heads)), cos_blk, sin_blk)
+        k_ctx = _rope(self.k_norm(self._heads(self.k_proj(context), self.num_kv_heads)), cos_ctx, sin_ctx)
+        k_blk = _rope(self.k_norm(self._heads(self.k_proj(block), self.num_kv_heads)), cos_blk, sin_blk)
+        v_ctx = self._heads(self.v_proj(context), self.num_kv_heads)
+        v_blk = self._heads(self.v_proj(block), self.num_kv_heads)
+        present_key = torch.cat([past_key, k_ctx], dim=1)
+        present_value = torch.cat([past_value, v_ctx], dim=1)
+        keys = torch.cat([present_key, k_blk], dim=1).transpose(1, 2)
+        values = torch.cat([present_value, v_blk], dim=1).transpose(1, 2)
+        if mask is None:
+            mask = draft_attention_mask(q.shape[1], keys.shape[2], self.is_causal, self.sliding_window, q.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        out = out.transpose(1, 2).reshape(block.shape[0], block.shape[1], -1)
+        return self.o_proj(out), present_key, present_value
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = DraftAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, context, cos, sin, past_key, past_value, mask: torch.Tensor | None = None):
+        attn, present_key, present_value = self.self_attn(
+            self.input_layernorm(hidden), context, cos, sin, past_key, past_value, mask
+        )
+        hidden = hidden + attn
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, present_key, present_value
+
+
+class DFlashDraft(nn.Module):
+    """Draft body (checkpoint weights) plus the target's embedding and lm_head (shared weights)."""
+
+    def __init__(self, spec: DraftSpec, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().__init__()
+        config = spec.config
+        self.spec = spec
+        self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(len(spec.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.embed_tokens = nn.Parameter(embed_weight, requires_grad=False)
+        self.lm_head = nn.Parameter(lm_head_weight, requires_grad=False)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.spec.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].self_attn.head_dim
+
+    def load_checkpoint(self, draft_dir: Path) -> None:
+        """Load a published draft's safetensors (keys without prefix), strictly."""
+        files = weight_files(Path(draft_dir), "draft")
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            try:
+                state.update(load_file(str(file)))
+            except Exception as exc:  # safetensors raises several types for corrupt files
+                raise DFlashError(f"cannot read draft weights {file}: {exc}") from None
+        own = {k for k in self.state_dict() if k not in ("embed_tokens", "lm_head")}
+        for shared in ("embed_tokens.weight", "lm_head.weight"):  # some drafts ship copies: the target's win
+            state.pop(shared, None)
+        missing = sorted(own - state.keys())
+        unexpected = sorted(set(state) - own)
+        if missing:
+            raise DFlashError(f"draft weights in {draft_dir} lack {len(missing)} tensors, e.g. {missing[:3]}")
+        if unexpected:
+            raise DFlashError(
+                f"draft weights in {draft_dir} have {len(unexpected)} unknown tensors, e.g. {unexpected[:3]}"
+            )
+        for name, tensor in self.state_dict().items():
+            if name in state and tuple(state[name].shape) != tuple(tensor.shape):
+                raise DFlashError(
+                    f"draft tensor {name} has shape {tuple(state[name].shape)}, config implies {tuple(tensor.shape)}"
+                )
+        self.load_state_dict({k: v.to(self.fc.weight.dtype) for k, v in state.items()}, strict=False)
+
+    def empty_cache(self, batch: int = 1, dtype=torch.float32) -> list[torch.Tensor]:
+        shape = (batch, 0, self.num_kv_heads, self.head_dim)
+        return [torch.zeros(shape, dtype=dtype) for _ in range(2 * len(self.layers))]
+
+    def hidden(self, input_ids, target_hidden, position_ids, past_kv: list[torch.Tensor]):
+        """Final-normed hidden states of the whole block, and the present context K/V per layer."""
+        hidden = F.embedding(input_ids, self.embed_tokens) * self.spec.input_embedding_scale
+        context = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        present: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            hidden, key, value = layer(hidden, context, cos, sin, past_kv[2 * i], past_kv[2 * i + 1])
+            present += [key, value]
+        return self.norm(hidden), present
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.lm_head) * self.spec.output_multiplier
+        cap = self.spec.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def forward(self, input_ids, target_hidden, position_ids, *past_kv):
+        """Graph signature: logits, their argmax and its probability (the draft's confidence) for block positions
+        1.., then present context K/V."""
+        hidden, present = self.hidden(input_ids, target_hidden, position_ids, list(past_kv))
+        logits = self.logits(hidden[:, 1:])
+        return (logits, torch.argmax(logits, dim=-1), confidence(logits), *present)

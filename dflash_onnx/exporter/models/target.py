@@ -1,0 +1,113 @@
+"""The target LLM as the graph the decoding loop needs: logits, greedy ids, tapped features, explicit KV.
+
+Wraps any Hugging Face causal LM whose decoder accepts a `cache=` DynamicCache and ready masks
+(Qwen3, Qwen2, Llama, Mistral ...); `check_against_hf` proves the wrapper reproduces the model's own
+logits before anything is exported. K/V tensors cross the graph boundary as [batch, seq, kv_heads,
+head_dim] so that a committed prefix of a present tensor is a contiguous view the host can feed back
+without copying (see README, "KV state").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from dflash_onnx.runtime.errors import DFlashError
+
+# Logit post-processing that lives in a CausalLM head's forward, which this wrapper does not replay.
+UNSUPPORTED_HEAD_OPTIONS = {"logits_scaling": 1.0, "final_logit_softcapping": None, "logit_scale": 1.0}
+
+
+def causal_mask(position_ids: torch.Tensor, num_keys: int, window: int | None = None) -> torch.Tensor:
+    """[batch, 1, seq, keys] boolean mask: key slot j holds position j, visible when j <= the query's
+    position (and, with a sliding window, when the query is fewer than `window` positions ahead)."""
+    key_pos = torch.arange(num_keys, device=position_ids.device)[None, None, None, :]
+    query_pos = position_ids[:, None, :, None]
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible = visible & (query_pos - key_pos < window)
+    return visible
+
+
+class TappedTarget(nn.Module):
+    """forward(input_ids, position_ids, *past) -> logits, greedy_ids, target_hidden, *present."""
+
+    def __init__(self, causal_lm: nn.Module, target_layer_ids: list[int]):
+        super().__init__()
+        self.lm = causal_lm
+        self.target_layer_ids = list(target_layer_ids)
+        text = causal_lm.config.get_text_config(decoder=True)
+        self.num_layers = text.num_hidden_layers
+        self.num_kv_heads = text.num_key_value_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.sliding_window = getattr(text, "sliding_window", None)
+        self.layer_types = list(getattr(text, "layer_types", None) or [])
+
+    def empty_cache(self, batch: int = 1, dtype=torch.float32) -> list[torch.Tensor]:
+        shape = (batch, 0, self.num_kv_heads, self.head_dim)
+        return [torch.zeros(shape, dtype=dtype) for _ in range(2 * self.num_layers)]
+
+    def _masks(self, position_ids: torch.Tensor, num_keys: int):
+        """Per-layer-type masks for hybrid models, one windowed mask for all-sliding ones (Mistral)."""
+        full = causal_mask(position_ids, num_keys)
+        if self.sliding_window is None:
+            return full
+        windowed = causal_mask(position_ids, num_keys, self.sliding_window)
+        if "sliding_attention" in self.layer_types:
+            return {"full_attention": full, "sliding_attention": windowed}
+        return windowed
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
+        pairs = [(past[2 * i].transpose(1, 2), past[2 * i + 1].transpose(1, 2)) for i in range(self.num_layers)]
+        # Plain (non-sliding) cache layers: the host owns the K/V and the masks apply any window.
+        cache = DynamicCache(ddp_cache_data=pairs)
+        num_keys = past[0].shape[1] + input_ids.shape[1]
+        out = self.lm.get_decoder()(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=self._masks(position_ids, num_keys),
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        logits = self.lm.get_output_embeddings()(out.last_hidden_state)
+        hidden = torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+        present: list[torch.Tensor] = []
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values  # the older transformers 5 name
+        for layer in cache.layers:
+            present += [layer.keys.transpose(1, 2), layer.values.transpose(1, 2)]
+        return (logits, torch.argmax(logits, dim=-1), hidden, *present)
+
+
+def check_against_hf(tapped: TappedTarget, tolerance: float) -> None:
+    """Refuse a target whose own forward this wrapper does not reproduce (masks, head post-processing)."""
+    text = tapped.lm.config.get_text_config(decoder=True)
+    for option, neutral in UNSUPPORTED_HEAD_OPTIONS.items():
+        value = getattr(text, option, neutral)
+        if value is not None and value != neutral:
+            raise DFlashError(f"target {text.model_type} uses {option}={value}: not supported yet")
+    length = min(64, max(12, (tapped.sliding_window or 0) + 6))
+    ids = torch.arange(length)[None] % text.vocab_size
+    with torch.no_grad():
+        ours = tapped(ids, torch.arange(length)[None], *tapped.empty_cache(dtype=tapped.lm.dtype))[0]
+        theirs = tapped.lm(input_ids=ids).logits
+    diff = float((ours.float() - theirs.float()).abs().max())
+    if diff > tolerance:
+        raise DFlashError(
+            f"target {text.model_type}: the exported wrapper's logits differ from the model's own by {diff:.3g} "
+            "(an attention mask or logit post-processing this exporter does not reproduce): not supported yet"
+        )
+
+
+def hf_greedy(lm: nn.Module, prompt_ids: list[int], max_new_tokens: int, stop_token_ids: list[int] | None,
+              streamer=None) -> list[int]:
+    """Hugging Face greedy `generate`, the oracle DFlash output is checked against: it stops at
+    `stop_token_ids` (HF's own eos when that is empty), or runs exactly `max_new_tokens` when it is None."""
+    ids = torch.tensor(list(prompt_ids))[None]
+    stops = stop_token_ids or []
+    with torch.inference_mode():
+        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                          min_new_tokens=max_new_tokens if stop_token_ids is None else 0, do_sample=False,
+                          eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0, streamer=streamer)
+    return out[0, ids.shape[1]:].tolist()

@@ -1,0 +1,235 @@
+"""Load a target directory and a DFlash draft directory and check that they belong together.
+
+Every check runs before any expensive work and names both values when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_onnx.artifacts.model_dirs import read_config, weight_files
+from dflash_onnx.runtime.errors import DFlashError
+
+from .models.draft import DFlashDraft, DraftSpec
+from .models.target import TappedTarget
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Largest logit difference accepted between two computations of the same model, per dtype.
+# bfloat16 keeps 8 bits of mantissa to float16's 11: 8x float16's bound.
+LOGIT_TOLERANCE = {"float32": 2e-3, "float16": 5e-2, "bfloat16": 0.4}
+
+
+@dataclass
+class TargetInfo:
+    """What the export needs to know of the target, read from its config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    stop_token_ids: list[int]
+
+    @classmethod
+    def from_dir(cls, path: Path) -> TargetInfo:
+        """Read and check the target directory: a JSON config without custom code, whole safetensors weights,
+        a decoder-only LLM."""
+        from transformers import AutoConfig
+
+        path = Path(path)
+        read_config(path, "target")
+        weight_files(path, "target")
+        from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+        try:
+            config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        except Exception as exc:  # transformers raises ValueError, OSError, KeyError ... for unusable configs
+            raise DFlashError(f"cannot read target config in {path}: {_first_line(exc)}") from None
+        if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or config.is_encoder_decoder:
+            raise DFlashError(f"target {path / 'config.json'} is a {config.model_type} model, an encoder: DFlash "
+                              "targets are decoder-only causal LMs such as Qwen3, Llama, Mistral")
+        try:
+            text = config.get_text_config(decoder=True)
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            return cls(model_type=config.model_type, vocab_size=text.vocab_size, hidden_size=text.hidden_size,
+                       num_layers=text.num_hidden_layers, num_kv_heads=text.num_key_value_heads, head_dim=head_dim,
+                       stop_token_ids=_stop_token_ids(path, config))
+        except AttributeError as exc:
+            raise DFlashError(f"target {path / 'config.json'} ({config.model_type}) is not a decoder-only LLM with "
+                              f"grouped-query attention ({exc}): DFlash targets are causal LMs such as Qwen3, Llama, "
+                              "Mistral") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _stop_token_ids(path: Path, config) -> list[int]:
+    """eos ids from generation_config.json (what HF generate stops on), else from config.json."""
+    eos = None
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError:
+            eos = None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def validate_pair(
+    target: TargetInfo, draft: DraftSpec, block_size: int | None = None, allow_longer_block: bool = False,
+    dtype: str = "float32",
+) -> int:
+    """Raise DFlashError on the first mismatch; return the block size to use."""
+    cfg = draft.config
+    checks = [
+        (cfg.hidden_size == target.hidden_size,
+         f"draft hidden_size {cfg.hidden_size} != target hidden_size {target.hidden_size}"),
+        (cfg.vocab_size == target.vocab_size,
+         f"draft vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size}"),
+        (draft.num_target_layers == target.num_layers,
+         f"draft num_target_layers {draft.num_target_layers} != target num_hidden_layers {target.num_layers}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise DFlashError(f"target and draft do not match: {message}")
+    for layer_id in draft.target_layer_ids:
+        if not 0 <= layer_id < target.num_layers:
+            raise DFlashError(
+                f"draft target_layer_ids {draft.target_layer_ids} has {layer_id}, outside the target's "
+                f"layers 0..{target.num_layers - 1}"
+            )
+    if draft.mask_token_id is None:
+        raise DFlashError("draft dflash_config has no mask_token_id")
+    if not 0 <= draft.mask_token_id < target.vocab_size:
+        raise DFlashError(
+            f"draft mask_token_id {draft.mask_token_id} is outside the target vocab (size {target.vocab_size})"
+        )
+    if dtype not in DTYPES:
+        raise DFlashError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    size = draft.block_size if block_size is None else int(block_size)
+    if size < 2:
+        raise DFlashError(f"block size {size} is too small: DFlash needs at least 2 (use --mode greedy for 1)")
+    if size > draft.block_size and not allow_longer_block:
+        raise DFlashError(
+            f"block size {size} is above the draft's trained block size {draft.block_size}; "
+            "pass --allow-longer-block to export it anyway"
+        )
+    return size
+
+
+def load_target(path: Path, dtype: str = "float32") -> nn.Module:
+    """The HF causal LM, in eval mode, with SDPA attention (exports and matches HF generate)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    read_config(path, "target")
+    weight_files(path, "target")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=DTYPES[dtype], local_files_only=True, attn_implementation="sdpa",
+            trust_remote_code=False, use_safetensors=True,
+        )
+    except Exception as exc:  # the loader raises many types; the checks above caught what a user can fix
+        raise DFlashError(f"cannot load target from {path}: {_first_line(exc)}") from None
+    return model.eval()
+
+
+def _draft_module(spec: DraftSpec, target: nn.Module, dtype: str) -> DFlashDraft:
+    draft = DFlashDraft(spec, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    inv_freq = draft.rotary_emb.inv_freq.clone()
+    draft.to(DTYPES[dtype])
+    draft.rotary_emb.inv_freq = inv_freq  # RoPE frequencies stay float32, as in the reference and HF
+    return draft
+
+
+def load_draft(path: Path, target: nn.Module, dtype: str = "float32") -> DFlashDraft:
+    """The draft body from its checkpoint, with the target's embedding and lm_head."""
+    draft = _draft_module(DraftSpec.from_dir(Path(path)), target, dtype)
+    draft.load_checkpoint(Path(path))
+    return draft.eval()
+
+
+def _target_config(path: Path):
+    from transformers import AutoConfig
+
+    read_config(path, "target")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # the loader raises many types
+        raise DFlashError(f"cannot read the target config in {path}: {_first_line(exc)}") from None
+
+
+def _from_config(config, dtype: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation="sdpa",
+                                            trust_remote_code=False).eval()
+
+
+def meta_pair(target_dir: Path, draft_dir: Path, target_layer_ids: list[int],
+              dtype: str = "float32") -> tuple[TappedTarget, DFlashDraft]:
+    """The tapped target and its draft with every parameter on the meta device: nothing read or allocated, for
+    tracing a graph whose weights lazy_weights.py attaches from the checkpoints (buffers stay real)."""
+    from .lazy_weights import parameters_on_meta
+
+    config = _target_config(Path(target_dir))
+    with parameters_on_meta(), torch.no_grad():
+        lm = _from_config(config, dtype)
+        draft = _draft_module(DraftSpec.from_dir(Path(draft_dir)), lm, dtype).eval()
+    return TappedTarget(lm, target_layer_ids).eval(), draft
+
+
+def architecture_check_model(target_dir: Path, dtype: str = "float32") -> TappedTarget:
+    """A small random model of the target's architecture (its config with the fewest layers that hold every
+    layer type, and a 512-token vocabulary), to check the wrapper against HF's forward before a weightless
+    export: masks and head post-processing do not depend on the weights or the model's size."""
+    config = _target_config(Path(target_dir))
+    text = config.get_text_config(decoder=True)
+    types = list(getattr(text, "layer_types", None) or [])
+    keep = max([2] + [types.index(kind) + 1 for kind in set(types)])
+    text.num_hidden_layers = min(text.num_hidden_layers, keep)
+    if types:
+        text.layer_types = types[: text.num_hidden_layers]
+    text.vocab_size = min(text.vocab_size, 512)
+    for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if getattr(text, token, None) is not None:
+            setattr(text, token, None)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        return TappedTarget(_from_config(config, dtype), [0]).eval()
+
+
+def load_tapped_pair(target_dir: Path, draft_dir: Path, target_layer_ids: list[int],
+                     dtype: str = "float32") -> tuple[TappedTarget, DFlashDraft]:
+    """The target wrapped to tap `target_layer_ids`, and its draft: what export and re-exporting lowerings
+    convert (no gradients: conversion only)."""
+    with torch.no_grad():
+        lm = load_target(target_dir, dtype)
+        draft = load_draft(draft_dir, lm, dtype)
+    return TappedTarget(lm, target_layer_ids).eval(), draft
+
+
+def load_reference_draft(draft_dir: Path, dtype: str = "float32") -> nn.Module | None:
+    """The reference `dflash` package's draft on the same checkpoint (an oracle: parity, bench peers), from
+    safetensors only; None when the package is not installed."""
+    try:
+        from dflash import DFlashDraftModel
+    except ImportError:
+        return None
+    read_config(draft_dir, "draft")
+    weight_files(draft_dir, "draft")
+    model = DFlashDraftModel.from_pretrained(str(draft_dir), dtype=DTYPES[dtype], local_files_only=True,
+                                             use_safetensors=True, trust_remote_code=False)
+    return model.eval()

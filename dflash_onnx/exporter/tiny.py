@@ -1,0 +1,246 @@
+"""Tiny random-weight target/draft pairs in the published on-disk layouts, built in seconds.
+
+Tests build them instead of downloading models, and `dflash-onnx demo` uses one as its embedded
+default until a trained demo pair ships. `agree=True` biases target and draft towards one token so
+that the draft's proposals are often accepted, giving acceptance lengths across 1..block_size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .models.draft import DFlashDraft, DraftSpec
+
+
+@dataclass
+class TinySpec:
+    """Shapes of a tiny pair; the defaults export in seconds."""
+
+    vocab_size: int = 96
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int | None = None
+    target_layers: int = 4
+    draft_layers: int = 1
+    target_layer_ids: list[int] = field(default_factory=lambda: [1, 2])
+    block_size: int = 4
+    model_type: str = "qwen3"
+    is_causal: bool | None = None
+    sliding_window: int | None = None
+    target_sliding_window: int | None = None
+    attention_bias: bool = False
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    tie_embeddings: bool = True
+    agree: bool = False
+    # Scale of every target and draft layer's output projections (o_proj, down_proj) under `agree`: deep random
+    # stacks swamp the embedding's bias otherwise (the compute is unchanged, only the values are damped).
+    damp_layers: float = 1.0
+    favourite_token: int = 7
+    eos_token_id: int = 1
+    max_positions: int = 1024
+    rope_theta: float | None = None  # None: the model type's default
+    seed: int = 0
+    # written tensor by tensor from meta-device shapes (shaped.py), never holding the model: published sizes
+    streamed: bool = False
+    dtype: str = "float32"  # the checkpoint's dtype (streamed pairs)
+    shard_bytes: int = 2 * 1024**3
+
+
+# Full-size shapes with random weights: for measuring speed and size where no checkpoint can be downloaded.
+PRESETS = {
+    "qwen3-0.6b-shaped": TinySpec(vocab_size=151936, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
+                                  intermediate_size=3072, target_layers=28, draft_layers=1, target_layer_ids=[14],
+                                  block_size=16, max_positions=40960),
+}
+# The same shapes with target and draft biased towards one token (untied head): the draft agrees almost
+# always, so DFlash runs at the top of its acceptance range; bench's implied speedup covers lower tau.
+PRESETS["qwen3-0.6b-shaped-agree"] = replace(PRESETS["qwen3-0.6b-shaped"], agree=True, tie_embeddings=False,
+                                             damp_layers=0.002)
+# The seeds' workloads: Qwen3-4B with its 5-layer Qwen3-4B-DFlash-b16 draft, LLaMA-3.1-8B with z-lab's draft
+# (taps as the reference package's build_target_layer_ids gives them), bfloat16 like the published weights.
+PRESETS["qwen3-4b-shaped"] = TinySpec(
+    vocab_size=151936, hidden_size=2560, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=9728,
+    target_layers=36, draft_layers=5, target_layer_ids=[1, 9, 17, 25, 33], block_size=16, max_positions=40960,
+    rope_theta=1_000_000.0, tie_embeddings=True, streamed=True, dtype="bfloat16")
+PRESETS["llama3.1-8b-shaped"] = TinySpec(
+    model_type="llama", vocab_size=128256, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+    intermediate_size=14336, target_layers=32, draft_layers=5, target_layer_ids=[1, 8, 15, 22, 29], block_size=16,
+    max_positions=131072, rope_theta=500_000.0, tie_embeddings=False, streamed=True, dtype="bfloat16")
+
+
+def _target_config(spec: TinySpec) -> dict:
+    config = {
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size or 2 * spec.hidden_size,
+        "num_hidden_layers": spec.target_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "max_position_embeddings": spec.max_positions,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": spec.tie_embeddings, "eos_token_id": spec.eos_token_id,
+        "bos_token_id": 0, "pad_token_id": 0,
+    }
+    if spec.rope_theta is not None:
+        config["rope_theta"] = spec.rope_theta
+    if spec.target_sliding_window is not None:  # hybrid: every other layer slides (Qwen3 / Qwen2 style)
+        config["use_sliding_window"] = True
+        config["sliding_window"] = spec.target_sliding_window
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                 for i in range(spec.target_layers)]
+    if spec.model_type == "qwen3":
+        config["head_dim"] = spec.head_dim
+    else:
+        config["head_dim"] = spec.hidden_size // spec.num_heads
+    return config
+
+
+def _draft_config(spec: TinySpec) -> dict:
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size or 2 * spec.hidden_size,
+        "num_hidden_layers": spec.draft_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_positions,
+        "rms_norm_eps": 1e-6, "attention_bias": spec.attention_bias, "num_target_layers": spec.target_layers,
+        "rope_theta": spec.rope_theta or 10000.0, "tie_word_embeddings": False,
+        "dflash_config": {"target_layer_ids": spec.target_layer_ids, "block_size": spec.block_size,
+                          "mask_token_id": spec.vocab_size - 1},
+    }
+    if spec.is_causal is not None:
+        config["is_causal"] = spec.is_causal
+    if spec.sliding_window is not None:
+        config["sliding_window"] = spec.sliding_window
+        config["use_sliding_window"] = True
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                 for i in range(spec.draft_layers)]
+    for key in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        if getattr(spec, key) is not None:
+            config["dflash_config"][key] = getattr(spec, key)
+    return config
+
+
+def write_char_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A character-level tokenizer.json for a tiny vocab: <pad>=0, <eos>=1, printable ASCII, <mask> last."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)][: vocab_size - 3]
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(chars)}, "<mask>": vocab_size - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(["<pad>", "<eos>", "<mask>"])
+    tokenizer.save(str(Path(directory) / "tokenizer.json"))
+
+
+def build_target(spec: TinySpec, directory: Path):
+    """Random-weight HF causal LM saved with save_pretrained; returns the model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(spec.seed)
+    config = AutoConfig.for_model(spec.model_type, **_target_config(spec))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if spec.agree:
+        _bias_towards(model, spec)
+    model.save_pretrained(str(directory))
+    write_char_tokenizer(directory, spec.vocab_size)
+    return model
+
+
+def _bias_towards(model, spec: TinySpec) -> None:
+    """Give every embedding a positive component on one axis and read it out as the favourite token."""
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        embed[:, 0] = embed[:, 0].abs() + 0.05
+        head = model.get_output_embeddings().weight
+        if head.data_ptr() != embed.data_ptr():
+            head[spec.favourite_token, 0] = 4.0
+        if spec.damp_layers != 1.0:
+            for name, param in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    param.mul_(spec.damp_layers)
+
+
+def build_draft(spec: TinySpec, directory: Path, target) -> None:
+    """Random draft body in the published layout (config.json with dflash_config + model.safetensors)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = _draft_config(spec)
+    draft = DFlashDraft(
+        DraftSpec.from_dict(raw), target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    )
+    torch.manual_seed(spec.seed + 1)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if name in ("embed_tokens", "lm_head"):
+                continue
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.05)
+        if spec.agree:
+            draft.norm.weight[0] = 8.0
+            for name, param in draft.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    param.mul_(spec.damp_layers)
+    state = {k: v.contiguous() for k, v in draft.state_dict().items() if k not in ("embed_tokens", "lm_head")}
+    save_file(state, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+
+
+def build_pair(spec: TinySpec, root: Path, progress: bool = False) -> tuple[Path, Path]:
+    """Write ROOT/target and ROOT/draft; return both paths."""
+    root = Path(root)
+    target_dir, draft_dir = root / "target", root / "draft"
+    if spec.streamed:
+        _write_streamed(spec, target_dir, draft_dir, progress)
+        return target_dir, draft_dir
+    target = build_target(spec, target_dir)
+    build_draft(spec, draft_dir, target)
+    return target_dir, draft_dir
+
+
+def _write_streamed(spec: TinySpec, target_dir: Path, draft_dir: Path, progress: bool) -> None:
+    """A published-size pair, one safetensors shard in memory at a time (shaped.py)."""
+    import sys
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from .shaped import draft_shapes, target_shapes, write_checkpoint
+
+    if spec.agree:
+        raise ValueError("streamed pairs are plain random weights: agree=True needs the whole model (build_target)")
+    config = AutoConfig.for_model(spec.model_type, **_target_config(spec), torch_dtype=spec.dtype)
+    draft_config = {**_draft_config(spec), "torch_dtype": spec.dtype}
+    for directory, shapes, seed in ((target_dir, target_shapes(config), spec.seed),
+                                    (draft_dir, draft_shapes(draft_config), spec.seed + 1)):
+        directory.mkdir(parents=True, exist_ok=True)
+        for file in write_checkpoint(directory, shapes, spec.dtype, seed, spec.shard_bytes):
+            if progress:
+                print(f"wrote {directory / file}", file=sys.stderr, flush=True)
+    config.save_pretrained(str(target_dir))
+    GenerationConfig.from_model_config(config).save_pretrained(str(target_dir))
+    write_char_tokenizer(target_dir, spec.vocab_size)
+    (draft_dir / "config.json").write_text(json.dumps(draft_config, indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m dflash_onnx.exporter.tiny --preset qwen3-0.6b-shaped --out DIR: write DIR/target and DIR/draft."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dflash_onnx.exporter.tiny", description=main.__doc__)
+    parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    target_dir, draft_dir = build_pair(PRESETS[args.preset], args.out, progress=True)
+    print(f"wrote {target_dir} and {draft_dir}")
+
+
+if __name__ == "__main__":
+    main()
