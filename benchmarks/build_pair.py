@@ -1,7 +1,7 @@
 """Rebuild the shipped demo pair from scratch: a byte-level Qwen3 target trained on the Python standard
 library, and its DFlash draft distilled with `dflash-onnx distill`. Seeded; CPU only.
 
-    python benchmarks/build_pair.py [--target-minutes 35] [--draft-minutes 20] [--out dflash_onnx/commands/demo_pair]
+    python benchmarks/build_pair.py [--target-minutes 35] [--draft-minutes 20] [--out dflash_onnx/demo_pair]
 
 Files are split into train and held-out by a hash of their path (1 in 20 held out), so the demo's prompts
 come from files neither model saw. Both models are written as float16 safetensors. Work files (checkpoints,
@@ -129,7 +129,7 @@ def held_out_loss(target_dir: Path, files: list[Path], samples: int = 32) -> flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    shipped = Path(__file__).resolve().parents[1] / "dflash_onnx" / "commands" / "demo_pair"
+    shipped = Path(__file__).resolve().parents[1] / "dflash_onnx" / "demo_pair"
     parser.add_argument("--out", type=Path, default=shipped)
     parser.add_argument("--target-minutes", type=float, default=35)
     parser.add_argument("--draft-minutes", type=float, default=20)
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--redistill", action="store_true",
                         help="keep the shipped target (OUT/target) and distill a new draft for it")
     args = parser.parse_args()
-    from dflash_onnx.training.distill import DistillOptions, distill
+    from training.distill import DistillOptions, distill
 
     train, held = stdlib_files()
     work = args.out.parent / "demo_work"

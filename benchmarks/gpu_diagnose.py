@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_onnx.runtime.manifest import load_manifest
+from runtime.manifest import load_manifest
 from targets.ort.session import OrtBufferSession
 
 CALLS = ((0, 20), (20, 16), (36, 1))  # (start, new tokens): prefill, verify, decode

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_onnx.commands.figures import markdown_table, provenance
-from dflash_onnx.runtime.busy import busy_processes
-from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.figures import markdown_table, provenance
+from runtime.busy import busy_processes
+from runtime.manifest import load_manifest
 from targets import open_decoder
 
 VARIANTS = {
@@ -50,7 +50,7 @@ def ours(directory: Path, settings: dict):
 def genai(directory: Path):
     import onnxruntime_genai as og
 
-    from dflash_onnx.commands.peers import genai_block_size, genai_build, genai_model_dir
+    from dflash_onnx.peers import genai_block_size, genai_build, genai_model_dir
 
     manifest = load_manifest(directory)
     target, _ = manifest.checkpoints(None, None)

@@ -30,10 +30,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from dflash_onnx.commands.figures import markdown_table, provenance
-from dflash_onnx.exporter.export import export_pair
-from dflash_onnx.exporter.tiny import TinySpec, build_pair
-from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.figures import markdown_table, provenance
+from exporter.export import export_pair
+from exporter.tiny import TinySpec, build_pair
+from runtime.manifest import load_manifest
 from targets.backend import LowerRequest
 from targets.mlx.lower import lower_mlx
 from targets.mlx.options import MlxOptions
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from dflash_onnx.commands.peers import mlx_lm_model
+    from dflash_onnx.peers import mlx_lm_model
 
     model = mlx_lm_model(target_dir)
     cache = make_prompt_cache(model)

@@ -11,8 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from dflash_onnx.commands.demo import held_out_prompts
-from dflash_onnx.runtime.tokenizer import TextCodec
+from dflash_onnx.demo import held_out_prompts
+from runtime.tokenizer import TextCodec
 from targets import open_decoder
 
 

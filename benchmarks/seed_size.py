@@ -4,7 +4,7 @@ its wall time, peak memory and output size, in one table.
 Stages, each a child process whose peak resident memory comes from `os.wait4` in a small launcher (the same
 figure as `/usr/bin/time`'s "Maximum resident set size"):
 
-1. `python -m dflash_onnx.exporter.tiny --preset P` (random weights, the published shapes, bfloat16 shards);
+1. `python -m exporter.tiny --preset P` (random weights, the published shapes, bfloat16 shards);
 2. `export --dtype float16`, 3. `optimize --passes int4 --pass-option int4.lm_head=true`, 4. `lower --target ort`;
 5. `generate` 16 tokens greedy and DFlash from one prompt (twice each): tokens compared, tokens/s reported;
 6. with `--ai100`, `--mlx`, `--coreml`: `lower --target ai100 --dry-run`, `lower --target mlx --bits 4`,
@@ -30,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_onnx.artifacts.publish import directory_bytes
-from dflash_onnx.commands.figures import markdown_table, provenance
+from artifacts.publish import directory_bytes
+from dflash_onnx.figures import markdown_table, provenance
 
 CLI = [sys.executable, "-m", "dflash_onnx.cli"]
 PROMPT = "11,22,33,44,55,66,77,88"
@@ -111,7 +111,7 @@ def _decode(bench: Bench, lowered: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-4b-shaped",
-                        help="a dflash_onnx.exporter.tiny preset: qwen3-4b-shaped, llama3.1-8b-shaped, "
+                        help="a exporter.tiny preset: qwen3-4b-shaped, llama3.1-8b-shaped, "
                              "qwen3-0.6b-shaped")
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--lean", action="store_true", help="delete the pair and the float16 export once read")
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     bench = Bench(work)
     pair, onnx, int4, ort = work / "pair", work / "onnx", work / "int4", work / "ort"
     decoded: dict = {}
-    if bench.stage("pair", [sys.executable, "-m", "dflash_onnx.exporter.tiny", "--preset", args.preset, "--out", pair],
+    if bench.stage("pair", [sys.executable, "-m", "exporter.tiny", "--preset", args.preset, "--out", pair],
                    pair, None, writes=True)["exit"] == 0 and \
             bench.stage("export", [*CLI, "export", "--target", pair / "target", "--draft", pair / "draft",
                                    "--dtype", "float16", "--out", onnx], onnx, None, writes=True)["exit"] == 0:

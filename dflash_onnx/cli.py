@@ -9,7 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .runtime.errors import DFlashError
+from runtime.errors import DFlashError
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,11 +31,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args) -> int:
-    from .exporter.export_request import check_export_request
+    from exporter.export_request import check_export_request
 
     check_export_request(Path(args.target), Path(args.draft), Path(args.out), args.opset, args.overwrite)
-    from .artifacts.publish import lock_out, scratch_directory
-    from .exporter.export import export_pair
+    from artifacts.publish import lock_out, scratch_directory
+    from exporter.export import export_pair
 
     passes = [n.strip() for n in (getattr(args, "passes", None) or "").split(",") if n.strip()]
     if not passes:
@@ -72,18 +72,17 @@ def _cost_model(args, manifest):
     """--cost-model FILE: a cost curve measured elsewhere, replayed instead of the directory's."""
     if args.cost_model is None:
         return None
-    from .runtime.costs import read_costs
+    from runtime.costs import read_costs
 
     return read_costs(args.cost_model, manifest.block_size)
 
 
 def _generate(args) -> int:
+    from runtime.decode import check_max_new_tokens
+    from runtime.policy import parse_verify
+    from runtime.sampling import SamplingParams
+    from runtime.tokenizer import TextCodec, TextStream, has_tokenizer
     from targets import open_decoder
-
-    from .runtime.decode import check_max_new_tokens
-    from .runtime.policy import parse_verify
-    from .runtime.sampling import SamplingParams
-    from .runtime.tokenizer import TextCodec, TextStream, has_tokenizer
 
     if args.prompt is not None:
         try:
@@ -166,8 +165,7 @@ def _on_ort(directory: Path, manifest):
 
 def _optimize(args) -> int:
     from passes.pipeline import apply_pipeline, parse_pass_options
-
-    from .runtime.manifest import load_export
+    from runtime.manifest import load_export
 
     names = [n.strip() for n in args.passes.split(",") if n.strip()]
     source = load_export(Path(args.out), "run passes on")
@@ -183,23 +181,25 @@ def _optimize(args) -> int:
 
 
 def _steps(args) -> int:
-    from .commands.steps import markdown, measure, table
+    from .steps import markdown, measure, table
 
     if args.repeats < 1 or args.context < 0:
         raise DFlashError(f"--repeats must be at least 1 and --context at least 0, got {args.repeats} and "
                           f"{args.context}")
 
     rows = measure(args.dirs, context=args.context, repeats=args.repeats)
-    print(json.dumps(rows, indent=2) if args.json else markdown(rows) if args.markdown else table(rows))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(markdown(rows, args.command_line) if args.markdown else table(rows))
     return 0
 
 
 def _calibrate(args) -> int:
+    from artifacts.publish import lock_out
+    from runtime.costs import measure_costs, read_costs
+    from runtime.manifest import load_manifest
     from targets import backend_for, open_session, record_row_multiple
-
-    from .artifacts.publish import lock_out
-    from .runtime.costs import measure_costs, read_costs
-    from .runtime.manifest import load_manifest
 
     if args.repeats < 1 or args.context < 0:
         raise DFlashError(f"--repeats must be at least 1 and --context at least 0, got {args.repeats} and "
@@ -226,7 +226,7 @@ def _calibrate(args) -> int:
 
 
 def _parity(args) -> int:
-    from .commands.parity import run_parity
+    from .parity import run_parity
 
     report = run_parity(args.out, args.target, args.draft, num_prompts=args.prompts,
                         max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -235,7 +235,7 @@ def _parity(args) -> int:
 
 
 def _distill(args) -> int:
-    from .training.distill import DistillOptions, distill
+    from training.distill import DistillOptions, distill
 
     tapped = None if args.target_layers_tapped == "auto" else [int(i) for i in args.target_layers_tapped.split(",")]
     options = DistillOptions(block_size=args.block_size, draft_layers=args.draft_layers, target_layer_ids=tapped,
@@ -260,9 +260,10 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _bench(args) -> int:
-    from .commands.bench import BenchOptions, format_report, run_bench
-    from .runtime.manifest import load_manifest
-    from .runtime.policy import parse_verify
+    from runtime.manifest import load_manifest
+    from runtime.policy import parse_verify
+
+    from .bench import BenchOptions, format_report, run_bench
 
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
                         ("--num-prompts", args.num_prompts), ("--curve-repeats", args.curve_repeats)):
@@ -285,7 +286,7 @@ def _bench(args) -> int:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
     if args.plot:
-        from .commands.bench_plot import plot_report
+        from .bench_plot import plot_report
 
         plot_report(report, args.plot)
         print(f"wrote {args.plot}")
@@ -299,7 +300,7 @@ def _session_overrides(args) -> dict:
 
 
 def _demo(args) -> int:
-    from .commands.demo import run_demo
+    from .demo import run_demo
 
     return run_demo(as_json=args.json, max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
 
@@ -516,6 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = ["dflash-onnx", *(sys.argv[1:] if argv is None else argv)]  # as measured figures cite it
     warnings.filterwarnings("ignore")
     try:
         return args.func(args)

@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from dflash_onnx.runtime.errors import DFlashError
+from runtime.errors import DFlashError
 
 from .base import PassContext
 from .ir_graph import add_constant, attr, made_by, readers

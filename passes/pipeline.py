@@ -11,10 +11,10 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from dflash_onnx.artifacts.graph_files import checked_graph, graph_spec, share_initializers
-from dflash_onnx.artifacts.publish import check_out_dir, copy_tokenizer_files, staged_directory
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import GraphSpec, Manifest, load_export
+from artifacts.graph_files import checked_graph, graph_spec, share_initializers
+from artifacts.publish import check_out_dir, copy_tokenizer_files, staged_directory
+from runtime.errors import DFlashError
+from runtime.manifest import GraphSpec, Manifest, load_export
 
 from . import registry
 from .base import GraphPass, PassContext

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from dflash_onnx.runtime.errors import DFlashError
+from runtime.errors import DFlashError
 
 from .base import PassContext
 

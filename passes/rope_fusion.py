@@ -26,7 +26,7 @@ from onnx_ir.passes.common import (
 from onnxscript import version_converter
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
-from dflash_onnx.runtime.errors import DFlashError
+from runtime.errors import DFlashError
 
 from .base import PassContext
 

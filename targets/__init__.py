@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_onnx.runtime.decode import Decoder
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Manifest, load_manifest
-from dflash_onnx.runtime.session import Session
+from runtime.decode import Decoder
+from runtime.errors import DFlashError
+from runtime.manifest import Manifest, load_manifest
+from runtime.session import Session
 
 from .ai100 import BACKEND as AI100
 from .backend import Backend, Flag, LowerRequest

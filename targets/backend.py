@@ -9,9 +9,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Manifest
-from dflash_onnx.runtime.session import Session
+from runtime.errors import DFlashError
+from runtime.manifest import Manifest
+from runtime.session import Session
 
 
 @dataclass(frozen=True)

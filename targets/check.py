@@ -9,10 +9,10 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from dflash_onnx.runtime.feeds import draft_feeds, target_feeds
-from dflash_onnx.runtime.manifest import Manifest
-from dflash_onnx.runtime.runners import open_draft_runner, open_runners
-from dflash_onnx.runtime.session import Session
+from runtime.feeds import draft_feeds, target_feeds
+from runtime.manifest import Manifest
+from runtime.runners import open_draft_runner, open_runners
+from runtime.session import Session
 
 
 def _sample_calls(manifest: Manifest, target: bool) -> list[tuple[str, dict]]:

@@ -9,11 +9,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from dflash_onnx.artifacts.publish import check_out_dir, directory_bytes, staged_directory
-from dflash_onnx.runtime.costs import TARGET_OUTPUTS, measurable, measure_costs
-from dflash_onnx.runtime.feeds import target_feeds
-from dflash_onnx.runtime.manifest import CostModel, Manifest, load_export
-from dflash_onnx.runtime.session import Session
+from artifacts.publish import check_out_dir, directory_bytes, staged_directory
+from runtime.costs import TARGET_OUTPUTS, measurable, measure_costs
+from runtime.feeds import target_feeds
+from runtime.manifest import CostModel, Manifest, load_export
+from runtime.session import Session
 
 from .backend import LowerRequest
 from .row_invariance import fewest_calls, record_row_multiple

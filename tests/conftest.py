@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_onnx.exporter.export import export_pair
-from dflash_onnx.exporter.tiny import TinySpec, build_pair
-from dflash_onnx.runtime.decode import Decoder
+from exporter.export import export_pair
+from exporter.tiny import TinySpec, build_pair
+from runtime.decode import Decoder
 from targets import LowerRequest, open_decoder
 
 # Each exported pair covers a different corner: GQA ratios 1/2/4, 1-3 draft layers, tapped layers

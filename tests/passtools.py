@@ -20,7 +20,7 @@ def apply_pass(run, model: onnx.ModelProto, graph: str = "target", options: dict
 
 def on_ort(directory):
     """How the CLI hands calibrated passes an export's graphs: its sessions on ONNX Runtime, via the registry."""
-    from dflash_onnx.runtime.manifest import load_manifest
+    from runtime.manifest import load_manifest
     from targets import open_session
 
     manifest = load_manifest(directory)

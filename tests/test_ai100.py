@@ -15,9 +15,9 @@ from reference import (  # skips the module when the oracle is missing
 )
 from transformers import AutoModelForCausalLM
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import load_manifest
-from dflash_onnx.runtime.sampling import SamplingParams
+from runtime.errors import DFlashError
+from runtime.manifest import load_manifest
+from runtime.sampling import SamplingParams
 from targets import LowerRequest, open_decoder
 from targets.ai100.lower import lower_ai100
 from targets.ai100.options import Ai100Options
@@ -159,8 +159,8 @@ def test_bad_lowering_options(exported, tmp_path, options, message):
 
 
 def test_fp16_calibration_scales_fc_and_reports_the_largest_activation(exported):
-    from dflash_onnx.exporter.models.target import TappedTarget
-    from dflash_onnx.exporter.pair import load_draft, load_target
+    from exporter.models.target import TappedTarget
+    from exporter.pair import load_draft, load_target
     from targets.fp16_calibration import calibrate_fc_scale
 
     pair = exported("agree_b2")
@@ -177,9 +177,9 @@ def test_fp16_calibration_scales_fc_and_reports_the_largest_activation(exported)
 
 
 def test_scaled_fc_leaves_the_context_unchanged(exported):
-    from dflash_onnx.exporter.models.retained import RetainedTarget
-    from dflash_onnx.exporter.models.target import TappedTarget
-    from dflash_onnx.exporter.pair import load_draft, load_target
+    from exporter.models.retained import RetainedTarget
+    from exporter.models.target import TappedTarget
+    from exporter.pair import load_draft, load_target
 
     pair = exported("agree_b2")
     lm = load_target(pair.target_dir)
@@ -215,7 +215,7 @@ def test_padded_rows_write_only_the_scratch_slot(lowered):
 
 
 def test_parity_refuses_a_lowered_directory(exported, lowered):
-    from dflash_onnx.commands.parity import run_parity
+    from dflash_onnx.parity import run_parity
 
     pair = exported("agree_b8")
     with pytest.raises(DFlashError, match="lowered \\(for ai100, retained form\\): run parity on the export"):
@@ -234,8 +234,8 @@ def test_the_streamed_calibration_and_retained_export_equal_the_loaded_ones(name
     """The lowering runs the calibration on a meta pair whose modules read their weights when called, and writes
     each weight from its checkpoint (fc divided by its scale) as the graphs are saved: same numbers, same graphs
     as with the pair loaded whole (--no-stream)."""
-    from dflash_onnx.exporter.lazy_weights import pair_sources, weights_on_demand
-    from dflash_onnx.exporter.pair import DTYPES, load_tapped_pair, meta_pair
+    from exporter.lazy_weights import pair_sources, weights_on_demand
+    from exporter.pair import DTYPES, load_tapped_pair, meta_pair
     from targets.ai100.lower import export_retained
     from targets.fp16_calibration import calibrate_fc_scale
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import load_manifest
+from runtime.errors import DFlashError
+from runtime.manifest import load_manifest
 from targets import LowerRequest
 from targets.ai100.compiler import SDK_EXEC, compile_commands, compile_flags, compile_script, partition_config
 from targets.ai100.lower import lower_ai100

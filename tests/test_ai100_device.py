@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import load_manifest
+from runtime.errors import DFlashError
+from runtime.manifest import load_manifest
 from targets import open_decoder
 
 FAKE = Path(__file__).parent / "fake_qaic_sdk"

@@ -9,8 +9,8 @@ import onnx
 import pytest
 import torch
 
-from dflash_onnx.exporter.export import export_program
-from dflash_onnx.runtime.manifest import load_manifest
+from exporter.export import export_program
+from runtime.manifest import load_manifest
 from targets import LowerRequest
 from targets.ai100.emulate import GraphSession, emulated_graph
 from targets.ai100.lower import lower_ai100

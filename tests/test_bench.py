@@ -8,8 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dflash_onnx.cli import main
-from dflash_onnx.commands.bench import (
+from dflash_onnx.bench import (
     BenchOptions,
     ClockedSession,
     aggregate,
@@ -20,8 +19,9 @@ from dflash_onnx.commands.bench import (
     load_prompts,
     run_bench,
 )
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.cli import main
+from runtime.errors import DFlashError
+from runtime.manifest import load_manifest
 
 SMALL = dict(max_new_tokens=24, repeats=1, num_prompts=2, contexts=[16, 64], curve_repeats=2)
 
@@ -177,8 +177,8 @@ def test_ort_genai_peer_is_built_at_the_directorys_precision_and_provider():
 
     from fakes import make_manifest
 
-    from dflash_onnx.commands.peers import genai_block_size, genai_build
-    from dflash_onnx.runtime.manifest import Lowering
+    from dflash_onnx.peers import genai_block_size, genai_build
+    from runtime.manifest import Lowering
 
     export = make_manifest()
     assert genai_build(export) == ("fp32", "cpu")
@@ -197,7 +197,7 @@ def test_ort_genai_peer_is_built_at_the_directorys_precision_and_provider():
 def test_busy_processes_run_for_the_block_and_are_ended_by_pid():
     import os
 
-    from dflash_onnx.runtime.busy import busy_processes
+    from runtime.busy import busy_processes
 
     def alive(pid: int) -> bool:
         try:
@@ -223,7 +223,7 @@ def test_bench_load_adds_a_loaded_measurement_beside_the_quiet_one(exported, cap
 
 
 def test_bench_load_report_pairs_quiet_and_loaded_figures(exported):
-    from dflash_onnx.commands.bench import quiet_and_loaded
+    from dflash_onnx.bench import quiet_and_loaded
 
     options = BenchOptions(max_new_tokens=12, repeats=1, num_prompts=1, contexts=[8], curve_repeats=1, load=1)
     report = run_bench(exported("agree_b8").out, None, None, options, [], (None, None), progress=False)

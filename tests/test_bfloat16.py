@@ -15,14 +15,14 @@ import torch
 from onnx import numpy_helper
 from safetensors.torch import load_file, save_file
 
-from dflash_onnx.commands.parity import run_parity
-from dflash_onnx.exporter.export import export_pair
-from dflash_onnx.exporter.models.target import hf_greedy
-from dflash_onnx.exporter.pair import load_target
-from dflash_onnx.exporter.tiny import TinySpec, build_pair
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.parity import run_parity
+from exporter.export import export_pair
+from exporter.models.target import hf_greedy
+from exporter.pair import load_target
+from exporter.tiny import TinySpec, build_pair
 from passes.pipeline import apply_pipeline
+from runtime.errors import DFlashError
+from runtime.manifest import load_manifest
 from targets import LowerRequest, open_decoder
 from targets.ort.lower import lower_ort
 

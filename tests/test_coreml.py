@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_onnx.exporter.models.stateful import StatefulDraft, StatefulTarget
-from dflash_onnx.exporter.models.target import TappedTarget
-from dflash_onnx.exporter.pair import load_draft, load_target
-from dflash_onnx.runtime.decode import Decoder
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import load_manifest
+from exporter.models.stateful import StatefulDraft, StatefulTarget
+from exporter.models.target import TappedTarget
+from exporter.pair import load_draft, load_target
+from runtime.decode import Decoder
+from runtime.errors import DFlashError
+from runtime.manifest import load_manifest
 from targets import LowerRequest, open_decoder
 
 ct = pytest.importorskip("coremltools", reason="coremltools is not installed: pip install 'coremltools>=9,<10'")
@@ -155,7 +155,7 @@ def test_coreml_backend_says_it_needs_macos(coreml_lowered, capsys):
 
 
 def test_consecutive_padding_reserves_the_tail(coreml_lowered):
-    from dflash_onnx.runtime.runners import RetainedTarget
+    from runtime.runners import RetainedTarget
 
     runner = RetainedTarget(TorchStatefulSession(None, []), load_manifest(coreml_lowered))  # positions only
     assert runner.capacity == CTX_LEN - PREFILL
@@ -181,7 +181,7 @@ def test_bad_coreml_options(options, message, exported, tmp_path):
 
 
 def test_a_conversion_too_big_for_the_machine_names_the_parts_that_fit(exported, tmp_path, monkeypatch):
-    from dflash_onnx.artifacts import publish
+    from artifacts import publish
 
     source = exported("agree_b8").out
     monkeypatch.delenv(publish.MEMORY_CHECK_ENV, raising=False)
@@ -387,8 +387,8 @@ def test_tied_weights_read_for_a_trace_share_storage_not_parameters(exported):
     """A part's weights read from the checkpoints (--layers-per-part): the draft's embedding and lm_head of a tied
     target are one tensor read once, held by two Parameters (torch.jit.trace refuses one Parameter in two places),
     and go back to the meta device after."""
-    from dflash_onnx.exporter.lazy_weights import pair_sources, weights_loaded
-    from dflash_onnx.exporter.pair import meta_pair
+    from exporter.lazy_weights import pair_sources, weights_loaded
+    from exporter.pair import meta_pair
 
     pair = exported("causal_gqa4_b4")  # tied embeddings
     tapped, draft = meta_pair(pair.target_dir, pair.draft_dir, pair.spec.target_layer_ids)

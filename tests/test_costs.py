@@ -9,9 +9,9 @@ import shutil
 import pytest
 
 from dflash_onnx.cli import main
-from dflash_onnx.runtime.costs import read_costs
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import load_manifest
+from runtime.costs import read_costs
+from runtime.errors import DFlashError
+from runtime.manifest import load_manifest
 
 
 def test_the_ort_lowering_records_a_non_decreasing_curve(ort_lowered):
@@ -27,7 +27,7 @@ def test_the_curve_holds_one_graph_at_a_time(ort_lowered):
     import gc
     import weakref
 
-    from dflash_onnx.runtime.costs import measure_costs
+    from runtime.costs import measure_costs
     from targets import open_session
 
     directory = ort_lowered("agree_b8")

@@ -11,8 +11,8 @@ from reference import (  # skips the module when the oracle is missing
 )
 from transformers import AutoModelForCausalLM
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.runners import KVState
+from runtime.errors import DFlashError
+from runtime.runners import KVState
 
 
 def _reference(pair, prompt, max_new_tokens, stops):
@@ -173,7 +173,7 @@ def test_streaming_yields_what_generate_returns(decoders):
 def test_time_spent_by_the_stream_consumer_is_not_decode_time(decoders, monkeypatch):
     import time as real_time
 
-    import dflash_onnx.runtime.decode as decode_module
+    import runtime.decode as decode_module
 
     class Clock:  # real time plus whatever the consumer "spends"
         offset = 0.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dflash_onnx.commands.demo import run_demo
+from dflash_onnx.demo import run_demo
 
 
 def test_demo_runs_offline_and_is_lossless(tmp_path, monkeypatch, capsys):

@@ -6,7 +6,7 @@ import datetime
 import sys
 from pathlib import Path
 
-from dflash_onnx.commands.figures import command_line, markdown_table, provenance
+from dflash_onnx.figures import command_line, markdown_table, provenance
 
 
 def test_a_table_has_a_header_a_rule_and_a_row_per_entry():

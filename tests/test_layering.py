@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("dflash_onnx", "passes", "targets")
-# each layer (a folder) and the layers it may import, bottom up; exporter, training and passes are siblings
-# that never import each other's modules, except that training trains the exporter's draft
+PACKAGES = ("runtime", "artifacts", "exporter", "training", "passes", "targets", "dflash_onnx")
+# each layer (a top-level folder; the CLI apart) and the layers it may import, bottom up; exporter, training and
+# passes are siblings that never import each other's modules, except that training trains the exporter's draft
 MAY_IMPORT = {
     "runtime": {"runtime"},
     "artifacts": {"runtime", "artifacts"},
@@ -32,20 +32,18 @@ SESSION_LIBRARIES = {"ort": {"onnxruntime", "onnx"}, "ai100": {"QAicApi_pb2", "q
                      "coreml": {"coremltools"}}
 # neutral helpers a session may use: artifact names checked to stay inside their directory; how many rows the
 # K/V buffers of the ORT and MLX sessions hold (no runtime import of its own)
-SESSION_HELPERS = {"dflash_onnx.artifacts.graph_files", "targets.kv_rows"}
+SESSION_HELPERS = {"artifacts.graph_files", "targets.kv_rows"}
 HEAVY = {"torch", "transformers", "safetensors", "onnx", "onnxruntime", "onnx_ir", "onnxscript", "mlx", "coremltools"}
 THIRD_PARTY = HEAVY | RUNTIME_LIBRARIES | {"tqdm", "matplotlib", "onnxruntime_genai", "dflash", "scipy", "optimum",
                                           "QAicApi_pb2", "qaicrt"}
 
 
-def layer(module: str) -> str | None:
-    """The layer a project module belongs to: its folder (None for the package root, which holds the version)."""
-    parts = module.split(".")
-    if parts[0] in ("passes", "targets"):
-        return parts[0]
+def layer(module: str) -> str:
+    """The layer a project module belongs to: its top-level folder; dflash_onnx/ holds the commands and the CLI."""
     if module == "dflash_onnx.cli":
         return "cli"
-    return parts[1] if len(parts) > 1 else None
+    top = module.split(".")[0]
+    return "commands" if top == "dflash_onnx" else top
 
 
 def _module_name(path: Path) -> str:
@@ -96,14 +94,13 @@ def _libraries(imports: set[str]) -> set[str]:
 
 
 def test_the_walk_sees_the_code():
-    assert {f"dflash_onnx.runtime.{name}" for name in ("errors", "manifest", "session", "runners", "sampling",
-                                                       "decode", "feeds", "tokenizer", "chat", "paths", "policy",
-                                                       "costs")} <= RUNTIME
+    assert {f"runtime.{name}" for name in ("errors", "manifest", "session", "runners", "sampling", "decode", "feeds",
+                                           "tokenizer", "chat", "paths", "policy", "costs")} <= RUNTIME
     assert "targets.ort.session" in MODULES and "passes.kv_buffer" in MODULES
-    assert "dflash_onnx.runtime.manifest" in GRAPH["dflash_onnx.runtime.decode"]
+    assert "runtime.manifest" in GRAPH["runtime.decode"]
     assert "targets.ort.lower" in GRAPH["targets.ort"]  # imports inside functions count
-    assert {"torch"} <= _libraries(GRAPH["dflash_onnx.exporter.export"])
-    assert {layer(m) for m in MODULES} == set(MAY_IMPORT) | {None}, "a folder the layering does not know"
+    assert {"torch"} <= _libraries(GRAPH["exporter.export"])
+    assert {layer(m) for m in MODULES} == set(MAY_IMPORT), "a folder the layering does not know"
 
 
 def test_no_import_cycle():
@@ -129,8 +126,8 @@ def test_no_import_cycle():
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_a_module_imports_only_the_layers_below_its_own(module):
-    allowed = MAY_IMPORT.get(layer(module), set())
-    above = sorted(m for m in _project(GRAPH[module]) if layer(m) is not None and layer(m) not in allowed)
+    allowed = MAY_IMPORT[layer(module)]
+    above = sorted(m for m in _project(GRAPH[module]) if layer(m) not in allowed)
     assert not above, f"{module} ({layer(module)}) imports {above}"
     if layer(module) in LAYER_LIBRARIES:
         extra = _libraries(GRAPH[module]) - LAYER_LIBRARIES[layer(module)]

@@ -9,8 +9,8 @@ from dataclasses import asdict
 import pytest
 from fakes import make_manifest
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, Lowering, load_export, load_manifest
+from runtime.errors import DFlashError
+from runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, Lowering, load_export, load_manifest
 
 
 def _written(tmp_path, manifest) -> dict:

@@ -14,8 +14,8 @@ from reference import (  # skips the module when the oracle is missing
 )
 from transformers import AutoModelForCausalLM
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import load_manifest
+from runtime.errors import DFlashError
+from runtime.manifest import load_manifest
 from targets import LowerRequest, open_decoder
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed: pip install 'mlx[cpu]' (Linux) or mlx (macOS)")
@@ -290,7 +290,7 @@ def test_mlx_lm_peer_decodes_our_tokens(exported, mlx_lowered):
     """`bench --peers mlx-lm`: mlx-lm's native model of the target (same weights, float) greedy-decodes the tokens
     our fused MLX lowering does, and its figures sit beside ours."""
     pytest.importorskip("mlx_lm", reason="mlx-lm (the test extra installs it)")
-    from dflash_onnx.commands.bench import BenchOptions, run_bench
+    from dflash_onnx.bench import BenchOptions, run_bench
 
     options = BenchOptions(max_new_tokens=12, repeats=1, num_prompts=2, contexts=[16], curve_repeats=1)
     report = run_bench(mlx_lowered("agree_b8"), "mlx", None, options, ["mlx-lm"], (None, None), progress=False)
@@ -370,7 +370,7 @@ def test_host_time_demo_fills_both_caches_with_the_same_context(exported, mlx_lo
     pytest.importorskip("mlx_lm", reason="mlx-lm (the test extra installs it)")
     from mlx_lm.models.cache import make_prompt_cache
 
-    from dflash_onnx.commands.peers import mlx_lm_model
+    from dflash_onnx.peers import mlx_lm_model
 
     demo = benchmark_script("mlx_host_time")
     directory = mlx_lowered("agree_b8", kv_buffer=True)

@@ -9,8 +9,8 @@ from conftest import KV_BUFFER
 
 import targets.ort.check as ort_check
 from dflash_onnx.cli import main
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import load_manifest
+from runtime.errors import DFlashError
+from runtime.manifest import load_manifest
 from targets import LowerRequest, open_decoder
 from targets.ort.lower import lower_ort
 from targets.ort.options import OrtOptions
@@ -116,7 +116,7 @@ def test_buffer_form_is_refused_where_it_would_change_the_output(exported, tmp_p
 def test_rows_form_draft_keeps_the_exports_context_cache_in_its_buffers(exported, ort_lowered):
     """Proposal by proposal, the lowered draft session's buffers hold the rows the export's `present` holds,
     and the runner feeds it no K/V (the session writes each call's rows in place)."""
-    from dflash_onnx.runtime.runners import RowsDraft, open_runners
+    from runtime.runners import RowsDraft, open_runners
 
     lowered, export = open_decoder(ort_lowered("agree_b8")), exported("agree_b8").decoder()
     _, rows = open_runners(lowered.manifest, lowered.target, lowered.draft, 256)
@@ -249,7 +249,7 @@ def test_cli_lower_ort_errors_are_one_line(exported, tmp_path, capsys):
 
 def test_buffer_form_rotation_holds_at_long_positions(exported, ort_lowered):
     """GroupQueryAttention's own RoPE (cos/sin cache) matches the export's rotation 500 positions in."""
-    from dflash_onnx.runtime.runners import open_runners
+    from runtime.runners import open_runners
 
     lowered, export = open_decoder(ort_lowered("agree_b8")), exported("agree_b8").decoder()
     ids = np.random.default_rng(5).integers(0, 96, size=500)
@@ -304,7 +304,7 @@ def _assert_a_wrong_rewrite_is_refused(quantized, directory) -> None:
 def _assert_batch_invariant(decoder) -> None:
     """The lowering measured a row multiple with which a token's logits are the same bits whether its call had
     one row (a greedy step) or a block (a DFlash verify), and the decoder pads to it."""
-    from dflash_onnx.runtime.runners import open_runners
+    from runtime.runners import open_runners
 
     measured = decoder.manifest.lowering.report["batch_invariance"]
     assert measured["invariant"] and decoder.row_multiple == measured["row_multiple"] >= 1

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from dflash_onnx.exporter.export import export_pair
-from dflash_onnx.exporter.models.draft import DraftSpec
-from dflash_onnx.exporter.pair import TargetInfo, validate_pair
-from dflash_onnx.exporter.tiny import TinySpec, build_pair
-from dflash_onnx.runtime.errors import DFlashError
+from exporter.export import export_pair
+from exporter.models.draft import DraftSpec
+from exporter.pair import TargetInfo, validate_pair
+from exporter.tiny import TinySpec, build_pair
+from runtime.errors import DFlashError
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_invalid_exports_are_refused_before_any_work(tmp_path, pair_dirs):
 
 
 def test_a_failure_mid_export_leaves_no_output_and_keeps_the_old_one(tmp_path, pair_dirs, monkeypatch):
-    import dflash_onnx.exporter.export as export_module
+    import exporter.export as export_module
 
     target_dir, draft_dir = pair_dirs
     out = tmp_path / "out"
@@ -107,8 +107,8 @@ def test_a_stage_the_machine_cannot_hold_is_refused_up_front(tmp_path, pair_dirs
     """Export, weight-loading passes and the ORT, AI 100 and CoreML lowerings estimate their peak memory from their
     weights (measured factors) and refuse, naming both figures, before anything is written; the environment
     variable lets a user try."""
-    import dflash_onnx.artifacts.publish as publish
-    from dflash_onnx.artifacts.publish import MEMORY_CHECK_ENV, available_memory, staged_directory
+    import artifacts.publish as publish
+    from artifacts.publish import MEMORY_CHECK_ENV, available_memory, staged_directory
 
     assert available_memory() is None or available_memory() > 0
     target_dir, draft_dir = pair_dirs

@@ -10,11 +10,11 @@ import onnx
 import pytest
 from passtools import apply_pass, on_ort
 
-from dflash_onnx.runtime.decode import Decoder
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import load_manifest
 from passes import registry
 from passes.pipeline import apply_pipeline, parse_pass_options
+from runtime.decode import Decoder
+from runtime.errors import DFlashError
+from runtime.manifest import load_manifest
 from targets import open_decoder
 
 PIPELINES = {"cleanup": ["cleanup"], "rope-fusion": ["rope-fusion"], "int8": ["int8"], "int4": ["int4"],
@@ -116,8 +116,8 @@ def test_quantization_report_and_what_it_leaves_alone(optimized):
 def test_the_default_block_is_recorded_in_the_manifest(exported, tmp_path):
     """Blocks of 64 unless asked (ORT's CPU kernel holds 1.25x their int4 bytes; 1.5x at 32), and the manifest
     records the size even when defaulted, so peers (onnxruntime-genai's builder) quantize alike."""
-    from dflash_onnx.runtime.manifest import load_manifest
     from passes.quantize import BLOCK_SIZE
+    from runtime.manifest import load_manifest
 
     out = tmp_path / "int4"
     apply_pipeline(exported("agree_b8").out, ["int4"], out, {}, progress=False)
@@ -187,7 +187,7 @@ def test_optimize_command(exported, tmp_path, capsys):
 
 
 def test_parity_accepts_a_quantized_export_within_its_stated_bound(exported, optimized):
-    from dflash_onnx.commands.parity import run_parity
+    from dflash_onnx.parity import run_parity
 
     pair = exported("agree_b8")
     report = run_parity(optimized("int8"), pair.target_dir, pair.draft_dir, num_prompts=2, max_new_tokens=12)

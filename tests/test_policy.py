@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import CostModel
-from dflash_onnx.runtime.policy import BINS, Calibration, VerifyPolicy, isotonic, parse_verify, simulate
+from runtime.errors import DFlashError
+from runtime.manifest import CostModel
+from runtime.policy import BINS, Calibration, VerifyPolicy, isotonic, parse_verify, simulate
 
 TRACE = json.loads((Path(__file__).parent / "data" / "demo_trace.json").read_text())
 STEPS = [(np.asarray(s["confidence"]), s["accepted"]) for s in TRACE["steps"]]

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from dflash_onnx.exporter.export import export_pair
-from dflash_onnx.exporter.shaped import draft_shapes, write_checkpoint
-from dflash_onnx.exporter.tiny import PRESETS, TinySpec, _draft_config, build_pair
+from exporter.export import export_pair
+from exporter.shaped import draft_shapes, write_checkpoint
+from exporter.tiny import PRESETS, TinySpec, _draft_config, build_pair
 from targets import open_decoder
 
 SMALL = TinySpec(vocab_size=96, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, target_layers=4,
@@ -74,8 +74,8 @@ def test_published_presets_have_the_published_shapes(name):
     """Parameter counts from the meta-device shapes (nothing allocated): Qwen3-4B 4.02 B, LLaMA-3.1-8B 8.03 B."""
     from transformers import AutoConfig
 
-    from dflash_onnx.exporter.shaped import target_shapes
-    from dflash_onnx.exporter.tiny import _target_config
+    from exporter.shaped import target_shapes
+    from exporter.tiny import _target_config
 
     spec = PRESETS[name]
     config = AutoConfig.for_model(spec.model_type, **_target_config(spec))

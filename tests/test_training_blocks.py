@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_onnx.exporter.pair import load_draft, load_target
-from dflash_onnx.training.blocks import (
+from exporter.pair import load_draft, load_target
+from training.blocks import (
     acceptance_lengths,
     block_input_ids,
     block_labels,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import onnx
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Manifest
+from runtime.errors import DFlashError
+from runtime.manifest import Manifest
 
 from .options import Ai100Options
 

@@ -17,8 +17,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from dflash_onnx.runtime.decode import Decoder
-from dflash_onnx.runtime.manifest import Manifest
+from runtime.decode import Decoder
+from runtime.manifest import Manifest
 
 from .compiler import smallest_covering
 from .options import Ai100Options

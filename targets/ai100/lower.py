@@ -2,7 +2,7 @@
 next to them, a float16 emulation check, and the compile itself when the SDK is present.
 
 The target and draft are exported again from the source checkpoints (recorded in OUT's manifest) in the
-retained form of `dflash_onnx.exporter.models.retained` (QEfficient's convention: `past_key.i` / `past_value.i`
+retained form of `exporter.models.retained` (QEfficient's convention: `past_key.i` / `past_value.i`
 paired with `*_RetainedState` outputs, a `comp_ctx_lengths` input per compute-context length). The same
 graphs run on ONNX Runtime with the retained state fed back by the host, which is how they are proven
 lossless without the hardware; `emulate` runs them again as the compiler's float16 would.
@@ -23,16 +23,16 @@ import numpy as np
 import onnx
 import torch
 
-from dflash_onnx.artifacts.graph_files import graph_spec, share_initializers
-from dflash_onnx.artifacts.model_dirs import largest_tensor_bytes
-from dflash_onnx.artifacts.progress import Stages
-from dflash_onnx.artifacts.publish import copy_tokenizer_files
-from dflash_onnx.exporter.export import export_program, save_graph
-from dflash_onnx.exporter.lazy_weights import LazyWeights, Source, pair_sources, traced_weights, weights_on_demand
-from dflash_onnx.exporter.models.retained import RetainedDraft, RetainedTarget
-from dflash_onnx.exporter.pair import DTYPES, load_tapped_pair, meta_pair
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Lowering, Manifest
+from artifacts.graph_files import graph_spec, share_initializers
+from artifacts.model_dirs import largest_tensor_bytes
+from artifacts.progress import Stages
+from artifacts.publish import copy_tokenizer_files
+from exporter.export import export_program, save_graph
+from exporter.lazy_weights import LazyWeights, Source, pair_sources, traced_weights, weights_on_demand
+from exporter.models.retained import RetainedDraft, RetainedTarget
+from exporter.pair import DTYPES, load_tapped_pair, meta_pair
+from runtime.errors import DFlashError
+from runtime.manifest import Lowering, Manifest
 from targets.fp16_calibration import calibrate_for_fp16
 
 from ..backend import LowerRequest

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import GraphSpec, Manifest
+from runtime.errors import DFlashError
+from runtime.manifest import GraphSpec, Manifest
 
 from ..backend import recorded_options
 from .options import Ai100Options

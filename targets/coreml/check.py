@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Manifest
-from dflash_onnx.runtime.runners import open_runners
+from runtime.errors import DFlashError
+from runtime.manifest import Manifest
+from runtime.runners import open_runners
 
 from .mil_eval import MilProgram, read_spec, weight_reader
 from .rounded_weights import rounded_weights

@@ -3,7 +3,7 @@
 coremltools has no ONNX frontend since 6.0, so the lowering converts the PyTorch modules behind the
 export (the checkpoints recorded in OUT's manifest, the same weights) with `torch.jit.trace` +
 `ct.convert`: mlprogram, float16 compute, K/V as `ct.StateType` (macOS 15 / iOS 18), optionally block-wise
-int4/int8 weights (`--bits`). The modules are the conversion-friendly forms in dflash_onnx/exporter/models/stateful.py
+int4/int8 weights (`--bits`). The modules are the conversion-friendly forms in exporter/models/stateful.py
 (the same math as the HF model; tested against it). Each call size is its own function with fixed shapes
 (coremltools' recommendation for LLMs: the Neural Engine takes fixed shapes): the target's `decode` (1
 token), `verify` (block_size) and `prefill` (--prefill-len), the draft's `draft` (up to a block of new
@@ -30,13 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_onnx.artifacts.progress import Stages
-from dflash_onnx.artifacts.publish import copy_tokenizer_files
-from dflash_onnx.exporter.lazy_weights import pair_sources, weights_loaded, weights_on_demand
-from dflash_onnx.exporter.models.stateful import StatefulDraft, StatefulTarget
-from dflash_onnx.exporter.pair import load_tapped_pair, meta_pair
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import GraphSpec, Lowering, Manifest, TensorSpec
+from artifacts.progress import Stages
+from artifacts.publish import copy_tokenizer_files
+from exporter.lazy_weights import pair_sources, weights_loaded, weights_on_demand
+from exporter.models.stateful import StatefulDraft, StatefulTarget
+from exporter.pair import load_tapped_pair, meta_pair
+from runtime.errors import DFlashError
+from runtime.manifest import GraphSpec, Lowering, Manifest, TensorSpec
 from targets.fp16_calibration import calibrate_for_fp16
 
 from ..backend import LowerRequest

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_onnx.runtime.errors import DFlashError
+from runtime.errors import DFlashError
 
 from .session import import_coremltools
 

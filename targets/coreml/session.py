@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Manifest
-from dflash_onnx.runtime.paths import member
+from runtime.errors import DFlashError
+from runtime.manifest import Manifest
+from runtime.paths import member
 
 from ..backend import recorded_options
 from .options import CoremlOptions

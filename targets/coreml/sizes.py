@@ -15,7 +15,7 @@ import math
 import re
 from pathlib import Path
 
-from dflash_onnx.artifacts.model_dirs import read_config, tensor_shapes
+from artifacts.model_dirs import read_config, tensor_shapes
 
 from .options import CoremlOptions
 from .session import target_parts

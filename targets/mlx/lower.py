@@ -22,11 +22,11 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from dflash_onnx.artifacts.graph_files import checked_graph, share_initializers
-from dflash_onnx.artifacts.publish import available_memory, copy_tokenizer_files
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Lowering, Manifest
+from artifacts.graph_files import checked_graph, share_initializers
+from artifacts.publish import available_memory, copy_tokenizer_files
 from passes.pipeline import apply_pipeline
+from runtime.errors import DFlashError
+from runtime.manifest import Lowering, Manifest
 
 from ..backend import LowerRequest
 from ..check import compare_lowering, target_calls

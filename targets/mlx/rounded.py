@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_onnx.runtime.manifest import Manifest
+from runtime.manifest import Manifest
 
 from .session import import_mlx
 

@@ -22,8 +22,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Manifest
+from runtime.errors import DFlashError
+from runtime.manifest import Manifest
 
 from ..backend import recorded_options
 from ..kv_rows import rows_to_hold

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_onnx.runtime.manifest import Manifest
+from runtime.manifest import Manifest
 
 from ..backend import Backend, LowerRequest, recorded_options
 from .options import FLAGS, OrtOptions

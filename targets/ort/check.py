@@ -14,8 +14,8 @@ from pathlib import Path
 
 import onnx
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Manifest
+from runtime.errors import DFlashError
+from runtime.manifest import Manifest
 
 from ..check import compare_lowering
 from .session import OrtSession, open_session

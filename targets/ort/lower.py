@@ -18,12 +18,12 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from dflash_onnx.artifacts.graph_files import share_initializers
-from dflash_onnx.artifacts.publish import copy_tokenizer_files
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Lowering, Manifest
+from artifacts.graph_files import share_initializers
+from artifacts.publish import copy_tokenizer_files
 from passes import registry
 from passes.pipeline import apply_pipeline
+from runtime.errors import DFlashError
+from runtime.manifest import Lowering, Manifest
 
 from ..backend import LowerRequest
 from ..lowering import lowered_output, record_measurements, start_lowering

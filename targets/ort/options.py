@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_onnx.runtime.errors import DFlashError
+from runtime.errors import DFlashError
 
 from ..backend import Flag
 from .spinning import CHOICES

@@ -10,9 +10,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from dflash_onnx.artifacts.graph_files import checked_graph
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Manifest
+from artifacts.graph_files import checked_graph
+from runtime.errors import DFlashError
+from runtime.manifest import Manifest
 
 from ..backend import recorded_options
 from ..kv_rows import rows_to_hold

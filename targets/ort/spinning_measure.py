@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from dflash_onnx.runtime.busy import busy_processes
-from dflash_onnx.runtime.costs import TARGET_OUTPUTS, call_ms
-from dflash_onnx.runtime.feeds import target_feeds
-from dflash_onnx.runtime.manifest import Manifest
+from runtime.busy import busy_processes
+from runtime.costs import TARGET_OUTPUTS, call_ms
+from runtime.feeds import target_feeds
+from runtime.manifest import Manifest
 
 from .spinning import MODES
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_onnx.runtime.errors import DFlashError
+from runtime.errors import DFlashError
 
 from .draft import DFlashDraft, confidence, visible
 from .target import TappedTarget

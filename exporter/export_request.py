@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_onnx.artifacts.model_dirs import read_config, weight_files
-from dflash_onnx.artifacts.publish import check_out_dir
-from dflash_onnx.runtime.errors import DFlashError
+from artifacts.model_dirs import read_config, weight_files
+from artifacts.publish import check_out_dir
+from runtime.errors import DFlashError
 
 DEFAULT_OPSET = 18
 OPSETS = range(18, 24)  # torch's exporter emits 18 and newer

@@ -52,7 +52,7 @@ class GraphSpec:
 class CostModel:
     """What one DFlash round costs on a backend, measured where the directory runs (or replayed from a file):
     the target's step for T new tokens, T = 1..block_size, and the draft's step, in milliseconds, at
-    `context` tokens of K/V. The verify policy reads it (dflash_onnx/runtime/policy.py)."""
+    `context` tokens of K/V. The verify policy reads it (runtime/policy.py)."""
 
     verify_ms: list[float]
     draft_ms: float

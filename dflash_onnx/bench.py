@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_onnx.runtime.costs import DRAFT_OUTPUTS, TARGET_OUTPUTS, call_ms, measurable
-from dflash_onnx.runtime.decode import Decoder
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.feeds import draft_feeds, target_feeds
-from dflash_onnx.runtime.manifest import CostModel, Manifest, load_manifest
-from dflash_onnx.runtime.tokenizer import TextCodec, has_tokenizer
+from runtime.costs import DRAFT_OUTPUTS, TARGET_OUTPUTS, call_ms, measurable
+from runtime.decode import Decoder
+from runtime.errors import DFlashError
+from runtime.feeds import draft_feeds, target_feeds
+from runtime.manifest import CostModel, Manifest, load_manifest
+from runtime.tokenizer import TextCodec, has_tokenizer
 from targets import backend_for, open_decoder
 
 
@@ -339,7 +339,7 @@ def _loaded(decoder: Decoder, prompts: list[dict], options: BenchOptions, peers:
     """The runs (and peers) again with `options.load` busy processes beside them, started and ended here."""
     from tqdm import tqdm
 
-    from dflash_onnx.runtime.busy import busy_processes
+    from runtime.busy import busy_processes
 
     manifest = decoder.manifest
     total = len(bench_modes(decoder, options)) * options.repeats * len(prompts)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.tokenizer import TextCodec
+from runtime.errors import DFlashError
+from runtime.tokenizer import TextCodec
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java")
 

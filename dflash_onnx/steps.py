@@ -14,11 +14,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from dflash_onnx.commands.figures import markdown_table, provenance
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.feeds import draft_feeds, target_feeds
-from dflash_onnx.runtime.manifest import Manifest, load_manifest
+from runtime.errors import DFlashError
+from runtime.feeds import draft_feeds, target_feeds
+from runtime.manifest import Manifest, load_manifest
 from targets import backend_for, open_session
+
+from .figures import markdown_table, provenance
 
 
 def _feeds(manifest: Manifest, context: int) -> dict[str, dict[str, np.ndarray]]:
@@ -75,12 +76,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def markdown(rows: list[dict]) -> str:
-    """The same figures as docs/ prints them (ms per call), with the line naming command, date and machine."""
+def markdown(rows: list[dict], command: list[str]) -> str:
+    """The same figures as docs/ prints them (ms per call), with the line naming `command`, date and machine."""
     body = [[f"`{Path(r['directory']).name}`", ", ".join(r["passes"]) or "-",
              f"{r['target_nodes']} / {r['draft_nodes']}", f"{r['decode_ms']:.2f}", f"{r['verify_ms']:.2f}",
              f"{r['draft_ms']:.2f}", f"{r['verify_over_decode']:.2f}"] for r in rows]
     context, block = rows[0]["context"], rows[0]["block_size"]
     header = ["directory", "passes", "nodes target / draft", "decode", f"verify ({block})", "draft", "verify / decode"]
-    return f"{markdown_table(header, body)}\n\nms per call at a context of {context} tokens. {provenance()}"
+    return f"{markdown_table(header, body)}\n\nms per call at a context of {context} tokens. {provenance(command)}"
 

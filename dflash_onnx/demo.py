@@ -1,6 +1,6 @@
 """`dflash-onnx demo`: the embedded default job, offline.
 
-The shipped pair (dflash_onnx/commands/demo_pair/, rebuilt by benchmarks/build_pair.py) is a byte-level Qwen3 target
+The shipped pair (dflash_onnx/demo_pair/, rebuilt by benchmarks/build_pair.py) is a byte-level Qwen3 target
 trained on the Python standard library and its distilled DFlash draft. The demo exports it once (cached),
 takes code prompts from standard-library files both models never saw (the held-out split), streams each
 DFlash completion, checks it against greedy decoding and prints tau, the acceptance histogram and the
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_onnx.runtime.decode import Decoder
-from dflash_onnx.runtime.manifest import MANIFEST_NAME, load_manifest
-from dflash_onnx.runtime.tokenizer import TextCodec, TextStream, has_tokenizer
+from runtime.decode import Decoder
+from runtime.manifest import MANIFEST_NAME, load_manifest
+from runtime.tokenizer import TextCodec, TextStream, has_tokenizer
 from targets import LowerRequest, get_backend, open_decoder
 
 PAIR_DIR = Path(__file__).parent / "demo_pair"
@@ -39,7 +39,7 @@ def _shipped() -> bool:
 
 def ensure_demo_export(progress: bool = True) -> Path:
     """Export the demo pair unless the cache already holds this version; return the export directory."""
-    from dflash_onnx.exporter.export import GRAPH_REVISION, export_pair
+    from exporter.export import GRAPH_REVISION, export_pair
 
     if _shipped():
         digest = hashlib.sha256()
@@ -49,7 +49,7 @@ def ensure_demo_export(progress: bool = True) -> Path:
         if not (out / MANIFEST_NAME).is_file():
             export_pair(PAIR_DIR / "target", PAIR_DIR / "draft", out, overwrite=True, progress=progress)
         return out
-    from dflash_onnx.exporter.tiny import TinySpec, build_pair
+    from exporter.tiny import TinySpec, build_pair
 
     root = cache_root() / f"tiny-agree-v1-g{GRAPH_REVISION}"
     out = root / "onnx"

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_onnx.artifacts.model_dirs import read_config, weight_files
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Manifest
+from artifacts.model_dirs import read_config, weight_files
+from runtime.errors import DFlashError
+from runtime.manifest import Manifest
 
 PEERS = ("hf", "reference", "ort-genai", "mlx-lm")
 
@@ -33,7 +33,7 @@ PEERS = ("hf", "reference", "ort-genai", "mlx-lm")
 def _hf_greedy(lm, prompts: list[dict], max_new_tokens: int, repeats: int) -> dict:
     from transformers.generation.streamers import BaseStreamer
 
-    from dflash_onnx.exporter.models.target import hf_greedy
+    from exporter.models.target import hf_greedy
 
     class FirstToken(BaseStreamer):
         def __init__(self):
@@ -249,7 +249,7 @@ def check_peer_names(names: list[str]) -> None:
 def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str], target_dir: Path | None,
               draft_dir: Path | None, ours: dict, our_tokens: list[list[int]], progress: bool = True) -> dict:
     """Each named peer's aggregate figures, ours beside them, and the ratios the bench reports."""
-    from dflash_onnx.exporter.pair import load_reference_draft, load_target
+    from exporter.pair import load_reference_draft, load_target
 
     check_peer_names(names)
     lossy = [p["name"] for p in manifest.passes if p.get("lossy")]

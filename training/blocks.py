@@ -14,7 +14,7 @@ import math
 import torch
 from torch.nn import functional as F
 
-from dflash_onnx.exporter.models.draft import DFlashDraft, visible
+from exporter.models.draft import DFlashDraft, visible
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the published recipe's decay per block size
 

@@ -3,3 +3,5 @@ runners that feed each graph form, sampling, the verify policy and its cost curv
 
 The bottom layer: it imports nothing from the rest of dflash-onnx and no library beyond numpy, tokenizers and
 jinja2, so a deployment box runs it without torch (tests/test_layering.py holds it to that)."""
+
+__version__ = "0.1.0"  # the tool version every manifest records; the distribution's (pyproject.toml)

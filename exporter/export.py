@@ -20,13 +20,13 @@ import onnx
 import onnx_ir
 import torch
 
-from dflash_onnx import __version__
-from dflash_onnx.artifacts.graph_files import graph_spec, share_initializers
-from dflash_onnx.artifacts.model_dirs import export_bytes, largest_tensor_bytes
-from dflash_onnx.artifacts.progress import Stages
-from dflash_onnx.artifacts.publish import copy_tokenizer_files, staged_directory
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import GraphSpec, Manifest
+from artifacts.graph_files import graph_spec, share_initializers
+from artifacts.model_dirs import export_bytes, largest_tensor_bytes
+from artifacts.progress import Stages
+from artifacts.publish import copy_tokenizer_files, staged_directory
+from runtime import __version__
+from runtime.errors import DFlashError
+from runtime.manifest import GraphSpec, Manifest
 
 from .export_request import DEFAULT_OPSET, check_export_request
 from .lazy_weights import LazyWeights, pair_weights

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dflash_onnx.exporter.models.draft import DFlashDraft, DraftSpec, build_target_layer_ids
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.tokenizer import TextCodec
+from exporter.models.draft import DFlashDraft, DraftSpec, build_target_layer_ids
+from runtime.errors import DFlashError
+from runtime.tokenizer import TextCodec
 
 from . import blocks, checkpoint, data
 
@@ -120,7 +120,7 @@ def held_out_tau(draft: DFlashDraft, examples: list[tuple[torch.Tensor, torch.Te
 
 
 def _save_draft(draft: DFlashDraft, config: dict, out: Path, report: dict) -> None:
-    from dflash_onnx.artifacts.publish import staged_directory
+    from artifacts.publish import staged_directory
 
     with staged_directory(out) as tmp:
         state = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if k not in SAVED_AWAY}
@@ -134,7 +134,7 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
     """Train a draft for the target in `target_dir`; write it to `out`; return the training report."""
     from tqdm import tqdm
 
-    from dflash_onnx.exporter.pair import load_target
+    from exporter.pair import load_target
 
     options.validate()
     target_dir, out = Path(target_dir), Path(out)

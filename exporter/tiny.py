@@ -231,10 +231,10 @@ def _write_streamed(spec: TinySpec, target_dir: Path, draft_dir: Path, progress:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m dflash_onnx.exporter.tiny --preset qwen3-0.6b-shaped --out DIR: write DIR/target and DIR/draft."""
+    """python -m exporter.tiny --preset qwen3-0.6b-shaped --out DIR: write DIR/target and DIR/draft."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m dflash_onnx.exporter.tiny", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m exporter.tiny", description=main.__doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)

@@ -29,8 +29,8 @@ from safetensors import safe_open
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode  # what torch.onnx's former enable_fake_mode used
 
-from dflash_onnx.artifacts.model_dirs import file_tensor_shapes, weight_files
-from dflash_onnx.runtime.errors import DFlashError
+from artifacts.model_dirs import file_tensor_shapes, weight_files
+from runtime.errors import DFlashError
 
 from .models.draft import DFlashDraft
 from .models.target import TappedTarget

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_onnx.exporter.models.draft import DFlashDraft
-from dflash_onnx.exporter.models.target import TappedTarget, hf_greedy
-from dflash_onnx.exporter.pair import LOGIT_TOLERANCE, load_draft, load_reference_draft, load_target
-from dflash_onnx.runtime.decode import Decoder
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Manifest
+from exporter.models.draft import DFlashDraft
+from exporter.models.target import TappedTarget, hf_greedy
+from exporter.pair import LOGIT_TOLERANCE, load_draft, load_reference_draft, load_target
+from runtime.decode import Decoder
+from runtime.errors import DFlashError
+from runtime.manifest import Manifest
 from targets import open_decoder
 
 

@@ -21,8 +21,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
 )
 
-from dflash_onnx.artifacts.model_dirs import read_config, weight_files
-from dflash_onnx.runtime.errors import DFlashError
+from artifacts.model_dirs import read_config, weight_files
+from runtime.errors import DFlashError
 
 DFLASH2_KEYS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_onnx.artifacts.model_dirs import read_config, weight_files
-from dflash_onnx.runtime.errors import DFlashError
+from artifacts.model_dirs import read_config, weight_files
+from runtime.errors import DFlashError
 
 from .models.draft import DFlashDraft, DraftSpec
 from .models.target import TappedTarget

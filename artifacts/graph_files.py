@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import GraphSpec, TensorSpec
-from dflash_onnx.runtime.paths import member
+from runtime.errors import DFlashError
+from runtime.manifest import GraphSpec, TensorSpec
+from runtime.paths import member
 
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
                onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT64: "int64",

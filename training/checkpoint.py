@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_onnx.artifacts.publish import staged_directory
-from dflash_onnx.runtime.errors import DFlashError
+from artifacts.publish import staged_directory
+from runtime.errors import DFlashError
 
 TENSORS, META = "state.safetensors", "state.json"
 

@@ -13,7 +13,7 @@ import math
 import struct
 from pathlib import Path
 
-from dflash_onnx.runtime.errors import DFlashError
+from runtime.errors import DFlashError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 CONVERT = ("convert it once where you trust its origin (load it with transformers and call "

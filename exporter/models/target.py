@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from dflash_onnx.runtime.errors import DFlashError
+from runtime.errors import DFlashError
 
 # Logit post-processing that lives in a CausalLM head's forward, which this wrapper does not replay.
 UNSUPPORTED_HEAD_OPTIONS = {"logits_scaling": 1.0, "final_logit_softcapping": None, "logit_scale": 1.0}
