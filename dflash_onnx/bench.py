@@ -26,6 +26,8 @@ from runtime.manifest import CostModel, Manifest, load_manifest
 from runtime.tokenizer import TextCodec, has_tokenizer
 from targets import backend_for, open_decoder
 
+from .figures import markdown_table, provenance
+
 
 @dataclass
 class BenchOptions:
@@ -450,3 +452,33 @@ def _format_loaded(report: dict) -> str:
     if not loaded["aggregate"]["all_identical_to_greedy"]:
         lines.append("warning: under load a DFlash run's tokens differ from greedy")
     return "\n".join(lines)
+
+
+OUR_RUNS = {"greedy": "ours greedy", "greedy_unpadded": "ours greedy, one row per step (no batch-invariance padding)",
+            "full": "ours DFlash, full blocks"}
+
+
+def markdown_report(report: dict, command: list[str]) -> str:
+    """The summary as docs/ prints it: tok/s of each run kind (ours and every peer), quiet and beside the busy
+    processes of --load, tau and whether the tokens were ours, then the line naming `command`, date and machine."""
+    agg, loaded = report["aggregate"], report.get("loaded")
+    names = {**OUR_RUNS, "dflash": f"ours DFlash, verify {report.get('verify', 'full')}"}
+    quiet = {m: agg[m]["tokens_per_second"] for m in names if m in agg}
+    busy = {m: loaded["aggregate"][m]["tokens_per_second"] for m in quiet} if loaded else {}
+    tau = {"dflash": agg["tau"], "full": agg.get("full_tau")}
+    rows = [[names[m], f"{quiet[m]:.1f}", *([f"{busy[m]:.1f}"] if loaded else []),
+             f"{quiet[m] / quiet['greedy']:.2f}x", f"{tau[m]:.2f}" if tau.get(m) else "", "-"] for m in quiet]
+    loaded_peers = {r["name"]: r for r in (loaded or {}).get("peers", {}).get("rows", [])}
+    for row in report.get("peers", {}).get("rows", []):
+        rows.append([row["name"], f"{row['tokens_per_second']:.1f}",
+                     *([f"{loaded_peers[row['name']]['tokens_per_second']:.1f}"] if loaded else []),
+                     f"{row['tokens_per_second'] / quiet['greedy']:.2f}x",
+                     f"{row['tau']:.2f}" if row["tau"] is not None else "",
+                     "yes" if row["identical_to_ours"] else "no"])
+    header = ["run", "tok/s quiet", *([f"tok/s, {loaded['load']} busy"] if loaded else []), "vs our greedy", "tau",
+              "our tokens"]
+    identical = agg["all_identical_to_greedy"] and (not loaded or loaded["aggregate"]["all_identical_to_greedy"])
+    return (f"{markdown_table(header, rows)}\n\n{len(report['prompts'])} prompts x {report['max_new_tokens']} new "
+            f"tokens, block {report['block_size']}, medians of {report['repeats']} runs, on {report['backend']}; "
+            f"DFlash tokens identical to greedy: {'yes' if identical else 'NO'}. {provenance(command)}")
+

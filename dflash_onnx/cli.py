@@ -263,7 +263,7 @@ def _bench(args) -> int:
     from runtime.manifest import load_manifest
     from runtime.policy import parse_verify
 
-    from .bench import BenchOptions, format_report, run_bench
+    from .bench import BenchOptions, format_report, markdown_report, run_bench
 
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
                         ("--num-prompts", args.num_prompts), ("--curve-repeats", args.curve_repeats)):
@@ -282,6 +282,8 @@ def _bench(args) -> int:
     report = run_bench(args.dir, args.backend, args.prompts, options, peers, (args.target, args.draft),
                        progress=not args.quiet, costs=costs)
     print(format_report(report))
+    if args.markdown:
+        print(f"\n{markdown_report(report, args.command_line)}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
@@ -457,6 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, help="write every figure to this JSON file")
     bench.add_argument("--plot", type=Path, help="write the curve and histogram to this PNG (needs matplotlib)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.add_argument("--markdown", action="store_true",
+                       help="also print the summary as docs/ prints it, with the command, date and machine under it")
     _add_verify_arguments(bench)
     bench.set_defaults(func=_bench)
 

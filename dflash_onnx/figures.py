@@ -60,10 +60,11 @@ def command_line(argv: Sequence[str]) -> str:
     return shlex.join([*head, *rest])
 
 
-def provenance(argv: Sequence[str] | None = None, libraries: Sequence[str] = ("onnxruntime",)) -> str:
-    """The line under a table: when, where and by which command it was measured."""
+def provenance(argv: Sequence[str] | None = None, libraries: Sequence[str] = ("onnxruntime",),
+               verb: str = "Measured") -> str:
+    """The line under a table: when, where and by which command it was measured (or, for a replay, computed)."""
     command = command_line(sys.argv if argv is None else argv)
-    return f"Measured {datetime.date.today().isoformat()} on {machine(libraries)}: `{command}`."
+    return f"{verb} {datetime.date.today().isoformat()} on {machine(libraries)}: `{command}`."
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

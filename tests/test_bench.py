@@ -236,6 +236,16 @@ def test_bench_load_report_pairs_quiet_and_loaded_figures(exported):
     assert greedy["quiet"] == report["aggregate"]["greedy"]["tokens_per_second"]
     assert greedy["loaded"] == loaded["aggregate"]["greedy"]["tokens_per_second"]
     assert greedy["change"] == pytest.approx(greedy["loaded"] / greedy["quiet"] - 1)
+    # the same figures as docs/ prints them (bench --markdown)
+    from dflash_onnx.bench import markdown_report
+
+    table, _, line = markdown_report(report, ["dflash-onnx", "bench", "DIR", "--markdown"]).partition("\n\n")
+    header, _, *body = table.splitlines()
+    assert header == "| run | tok/s quiet | tok/s, 1 busy | vs our greedy | tau | our tokens |"
+    assert body[0] == f"| ours greedy | {greedy['quiet']:.1f} | {greedy['loaded']:.1f} | 1.00x |  | - |"
+    dflash = next(row for row in body if row.startswith("| ours DFlash, verify "))
+    assert f"| {report['aggregate']['tau']:.2f} |" in dflash
+    assert "DFlash tokens identical to greedy: yes." in line and line.endswith("`dflash-onnx bench DIR --markdown`.")
 
 
 def test_bench_times_greedy_without_padding_beside_the_batch_invariant_runs(ort_lowered, capsys):

@@ -7,23 +7,21 @@ accepted) under cost curves of three kinds of hardware."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import benchmark_script
 
 from runtime.errors import DFlashError
 from runtime.manifest import CostModel
 from runtime.policy import BINS, Calibration, VerifyPolicy, isotonic, parse_verify, simulate
 
-TRACE = json.loads((Path(__file__).parent / "data" / "demo_trace.json").read_text())
-STEPS = [(np.asarray(s["confidence"]), s["accepted"]) for s in TRACE["steps"]]
+REPLAY = benchmark_script("policy_replay")  # the recording and the curves docs/verify-policy.md's table replays
+TRACE = json.loads(REPLAY.TRACE.read_text())
+STEPS = REPLAY.recorded_steps(TRACE)
 B = TRACE["block_size"]
-CURVES = {  # t(T) for T = 1..B and the draft step, relative to one decode step
-    "flat (AI 100-like)": CostModel([1.0] * B, 0.3),
-    "CPU-like (T=16 at 3.25x)": CostModel([1 + 0.15 * t for t in range(B)], 1.6),
-    "M2-like (T=16 at 7.5x)": CostModel([1 + 6.5 * t / (B - 1) for t in range(B)], 1.0),
-}
+CURVES = REPLAY.curves(B)  # t(T) for T = 1..B and the draft step, relative to one decode step
+M2, CPU = "M2-like (T=16 at 7.5x, draft 1.0x)", "CPU-like (T=16 at 3.25x, draft 1.6x)"
 
 
 def test_isotonic_pools_violators_and_keeps_order():
@@ -68,13 +66,13 @@ def test_a_free_verify_takes_everything_and_a_costly_one_what_the_confidence_ear
     confident = np.array([0.95] * 4 + [0.35] * 11)
     flat = VerifyPolicy("auto", CostModel([1.0] * B, 0.2), B)
     assert flat.choose(confident, B - 1) == B - 1  # more rows cost nothing: verify them all
-    steep = VerifyPolicy("auto", CURVES["M2-like (T=16 at 7.5x)"], B)
+    steep = VerifyPolicy("auto", CURVES[M2], B)
     assert 1 <= steep.choose(confident, B - 1) <= 5  # pay only for the tokens likely to be accepted
     assert steep.choose(confident, 2) <= 2  # never more than can be kept
 
 
 def test_hopeless_drafting_stops_and_is_retried_now_and_then():
-    policy = VerifyPolicy("auto", CURVES["M2-like (T=16 at 7.5x)"], B)
+    policy = VerifyPolicy("auto", CURVES[M2], B)
     decisions = []
     for _ in range(200):
         drafting = policy.wants_draft(B - 1)
@@ -92,13 +90,13 @@ def test_replayed_demo_never_loses_more_than_3_percent_to_the_better_fixed_choic
 
 
 def test_where_full_blocks_lose_to_greedy_auto_does_not():
-    result = simulate("auto", CURVES["M2-like (T=16 at 7.5x)"], STEPS)
+    result = simulate("auto", CURVES[M2], STEPS)
     assert result["full_rate"] < 0.85 * result["greedy_rate"]  # full blocks lose here
     assert result["rate"] >= result["greedy_rate"]
 
 
 def test_the_simulation_reproduces_the_fixed_policies():
-    costs = CURVES["CPU-like (T=16 at 3.25x)"]
+    costs = CURVES[CPU]
     full = simulate("full", costs, STEPS)
     assert full["rate"] == pytest.approx(full["full_rate"])
     assert simulate(0, costs, STEPS)["rate"] == pytest.approx(full["greedy_rate"])
