@@ -28,6 +28,7 @@ from runtime import __version__
 from runtime.errors import DFlashError
 from runtime.manifest import GraphSpec, Manifest
 
+from .architectures import refused_unless_built
 from .export_request import DEFAULT_OPSET, check_export_request
 from .lazy_weights import LazyWeights, pair_weights
 from .models.draft import DFlashDraft, DraftSpec
@@ -183,18 +184,21 @@ def export_pair(
     with staged_directory(out, (target_dir, draft_dir), overwrite, int(1.05 * written), need_memory) as tmp:
         target_weights = draft_weights = None
         if stream:
-            with stages.stage("checking the wrapper on a small random model of the target's architecture"):
+            step = "checking the wrapper on a small random model of the target's architecture"
+            with stages.stage(step), refused_unless_built(info.model_type, step):
                 check_against_hf(architecture_check_model(target_dir, dtype), LOGIT_TOLERANCE[dtype])
-            with stages.stage("building target and draft without their weights"):
+            step = "building target and draft without their weights"
+            with stages.stage(step), refused_unless_built(info.model_type, step):
                 tapped, draft = meta_pair(target_dir, draft_dir, spec.target_layer_ids, dtype)
                 target_weights, draft_weights = pair_weights(tapped, draft, target_dir, draft_dir, torch_dtype)
         else:
-            with stages.stage("loading target and draft"), torch.no_grad():
+            step = "loading target and draft"
+            with stages.stage(step), refused_unless_built(info.model_type, step), torch.no_grad():
                 lm = load_target(target_dir, dtype)
                 draft = load_draft(draft_dir, lm, dtype)
                 tapped = TappedTarget(lm, spec.target_layer_ids).eval()
                 check_against_hf(tapped, LOGIT_TOLERANCE[dtype])
-        with stages.stage("exporting target graph"):
+        with stages.stage("exporting target graph"), refused_unless_built(info.model_type, "exporting the target"):
             export_target(tapped, tmp, opset, torch_dtype, target_weights, stages.fraction)
         with stages.stage(f"exporting draft graph (block size {block})"):
             export_draft(draft, block, tmp, opset, torch_dtype, draft_weights, stages.fraction)

@@ -15,6 +15,7 @@ from torch import nn
 from artifacts.model_dirs import read_config, weight_files
 from runtime.errors import DFlashError
 
+from .architectures import check_architecture
 from .models.draft import DFlashDraft, DraftSpec
 from .models.target import TappedTarget
 
@@ -54,6 +55,7 @@ class TargetInfo:
         if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or config.is_encoder_decoder:
             raise DFlashError(f"target {path / 'config.json'} is a {config.model_type} model, an encoder: DFlash "
                               "targets are decoder-only causal LMs such as Qwen3, Llama, Mistral")
+        check_architecture(config, str(path))
         try:
             text = config.get_text_config(decoder=True)
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
