@@ -16,6 +16,9 @@ from runtime.errors import DFlashError
 from runtime.manifest import GraphSpec, TensorSpec
 from runtime.paths import member
 
+# the export's mixture-of-experts node: a model-local function of standard ops (exporter/models/experts.py) that
+# the ORT lowering replaces by com.microsoft's MoE (passes/experts.py)
+MOE_DOMAIN, MOE_OP = "dflash", "MoE"
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
                onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT64: "int64",
                onnx.TensorProto.INT32: "int32"}

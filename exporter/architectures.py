@@ -1,7 +1,8 @@
 """Which target architectures this exporter builds, and the one line for those it does not.
 
 The exported target is one graph shape: every layer full or sliding-window softmax attention over grouped K/V of
-one head size, a dense MLP, and logits taken as they are. A model with parts outside that is refused before
+one head size, a dense MLP or (the families in ROUTED_FAMILIES) a mixture of experts routed by softmax top-k, and
+logits taken as they are. A model with parts outside that is refused before
 anything is loaded, traced or written, naming its architecture and each missing part; what transformers or the
 ONNX exporter raise for an architecture no rule here foresaw becomes one line too, never a traceback."""
 
@@ -13,8 +14,10 @@ from contextlib import contextmanager
 from runtime.errors import DFlashError
 
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+# families whose every MoE block exports as one dflash::MoE node (exporter/models/experts.py)
+ROUTED_FAMILIES = ("qwen3_moe",)
 SUPPORTED = ("dense decoders export (Qwen3, LLaMA, Qwen2, Mistral, Phi-3, OLMo 2, GLM-4, Gemma 3, Granite; "
-             "sliding-window layers included)")
+             "sliding-window layers included), and Qwen3-MoE")
 
 
 def _attribute(config, name: str):
@@ -29,7 +32,7 @@ def missing_parts(config) -> list[str]:
     """The parts of a transformers text config (`get_text_config(decoder=True)`) the exported graphs lack."""
     parts = []
     experts = next((_attribute(config, k) for k in EXPERT_COUNTS if _attribute(config, k)), None)
-    if experts or _attribute(config, "enable_moe_block"):
+    if (experts or _attribute(config, "enable_moe_block")) and config.model_type not in ROUTED_FAMILIES:
         parts.append(f"mixture-of-experts layers{f' ({experts} experts)' if experts else ''}")
     if "linear_attention" in (_attribute(config, "layer_types") or []):
         parts.append("Gated-DeltaNet linear-attention layers (conv and recurrent state beside the K/V)")

@@ -32,6 +32,8 @@ from .architectures import refused_unless_built
 from .export_request import DEFAULT_OPSET, check_export_request
 from .lazy_weights import LazyWeights, pair_weights
 from .models.draft import DFlashDraft, DraftSpec
+from .models.experts import TRANSLATIONS as EXPERT_TRANSLATIONS
+from .models.experts import add_moe_function, experts_as_one_op, experts_summary
 from .models.target import TappedTarget, check_against_hf
 from .pair import (
     DTYPES,
@@ -60,18 +62,21 @@ logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(loggin
 def export_program(module: torch.nn.Module, args: tuple, input_names, output_names, dynamic_shapes, opset: int,
                    weights: LazyWeights | None = None):
     """The ONNX program of `module`. A module traced without weights gets its initializers' values from
-    `weights` before the exporter's optimizer runs (it folds constants, so it needs them)."""
+    `weights` before the exporter's optimizer runs (it folds constants, so it needs them). Mixture-of-experts
+    blocks routed through dflash::moe (experts_as_one_op) become dflash::MoE nodes, defined after the optimizer
+    (which would inline them)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             program = torch.onnx.export(
                 module, args, input_names=input_names, output_names=output_names,
                 dynamic_shapes=dynamic_shapes, dynamo=True, opset_version=opset, verbose=False,
-                optimize=weights is None,
+                optimize=weights is None, custom_translation_table=EXPERT_TRANSLATIONS,
             )
             if weights is not None:
                 weights.attach(program.model)
                 program.optimize()
+            add_moe_function(program.model)
         except DFlashError:
             raise
         except Exception as exc:  # the exporter raises many types; keep its summary for the user
@@ -106,13 +111,14 @@ def export_target(target: TappedTarget, out: Path, opset: int, dtype: torch.dtyp
         ids = torch.randint(0, 8, (2, 3))
         positions = (torch.arange(3) + 4)[None].repeat(2, 1)
         past_kv = tuple(torch.zeros(2, 4, target.num_kv_heads, target.head_dim, dtype=dtype) for _ in range(2 * n))
-    program = export_program(
-        target, (ids, positions, *past_kv),
-        ["input_ids", "position_ids", *kv_names("past_key_values", n)],
-        ["logits", "greedy_ids", "target_hidden", *kv_names("present", n)],
-        ({0: batch, 1: seq}, {0: batch, 1: seq}, tuple({0: batch, 1: past} for _ in range(2 * n))),
-        opset, weights,
-    )
+    with experts_as_one_op(target.lm):
+        program = export_program(
+            target, (ids, positions, *past_kv),
+            ["input_ids", "position_ids", *kv_names("past_key_values", n)],
+            ["logits", "greedy_ids", "target_hidden", *kv_names("present", n)],
+            ({0: batch, 1: seq}, {0: batch, 1: seq}, tuple({0: batch, 1: past} for _ in range(2 * n))),
+            opset, weights,
+        )
     save_graph(program.model, out / "target.onnx", written)
 
 
@@ -235,6 +241,7 @@ def export_pair(
                 sources={"target": _file_hashes(target_dir), "draft": _file_hashes(draft_dir)},
                 tool_version=__version__,
                 source_dirs={"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve())},
+                experts=experts_summary(tapped.lm),
             )
             manifest.save(tmp)
     return manifest

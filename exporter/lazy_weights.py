@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from copy import deepcopy
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -115,6 +116,10 @@ class Source:
     def shape(self) -> tuple[int, ...]:
         return self.checkpoint.shapes[self.key]
 
+    @property
+    def checkpoint_keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         """The tensor as `dtype`; its file is mapped only while it is read."""
         with safe_open(str(self.checkpoint.files[self.key]), framework="pt") as handle:
@@ -127,8 +132,81 @@ class Source:
                              shape=ir.Shape(self.shape), name=name)
 
 
-def parameter_sources(module: nn.Module, prefix: str, checkpoint: Checkpoint, fixed: dict[str, Source] | None = None,
-                      strict: bool = False, ignored: tuple[str, ...] = ()) -> dict[str, Source]:
+@dataclass(frozen=True, eq=False)
+class ConvertedSource:
+    """A parameter transformers builds from several checkpoint tensors when it loads them (a mixture-of-experts
+    layer's experts, stored one tensor per expert, fused into one): its checkpoint keys and the converter of
+    transformers' own weight-conversion mapping, applied when the parameter is read."""
+
+    checkpoint: Checkpoint
+    target_key: str
+    converter: object  # transformers.core_model_loading.WeightConverter, unused (each read works on a copy)
+    parts: tuple[tuple[str, str], ...]  # (the converter's source pattern, checkpoint key), in loading order
+    config: object
+    shape: tuple[int, ...]
+
+    def _convert(self, tensor: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        converter = deepcopy(self.converter)
+        for pattern, key in self.parts:
+            converter.add_tensor(self.target_key, key, pattern, partial(tensor, key))
+        converted = converter.convert(self.target_key, config=self.config)[self.target_key]
+        return converted[0] if isinstance(converted, list) else converted
+
+    @property
+    def checkpoint_keys(self) -> tuple[str, ...]:
+        return tuple(key for _, key in self.parts)
+
+    @property
+    def key(self) -> str:
+        """How a message names it: its first tensor and how many are converted into it."""
+        return f"{self.parts[0][1]} (and {len(self.parts) - 1} more tensors, converted to {self.target_key})"
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        """The converted tensor as `dtype` (its parts read one file mapping at a time)."""
+        def tensor(key: str) -> torch.Tensor:
+            with safe_open(str(self.checkpoint.files[key]), framework="pt") as handle:
+                return handle.get_tensor(key)
+
+        return self._convert(tensor).to(dtype)
+
+    def lazy(self, dtype: torch.dtype, name: str) -> ir.LazyTensor:
+        return ir.LazyTensor(lambda: ir.Tensor(as_numpy(self.read(dtype)), name=name), dtype=IR_DTYPES[dtype],
+                             shape=ir.Shape(self.shape), name=name)
+
+
+def converted_sources(model: nn.Module, checkpoint: Checkpoint) -> dict[str, ConvertedSource]:
+    """`model`'s parameters (a transformers model, on the meta device) that transformers' weight-conversion
+    mapping builds from several of `checkpoint`'s tensors, by parameter name; their shapes are the conversion's
+    run on meta tensors, so a checkpoint that does not fit its config is refused before anything is read."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    names = dict(model.named_parameters())
+    state = model.state_dict()
+    parts: dict[str, list[tuple[str, str]]] = {}
+    for key in sorted(checkpoint.files, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+        if pattern is not None and renamed in names:
+            parts.setdefault(renamed, []).append((pattern, key))
+    found = {}
+    for name, keys in parts.items():
+        converter = by_pattern[keys[0][0]]
+        source = ConvertedSource(checkpoint, name, converter, tuple(keys), model.config, ())
+        shape = tuple(source._convert(lambda key: torch.empty(checkpoint.shapes[key], device="meta")).shape)
+        found[name] = ConvertedSource(checkpoint, name, converter, tuple(keys), model.config, shape)
+    return found
+
+
+WeightSource = Source | ConvertedSource
+
+
+def parameter_sources(module: nn.Module, prefix: str, checkpoint: Checkpoint,
+                      fixed: dict[str, WeightSource] | None = None, strict: bool = False,
+                      ignored: tuple[str, ...] = ()) -> dict[str, WeightSource]:
     """Every parameter name of `module` (tied names included) -> its Source: a name in `fixed` reads what it says;
     a name under `prefix` reads the key that follows it; a parameter tied to others reads whichever of its names
     the checkpoint holds. Refuses a parameter the checkpoint lacks, a shape that differs from the config's, and,
@@ -139,7 +217,7 @@ def parameter_sources(module: nn.Module, prefix: str, checkpoint: Checkpoint, fi
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
         params[id(param)] = param
-    found: dict[str, Source] = {}
+    found: dict[str, WeightSource] = {}
     for ident, aliases in names.items():
         source = next((fixed[alias] for alias in aliases if alias in fixed), None) or next(
             (Source(checkpoint, alias[len(prefix):]) for alias in aliases
@@ -153,7 +231,8 @@ def parameter_sources(module: nn.Module, prefix: str, checkpoint: Checkpoint, fi
             raise DFlashError(f"{source.checkpoint.kind} tensor {source.key} in {source.checkpoint.directory} has "
                               f"shape {source.shape}, its config.json implies {shape}")
         found.update((alias, source) for alias in aliases)
-    unknown = sorted(set(checkpoint.files) - {s.key for s in found.values() if s.checkpoint is checkpoint}
+    unknown = sorted(set(checkpoint.files) - {key for s in found.values() if s.checkpoint is checkpoint
+                                                   for key in s.checkpoint_keys}
                      - set(ignored))
     if strict and unknown:
         raise DFlashError(f"{checkpoint.kind} weights in {checkpoint.directory} have {len(unknown)} unknown tensors, "
@@ -161,7 +240,7 @@ def parameter_sources(module: nn.Module, prefix: str, checkpoint: Checkpoint, fi
     return found
 
 
-def attach_weights(model: ir.Model, parameters: dict[str, Source], buffers: dict[str, np.ndarray],
+def attach_weights(model: ir.Model, parameters: dict[str, WeightSource], buffers: dict[str, np.ndarray],
                    dtype: torch.dtype) -> None:
     """Give each initializer of a graph traced without weights its value: a lazy read of its checkpoint
     tensor (parameters, in `dtype`), or the buffer's computed value."""
@@ -214,12 +293,14 @@ class LazyWeights:
     attach: Callable[[ir.Model], None]
 
 
-def pair_sources(tapped: TappedTarget, draft: DFlashDraft, target_dir: Path, draft_dir: Path) -> dict[int, Source]:
+def pair_sources(tapped: TappedTarget, draft: DFlashDraft, target_dir: Path,
+                 draft_dir: Path) -> dict[int, WeightSource]:
     """id(parameter) -> Source for every parameter of a pair built by pair.meta_pair: the target's from its
     checkpoint (under the wrapper's `lm.`), the draft's strictly from its own, the shared embedding and lm_head from
     the target's (a draft's copies of them are ignored: the target's win)."""
     target = Checkpoint(target_dir, "target")
-    target_sources = parameter_sources(tapped, "lm.", target)
+    converted = {f"lm.{name}": source for name, source in converted_sources(tapped.lm, target).items()}
+    target_sources = parameter_sources(tapped, "lm.", target, fixed=converted)
 
     def name_of(weight: torch.Tensor) -> str:
         return next(n for n, p in tapped.named_parameters(remove_duplicate=False) if p is weight)
@@ -232,7 +313,7 @@ def pair_sources(tapped: TappedTarget, draft: DFlashDraft, target_dir: Path, dra
             for name, param in module.named_parameters(remove_duplicate=False)}
 
 
-def traced_weights(modules: list[nn.Module], sources: dict[int, Source], dtype: torch.dtype) -> list[LazyWeights]:
+def traced_weights(modules: list[nn.Module], sources: dict[int, WeightSource], dtype: torch.dtype) -> list[LazyWeights]:
     """The lazy weights of each of `modules` (a meta pair's modules, or wrappers around them whose own parameters
     `sources` also names), and makes them all fake for tracing, in one mode."""
     parameters = [{name: sources[id(param)] for name, param in module.named_parameters(remove_duplicate=False)}
@@ -254,7 +335,7 @@ def pair_weights(tapped: TappedTarget, draft: DFlashDraft, target_dir: Path, dra
 
 
 @contextmanager
-def weights_on_demand(roots: list[nn.Module], sources: dict[int, Source], dtype: torch.dtype) -> Iterator[None]:
+def weights_on_demand(roots: list[nn.Module], sources: dict[int, WeightSource], dtype: torch.dtype) -> Iterator[None]:
     """Run meta modules for real: every module under `roots` that owns parameters reads them from their checkpoints
     (as `dtype`) when it is called and drops them when it returns, so a forward pass holds one module's weights at a
     time besides its callers' (the draft's root: the embedding and lm_head). Only calls load weights: code that
@@ -286,14 +367,14 @@ def weights_on_demand(roots: list[nn.Module], sources: dict[int, Source], dtype:
 
 
 @contextmanager
-def weights_loaded(modules: list[nn.Module], sources: dict[int, Source], dtype: torch.dtype) -> Iterator[None]:
+def weights_loaded(modules: list[nn.Module], sources: dict[int, WeightSource], dtype: torch.dtype) -> Iterator[None]:
     """Every parameter under `modules` in `dtype` for the duration, put back after: those on the meta device read
     from their checkpoints, real ones cast. What a conversion (or a run) of only these modules needs."""
     owners = {id(module): module for root in modules for module in root.modules()}.values()
     kept = [(module, dict(module._parameters)) for module in owners]
     # parameters read from the same tensor (tied ones) share its storage; each stays its own Parameter, as when
     # loaded (torch.jit.trace refuses a Parameter object held by two modules)
-    real: dict[Source | int, torch.Tensor] = {}
+    real: dict[Source | ConvertedSource | int, torch.Tensor] = {}
     try:
         for module, own in kept:
             for name, param in own.items():
@@ -301,7 +382,7 @@ def weights_loaded(modules: list[nn.Module], sources: dict[int, Source], dtype: 
                     continue
                 key = sources[id(param)] if param.device.type == "meta" else id(param)
                 if key not in real:
-                    real[key] = key.read(dtype) if isinstance(key, Source) else param.detach().to(dtype)
+                    real[key] = key.read(dtype) if not isinstance(key, int) else param.detach().to(dtype)
                 module._parameters[name] = nn.Parameter(real[key], requires_grad=False)
         yield
     finally:

@@ -27,6 +27,9 @@ class TinySpec:
     num_kv_heads: int = 2
     head_dim: int = 16
     intermediate_size: int | None = None
+    num_experts: int = 0  # > 0: a mixture-of-experts target (model_type qwen3_moe)
+    experts_per_token: int = 2
+    moe_intermediate_size: int | None = None
     target_layers: int = 4
     draft_layers: int = 1
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 2])
@@ -93,7 +96,11 @@ def _target_config(spec: TinySpec) -> dict:
         config["sliding_window"] = spec.target_sliding_window
         config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                                  for i in range(spec.target_layers)]
-    if spec.model_type == "qwen3":
+    if spec.num_experts:
+        config.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+                      moe_intermediate_size=spec.moe_intermediate_size or spec.hidden_size // 2,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if spec.model_type in ("qwen3", "qwen3_moe"):
         config["head_dim"] = spec.head_dim
     else:
         config["head_dim"] = spec.hidden_size // spec.num_heads
@@ -164,7 +171,7 @@ def _bias_towards(model, spec: TinySpec) -> None:
             head[spec.favourite_token, 0] = 4.0
         if spec.damp_layers != 1.0:
             for name, param in model.named_parameters():
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                     param.mul_(spec.damp_layers)
 
 

@@ -25,6 +25,7 @@ def registry() -> dict[str, GraphPass]:
         cleanup,
         draft_attention,
         draft_rows,
+        experts,
         fp16,
         fp32,
         kv_buffer,
@@ -65,6 +66,9 @@ def registry() -> dict[str, GraphPass]:
                   lowerings=LOWERINGS),
         GraphPass("draft-rows", draft_rows.run, 1e-5, False,
                   "draft: K/V outputs -> the new context rows only", lowerings=LOWERINGS),
+        GraphPass("moe-fusion", experts.fuse, 1e-5, False,
+                  "target: mixture-of-experts nodes -> com.microsoft MoE (only the routed experts computed)",
+                  lowerings=("ort",)),
         GraphPass("tidy", tidy.run, 1e-5, False, "dead nodes, reshape round trips, topological order"),
     ]
     return {p.name: p for p in passes}

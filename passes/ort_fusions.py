@@ -26,14 +26,14 @@ from .base import PassContext
 
 def run(ir_model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     common_passes.ShapeInferencePass()(ir_model)
-    optimize(ir_model)
+    optimize(ir_model, inline=False)  # dflash::MoE stays one node (moe-fusion)
     fused = {
         "rms_normalization": fuse_rms_normalization(ir_model),
         "skip_rms_normalization": fuse_skip_rms_normalization(ir_model),
         "sdpa": fuse_sdpa(ir_model, apply_shape_inference=True),
     }
     fused["multi_head_attention"] = replace_sdpa_by_mha(ir_model)
-    optimize(ir_model)
+    optimize(ir_model, inline=False)  # dflash::MoE stays one node (moe-fusion)
     rewrite(ir_model, ORT_PATTERN_REWRITE_RULES)
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=1)(ir_model)
     common_passes.RemoveInitializersFromInputsPass()(ir_model)

@@ -10,6 +10,9 @@ measured 1.7x faster decode than level 0 on a Qwen3-0.6B shape; 0 leaves it unse
 both), lm_head (false: keep the vocab projection in float). MatMuls whose weight is not a constant, or is too
 small to fill one block (the RoPE frequencies), are never quantized. A weight read through Transpose (a tied
 lm_head, the draft's shared projections) is quantized transposed, as `{name}.transposed`.
+
+Mixture-of-experts layers become ONNX Runtime's QMoE with the experts in the same blocks (always symmetric, which
+is what QMoE reads; passes/experts.py); their router stays in float, since it chooses the experts.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import onnx_ir as ir
 
 from runtime.errors import DFlashError
 
+from . import experts
 from .base import PassContext
 
 COLUMNS = 8192  # output columns quantized at a time
@@ -114,6 +118,7 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
     quantizer = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
         block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits))
     initializers = model.graph.initializers
+    routers = {node.inputs[1].producer() for node in experts.moe_nodes(model) if node.inputs[1] is not None}
     made: dict[str, list[ir.Value]] = {}  # weight name -> its quantized initializers (a weight shared by MatMuls)
     why, folded = {}, set()
     for index, node in enumerate(list(model.graph)):
@@ -128,6 +133,8 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
             why[name] = f"weight {dims} too small for block {block_size}"
         elif keep_lm_head and vocab in dims:
             why[name] = "vocab projection (lm_head) kept in float; pass lm_head=true to quantize it"
+        elif node in routers:
+            why[name] = "mixture-of-experts router kept in float (it chooses the experts)"
         if name in why:
             continue
         if weight_name not in made:
@@ -145,10 +152,18 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
         model.graph.insert_before(node, replacement)
         output.replace_all_uses_with(result, replace_graph_outputs=True)
         model.graph.remove(node, safe=True)
+    # QMoE reads symmetric blocks only (no zero points)
+    expert_quantizer = quantizer if symmetric else DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
+        block_size=block_size, is_symmetric=True, bits=bits))
+    experts_quantized, experts_kept = experts.quantize(model, bits, block_size, expert_quantizer)
+    why.update(experts_kept)
     _drop_unused(model)
     quantized = sum(n.op_type == "MatMulNBits" for n in model.graph)
-    return model, {"quantized_matmuls": quantized, "not_quantized": why, "block_size": block_size,
-                   "folded_weight_transposes": len(folded)}
+    details = {"quantized_matmuls": quantized, "not_quantized": why, "block_size": block_size,
+               "folded_weight_transposes": len(folded)}
+    if experts_quantized:
+        details["quantized_moe"] = experts_quantized
+    return model, details
 
 
 def _quantized_initializers(model: ir.Model, weight: ir.TensorProtocol, transposed: bool, name: str, bits: int,

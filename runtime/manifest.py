@@ -133,6 +133,9 @@ class Manifest:
     lowering: Lowering | None = None
     costs: CostModel | None = None  # recorded by `lower` or `calibrate` on the directory's backend
     source_dirs: dict[str, str] = field(default_factory=dict)
+    # a mixture-of-experts target: {"layers": MoE layers, "experts": per layer, "per_token": routed to,
+    # "intermediate_size": of one expert}; None for a dense one
+    experts: dict | None = None
     format_version: int = FORMAT_VERSION
 
     @property

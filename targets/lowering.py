@@ -11,6 +11,7 @@ from typing import Any
 
 from artifacts.publish import check_out_dir, directory_bytes, staged_directory
 from runtime.costs import TARGET_OUTPUTS, measurable, measure_costs
+from runtime.errors import DFlashError
 from runtime.feeds import target_feeds
 from runtime.manifest import CostModel, Manifest, load_export
 from runtime.session import Session
@@ -35,6 +36,15 @@ def start_lowering(source: Path, out: Path, options: Any, request: LowerRequest,
         else None
     check_out_dir(Path(out), (Path(source), *(checkpoints or ())), request.overwrite)
     return manifest, checkpoints
+
+
+def refuse_experts(manifest: Manifest, target: str, title: str) -> None:
+    """One line for a mixture-of-experts export on a lowering that has no form for its experts yet."""
+    if manifest.experts:
+        experts = manifest.experts
+        raise DFlashError(f"lower --target {target}: this {manifest.model_type} export has mixture-of-experts layers "
+                          f"({experts['experts']} experts, {experts['per_token']} per token), which the {title} "
+                          "lowering does not build yet; lower it with --target ort")
 
 
 def decode_seconds(manifest: Manifest, target: Session) -> float:

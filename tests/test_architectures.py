@@ -17,7 +17,7 @@ from runtime.errors import DFlashError
 
 # model_type -> what the refusal names (transformers' own default configs of each family)
 FAMILIES = {
-    "qwen3_moe": ["mixture-of-experts layers (128 experts)"],
+    "qwen2_moe": ["mixture-of-experts layers (60 experts)"],
     "mixtral": ["mixture-of-experts layers (8 experts)"],
     "gpt_oss": ["mixture-of-experts layers", "attention sinks"],
     "qwen3_5": ["Gated-DeltaNet linear-attention layers"],

@@ -30,7 +30,14 @@ from runtime.manifest import Lowering, Manifest
 
 from ..backend import LowerRequest
 from ..check import compare_lowering, target_calls
-from ..lowering import decode_seconds, lowered_output, record_measurements, start_lowering, within_budget
+from ..lowering import (
+    decode_seconds,
+    lowered_output,
+    record_measurements,
+    refuse_experts,
+    start_lowering,
+    within_budget,
+)
 from .options import MlxOptions
 from .rounded import rounded_initializers
 from .session import import_mlx, open_session
@@ -137,6 +144,7 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
     options, request = options or MlxOptions(), request or LowerRequest()
     mx = import_mlx()
     manifest, _ = start_lowering(source, out, options, request)
+    refuse_experts(manifest, "mlx", "MLX")
     manifest_of_export = manifest
     bits = options.bits
     # disk: the fused copy (the export's size) beside the MLX weights (quantized: ~0.3x / ~0.55x a float16 export)

@@ -57,10 +57,11 @@ def _refuse_own_rewrites(passes: tuple[str, ...]) -> None:
                           "--kv-buffer); --passes takes the portable passes, e.g. rope-fusion,ort-fusions")
 
 
-def pipeline(options: OrtOptions, block_size: int) -> tuple[list[str], dict[str, dict]]:
-    """The passes the lowering runs, in order, and their options."""
+def pipeline(options: OrtOptions, block_size: int, experts: bool = False) -> tuple[list[str], dict[str, dict]]:
+    """The passes the lowering runs, in order, and their options (`experts`: the target has mixture-of-experts
+    nodes, which become ONNX Runtime's MoE)."""
     names = list(options.passes)
-    rewrites = []
+    rewrites = ["moe-fusion"] if experts else []
     if "ort-fusions" in names:  # it fuses the MultiHeadAttention draft-attention rewrites
         rewrites.append("draft-attention")
     if options.kv_buffer:
@@ -105,7 +106,7 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
     widened = options.provider == "cpu" and manifest.dtype == "float16" and not manifest.weight_quantization
     memory = 2.9 if widened else 1.3 if manifest.weight_quantization else 1.8
     with lowered_output(source, out, request, size_factor=2.2, memory_factor=memory) as tmp:
-        names, pass_options = pipeline(options, manifest.block_size)
+        names, pass_options = pipeline(options, manifest.block_size, experts=manifest.experts is not None)
         fused_dir, fused, rewrites = tmp / "fused", manifest, {}
         if names:
             fused, report = apply_pipeline(Path(source), names, fused_dir, pass_options, progress=request.progress,

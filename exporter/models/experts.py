@@ -1,0 +1,188 @@
+"""Mixture-of-experts layers as one graph node: `dflash::MoE`, an ONNX model-local function.
+
+A transformers MoE block routes each token to its top-k experts with a data-dependent loop (or grouped_mm),
+which torch.onnx cannot trace. During export each known block calls one custom torch op instead; it becomes a
+node `dflash::MoE(input, router_logits, gate_up_proj, down_proj)` with ONNX Runtime's MoE attributes (`k`,
+`normalize_routing_weights`), defined by a model-local function of standard ops, so any ONNX runtime runs the
+export. That body computes every expert and weights each token's sum by its routing (exact: unrouted experts get
+weight 0); the ORT lowering replaces the node by `com.microsoft::MoE`, which computes only the routed experts, so
+a decode step's cost follows the active experts (passes/moe.py).
+
+Weights keep transformers' fused layout: gate_up_proj [experts, 2 * intermediate, hidden] (gate rows, then up
+rows), down_proj [experts, hidden, intermediate].
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import onnx
+import onnx_ir as ir
+import onnxscript
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from artifacts.graph_files import MOE_DOMAIN as DOMAIN
+from artifacts.graph_files import MOE_OP as OP
+
+
+def _schema() -> onnx.defs.OpSchema:
+    """dflash::MoE's signature, for torch.onnx's tracer (the node is defined by a model-local function)."""
+    parameter = onnx.defs.OpSchema.FormalParameter
+    attribute = onnx.defs.OpSchema.Attribute
+    return onnx.defs.OpSchema(
+        OP, DOMAIN, 1,
+        inputs=[parameter(name, "T") for name in ("input", "router_logits", "gate_up_proj", "down_proj")],
+        outputs=[parameter("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float types")],
+        attributes=[attribute("k", onnx.defs.OpSchema.AttrType.INT, "experts per token"),
+                    attribute("normalize_routing_weights", onnx.defs.OpSchema.AttrType.INT, "1: renormalize")])
+
+
+MOE_OP = onnxscript.values.Op(onnxscript.values.Opset(DOMAIN, 1), OP, _schema())
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """Where one transformers family keeps its router and experts inside a sparse MoE block."""
+
+    router: str  # submodule with `weight` [experts, hidden] (and top_k, norm_topk_prob)
+    experts: str  # submodule with gate_up_proj and down_proj
+
+
+# Block classes whose forward is exactly: logits = router(x); softmax; top-k (renormalized when norm_topk_prob);
+# sum of weight * down(silu(gate(x)) * up(x)) over the chosen experts; nothing shared beside them.
+LAYOUTS = {"Qwen3MoeSparseMoeBlock": ExpertsLayout(router="gate", experts="experts")}
+
+
+@torch.library.custom_op("dflash::moe", mutates_args=())
+def moe(hidden: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+        top_k: int, normalize: bool) -> torch.Tensor:
+    """hidden [tokens, hidden] routed to `top_k` of the experts by softmax(router_logits) (weights renormalized
+    to sum to 1 when `normalize`): what the block computes, in the gather form (each token's experts only)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, chosen = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    gate, up = torch.einsum("th,tkih->tki", hidden, gate_up_proj[chosen]).chunk(2, dim=-1)
+    out = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, down_proj[chosen])
+    return (out * weights.to(out.dtype)[..., None]).sum(dim=1)
+
+
+@moe.register_fake
+def _(hidden, router_logits, gate_up_proj, down_proj, top_k, normalize):
+    return torch.empty_like(hidden)
+
+
+def moe_node(hidden, router_logits, gate_up_proj, down_proj, top_k: int, normalize: bool):
+    """torch.onnx's translation of dflash::moe: the one dflash::MoE node (its body is added after export)."""
+    return MOE_OP(hidden, router_logits, gate_up_proj, down_proj, k=top_k, normalize_routing_weights=int(normalize))
+
+
+TRANSLATIONS = {torch.ops.dflash.moe.default: moe_node}
+
+
+def _routed_forward(layout: ExpertsLayout):
+    def forward(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        router, experts = block.get_submodule(layout.router), block.get_submodule(layout.experts)
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits = F.linear(flat, router.weight)
+        out = torch.ops.dflash.moe(flat, logits, experts.gate_up_proj, experts.down_proj, router.top_k,
+                                   bool(router.norm_topk_prob))
+        return out.reshape(hidden_states.shape)
+
+    return forward
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[nn.Module, ExpertsLayout]]:
+    """The sparse MoE blocks of `model` this exporter knows how to route, with their layouts."""
+    return [(module, LAYOUTS[type(module).__name__]) for module in model.modules()
+            if type(module).__name__ in LAYOUTS]
+
+
+def experts_summary(model: nn.Module) -> dict | None:
+    """What the manifest records of `model`'s routed experts (None for a dense model)."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return None
+    block, layout = blocks[0]
+    router, experts = block.get_submodule(layout.router), block.get_submodule(layout.experts)
+    return {"layers": len(blocks), "experts": int(experts.gate_up_proj.shape[0]), "per_token": int(router.top_k),
+            "intermediate_size": int(experts.down_proj.shape[2])}
+
+
+@contextmanager
+def experts_as_one_op(model: nn.Module) -> Iterator[bool]:
+    """For the duration, every known MoE block of `model` calls dflash::moe (what torch.onnx traces); yields
+    whether there was any."""
+    blocks = moe_blocks(model)
+    for block, layout in blocks:
+        block.forward = types.MethodType(_routed_forward(layout), block)
+    try:
+        yield bool(blocks)
+    finally:
+        for block, _ in blocks:
+            del block.forward
+
+
+def _node(op: str, inputs: list[ir.Value], outputs: int = 1, **attributes) -> ir.Node:
+    return ir.node(op, inputs, attributes=attributes, num_outputs=outputs)
+
+
+def moe_function(opset: int) -> ir.Function:
+    """dflash::MoE's body in standard ops: every expert on every token, each weighted by its routing weight
+    (zero for experts a token is not routed to), summed over experts. Attributes k and normalize_routing_weights
+    are read by reference, as com.microsoft::MoE reads them."""
+    names = ("input", "router_logits", "gate_up_proj", "down_proj")
+    x, logits, gate_up, down = (ir.Value(name=name) for name in names)
+    nodes: list[ir.Node] = []
+
+    def add(op: str, *inputs: ir.Value, outputs: int = 1, **attributes) -> ir.Value | tuple[ir.Value, ...]:
+        node = _node(op, list(inputs), outputs, **attributes)
+        nodes.append(node)
+        return node.outputs[0] if outputs == 1 else tuple(node.outputs)
+
+    def constant(values: list[int]) -> ir.Value:
+        return add("Constant", value=ir.tensor(values, dtype=ir.DataType.INT64))
+
+    k_node = ir.Node("", "Constant", [], attributes=[ir.RefAttr("value_int", "k", ir.AttributeType.INT)])
+    normalize_node = ir.Node("", "Constant", [], attributes=[
+        ir.RefAttr("value_int", "normalize_routing_weights", ir.AttributeType.INT)])
+    nodes += [k_node, normalize_node]
+    k = add("Reshape", k_node.outputs[0], constant([1]))
+    probs = add("Softmax", add("Cast", logits, to=ir.DataType.FLOAT), axis=-1)
+    top, chosen = add("TopK", probs, k, outputs=2, axis=-1)
+    # normalized: top / sum(top); else top / 1 (the flag is an attribute: 1 - flag + flag * sum)
+    flag = add("Cast", normalize_node.outputs[0], to=ir.DataType.FLOAT)
+    one = add("Constant", value=ir.tensor(1.0, dtype=ir.DataType.FLOAT))
+    total = add("ReduceSum", top, constant([-1]), keepdims=1)
+    top = add("Div", top, add("Add", add("Sub", one, flag), add("Mul", flag, total)))
+    routing = add("ScatterElements", add("Mul", probs, add("Constant", value=ir.tensor(0.0))), chosen, top, axis=1)
+    routing = add("CastLike", routing, x)  # [tokens, experts], in the graph's float type
+    columns = add("Transpose", x, perm=[1, 0])  # [hidden, tokens]
+    gate, up = add("Split", add("MatMul", gate_up, columns), axis=1, num_outputs=2, outputs=2)  # [E, I, tokens]
+    act = add("Mul", add("Mul", gate, add("Sigmoid", gate)), up)
+    per_expert = add("MatMul", down, act)  # [experts, hidden, tokens]
+    weights = add("Unsqueeze", add("Transpose", routing, perm=[1, 0]), constant([1]))  # [experts, 1, tokens]
+    summed = add("ReduceSum", add("Mul", per_expert, weights), constant([0]), keepdims=0)  # [hidden, tokens]
+    out = add("Transpose", summed, perm=[1, 0])
+    out.name = "output"
+    graph = ir.Graph([x, logits, gate_up, down], [out], nodes=nodes, opset_imports={"": opset}, name=OP)
+    return ir.Function(DOMAIN, OP, "", graph=graph, attributes=[
+        ir.Attr("k", ir.AttributeType.INT, 1), ir.Attr("normalize_routing_weights", ir.AttributeType.INT, 1)])
+
+
+def add_moe_function(model: ir.Model) -> bool:
+    """Define dflash::MoE in `model` (after torch.onnx's optimizer, which would try to inline it); whether the
+    graph calls it."""
+    calls = [node for node in model.graph if node.domain == DOMAIN and node.op_type == OP]
+    if not calls:
+        return False
+    function = moe_function(model.opset_imports[""])
+    model.functions[function.identifier()] = function
+    model.opset_imports[DOMAIN] = 1
+    return True

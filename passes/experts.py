@@ -1,0 +1,192 @@
+"""Mixture-of-experts nodes for ONNX Runtime: dflash::MoE -> com.microsoft::MoE (float) or QMoE (int4 / int8).
+
+The export's dflash::MoE (exporter/models/experts.py) is a model-local function that computes every expert; ONNX
+Runtime's MoE and QMoE kernels route each token to its k experts and compute only those, so a decode step reads the
+active experts' weights, not all of them. Both take SwiGLU's gate and up rows interleaved in one fc1 [experts,
+2 * intermediate, hidden] (swiglu_fusion=1: row 2i is gate row i, row 2i + 1 up row i), fc2 = down_proj [experts,
+hidden, intermediate], the router's logits (softmax and top-k inside), and normalize_routing_weights as dflash::MoE
+has it. QMoE's weights are symmetric blocks along each row's input axis, packed two 4-bit values per byte (low
+nibble first) with an implicit zero point of 8 (128 for 8 bits), scales [experts, rows, blocks]: the blocks of
+ORT's MatMulNBits quantizer, whose kernel quantizes here, one expert at a time. Every weight is re-laid out or
+quantized lazily, when the graph is written, one layer's experts at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx_ir as ir
+
+from artifacts.graph_files import MOE_DOMAIN, MOE_OP
+
+from .base import PassContext
+
+SWIGLU = {"activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha": 1.0, "activation_beta": 0.0}
+
+
+def moe_nodes(model: ir.Model, domain: str = MOE_DOMAIN, op: str = MOE_OP) -> list[ir.Node]:
+    return [node for node in model.graph if node.domain == domain and node.op_type == op]
+
+
+def _interleaved(gate_up: np.ndarray) -> np.ndarray:
+    """[E, 2I, H] gate rows then up rows -> [E, 2I, H] gate and up rows alternating (fc1 with swiglu_fusion=1)."""
+    experts, rows, hidden = gate_up.shape
+    return np.ascontiguousarray(gate_up.reshape(experts, 2, rows // 2, hidden).transpose(0, 2, 1, 3)
+                                .reshape(experts, rows, hidden))
+
+
+def _lazy(model: ir.Model, name: str, dtype: ir.DataType, shape: list[int], read: Callable[[], np.ndarray]) -> ir.Value:
+    tensor = ir.LazyTensor(lambda: ir.Tensor(read(), name=name), dtype=dtype, shape=ir.Shape(shape), name=name)
+    value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape), const_value=tensor)
+    model.graph.register_initializer(value)
+    return value
+
+
+def _weights(node: ir.Node) -> tuple[ir.Value, ir.Value]:
+    gate_up, down = node.inputs[2], node.inputs[3]
+    if gate_up is None or down is None or gate_up.const_value is None or down.const_value is None:
+        raise ValueError(f"{node.name}: the experts' weights are not constants")
+    return gate_up, down
+
+
+def _int64(values: list[int] | int) -> ir.Value:
+    return ir.node("Constant", [], {"value": ir.tensor(values, dtype=ir.DataType.INT64)}).outputs[0]
+
+
+def _paired(model: ir.Model, before: ir.Node, value: ir.Value, width: int) -> ir.Value:
+    """`value` [rows, width] with each row twice ([2 * rows, width]: a, a, b, b, ...)."""
+    nodes = [ir.node("Unsqueeze", [value, _int64([1])])]
+    nodes.append(ir.node("Expand", [nodes[-1].outputs[0], _int64([1, 2, 1])]))
+    nodes.append(ir.node("Reshape", [nodes[-1].outputs[0], _int64([-1, width])]))
+    for node in nodes:
+        for constant in node.inputs[1:]:
+            model.graph.insert_before(before, constant.producer())
+        model.graph.insert_before(before, node)
+    return nodes[-1].outputs[0]
+
+
+def _unpaired(model: ir.Model, after: ir.Node, value: ir.Value, width: int) -> ir.Value:
+    """Every other row of `value` [2 * rows, width]: the rows _paired doubled."""
+    shape, first = _int64([-1, 2, width]), _int64(0)
+    reshape = ir.node("Reshape", [value, shape])
+    gather = ir.node("Gather", [reshape.outputs[0], first], {"axis": 1})
+    model.graph.insert_after(after, [shape.producer(), reshape, first.producer(), gather])
+    return gather.outputs[0]
+
+
+def _replace(model: ir.Model, node: ir.Node, op: str, inputs: list[ir.Value | None], attributes: dict,
+             pair: bool) -> None:
+    """`node` -> com.microsoft's `op` on `inputs`. `pair`: each token's row enters the kernel twice and one copy
+    leaves it, so every expert multiplies an even number of rows: ONNX Runtime's CPU kernels round a lone row
+    differently from a pair (as its matmuls do), and an expert's rows would depend on the other tokens of the
+    call; paired, a token's result is the same whether its call has 1 token or 16 (measured bit for bit)."""
+    attributes = {"k": node.attributes.get_int("k", 1),
+                  "normalize_routing_weights": node.attributes.get_int("normalize_routing_weights", 1),
+                  **SWIGLU, **attributes}
+    hidden, experts = inputs[2].shape[2] if op == "MoE" else inputs[5].shape[1], inputs[2].shape[0]
+    if pair:
+        inputs = [_paired(model, node, inputs[0], hidden), _paired(model, node, inputs[1], experts), *inputs[2:]]
+    replacement = ir.node(op, inputs, attributes, domain="com.microsoft", name=node.name, num_outputs=1)
+    output, result = node.outputs[0], replacement.outputs[0]
+    model.graph.insert_before(node, replacement)
+    if pair:
+        result = _unpaired(model, replacement, result, hidden)
+    result.type, result.shape, result.name, output.name = output.type, output.shape, output.name, None
+    output.replace_all_uses_with(result, replace_graph_outputs=True)
+    model.graph.remove(node, safe=True)
+
+
+def _drop_function(model: ir.Model) -> None:
+    """dflash::MoE's definition, once nothing calls it."""
+    if not moe_nodes(model):
+        model.functions.pop((MOE_DOMAIN, MOE_OP, ""), None)
+        model.opset_imports.pop(MOE_DOMAIN, None)
+
+
+def _drop_unused_weights(model: ir.Model) -> None:
+    for name in [name for name, value in model.graph.initializers.items() if not value.uses()]:
+        del model.graph.initializers[name]
+
+
+def fuse(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
+    """moe-fusion: every dflash::MoE -> com.microsoft::MoE over the same (re-laid-out) float weights."""
+    nodes = moe_nodes(model)
+    for node in nodes:
+        gate_up, down = _weights(node)
+        source = gate_up.const_value
+        fc1 = _lazy(model, f"{gate_up.name}.interleaved", source.dtype, list(source.shape),
+                    lambda source=source: _interleaved(source.numpy()))
+        _replace(model, node, "MoE", [node.inputs[0], node.inputs[1], fc1, None, down], {}, pair=True)
+    _drop_function(model)
+    _drop_unused_weights(model)
+    return model, {"moe_nodes": len(nodes)} if nodes else {}
+
+
+class _QuantizedExperts:
+    """One [E, rows, K] expert weight quantized by ORT's MatMulNBits kernel, one expert at a time, on demand: the
+    packed weights and the scales, kept until both are read once."""
+
+    def __init__(self, source: ir.TensorProtocol, interleave: bool, quantizer, block_size: int):
+        self.source, self.interleave, self.quantizer, self.block_size = source, interleave, quantizer, block_size
+        self._arrays: dict[int, np.ndarray] = {}
+
+    def _quantize(self) -> dict[int, np.ndarray]:
+        weight = self.source.numpy()
+        weight = _interleaved(weight) if self.interleave else weight
+        experts, rows, k = weight.shape
+        packed, scales = [], []
+        for expert in weight:
+            blocks, expert_scales, _ = self.quantizer.qbits_block_quant(np.ascontiguousarray(expert.T, np.float32))
+            packed.append(blocks.reshape(rows, -1))
+            scales.append(expert_scales.reshape(rows, -1))
+        return {0: np.stack(packed), 1: np.stack(scales).astype(weight.dtype)}
+
+    def part(self, index: int) -> Callable[[], np.ndarray]:
+        def read() -> np.ndarray:
+            if not self._arrays:
+                self._arrays = self._quantize()
+            return self._arrays.pop(index)
+
+        return read
+
+
+def expert_blocks_refusal(node: ir.Node, block_size: int) -> str | None:
+    """Why `node`'s experts cannot be quantized in blocks of `block_size` (None when they can)."""
+    gate_up, down = _weights(node)
+    hidden, intermediate = gate_up.const_value.shape[2], down.const_value.shape[2]
+    if hidden % block_size or intermediate % block_size:
+        return (f"experts' hidden {hidden} and intermediate {intermediate} sizes are not multiples of block "
+                f"{block_size}")
+    return None
+
+
+def quantize(model: ir.Model, bits: int, block_size: int, quantizer) -> tuple[int, dict[str, str]]:
+    """Every dflash::MoE or com.microsoft::MoE of `model` -> QMoE of `bits` in blocks of `block_size` (symmetric,
+    the only form ORT's CPU kernel reads without zero points); returns how many, and why others were kept."""
+    kept = {}
+    nodes = moe_nodes(model) + moe_nodes(model, "com.microsoft", "MoE")
+    done = 0
+    for node in nodes:
+        why = expert_blocks_refusal(node, block_size)
+        if why:
+            kept[node.name] = why
+            continue
+        interleave = node.domain == MOE_DOMAIN
+        fc1, fc2 = (node.inputs[2], node.inputs[4]) if not interleave else _weights(node)
+        inputs = []
+        for value, relayout in ((fc1, interleave), (fc2, False)):
+            source = value.const_value
+            experts, rows, k = source.shape
+            parts = _QuantizedExperts(source, relayout, quantizer, block_size)
+            inputs.append(_lazy(model, f"{value.name}_Q{bits}", ir.DataType.UINT8,
+                                [experts, rows, k * bits // 8], parts.part(0)))
+            inputs.append(_lazy(model, f"{value.name}_scales", source.dtype, [experts, rows, k // block_size],
+                                parts.part(1)))
+        (w1, s1), (w2, s2) = inputs[:2], inputs[2:]
+        _replace(model, node, "QMoE", [node.inputs[0], node.inputs[1], w1, s1, None, w2, s2],
+                 {"expert_weight_bits": bits, "block_size": block_size}, pair=interleave)
+        done += 1
+    _drop_function(model)
+    _drop_unused_weights(model)
+    return done, kept
