@@ -196,7 +196,13 @@ def converted_sources(model: nn.Module, checkpoint: Checkpoint) -> dict[str, Con
     for name, keys in parts.items():
         converter = by_pattern[keys[0][0]]
         source = ConvertedSource(checkpoint, name, converter, tuple(keys), model.config, ())
-        shape = tuple(source._convert(lambda key: torch.empty(checkpoint.shapes[key], device="meta")).shape)
+        try:
+            shape = tuple(source._convert(lambda key: torch.empty(checkpoint.shapes[key], device="meta")).shape)
+        except Exception as exc:  # the conversion's own ops raise RuntimeError, ValueError ... on parts that misfit
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise DFlashError(f"{checkpoint.kind} tensors {source.key} in {checkpoint.directory} do not convert as "
+                              f"transformers loads them ({first}): the checkpoint does not match its config.json"
+                              ) from None
         found[name] = ConvertedSource(checkpoint, name, converter, tuple(keys), model.config, shape)
     return found
 

@@ -98,7 +98,7 @@ def _target_config(spec: TinySpec) -> dict:
                                  for i in range(spec.target_layers)]
     if spec.num_experts:
         config.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
-                      moe_intermediate_size=spec.moe_intermediate_size or spec.hidden_size // 2,
+                      moe_intermediate_size=spec.moe_intermediate_size or spec.hidden_size,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     if spec.model_type in ("qwen3", "qwen3_moe"):
         config["head_dim"] = spec.head_dim

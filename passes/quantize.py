@@ -12,7 +12,8 @@ small to fill one block (the RoPE frequencies), are never quantized. A weight re
 lm_head, the draft's shared projections) is quantized transposed, as `{name}.transposed`.
 
 Mixture-of-experts layers become ONNX Runtime's QMoE with the experts in the same blocks (always symmetric, which
-is what QMoE reads; passes/experts.py); their router stays in float, since it chooses the experts.
+is what QMoE reads; passes/experts.py). Their router is a Gemm (a linear layer over the call's flattened tokens) and
+stays in float: it chooses the experts.
 """
 
 from __future__ import annotations
@@ -118,7 +119,6 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
     quantizer = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
         block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits))
     initializers = model.graph.initializers
-    routers = {node.inputs[1].producer() for node in experts.moe_nodes(model) if node.inputs[1] is not None}
     made: dict[str, list[ir.Value]] = {}  # weight name -> its quantized initializers (a weight shared by MatMuls)
     why, folded = {}, set()
     for index, node in enumerate(list(model.graph)):
@@ -133,8 +133,6 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
             why[name] = f"weight {dims} too small for block {block_size}"
         elif keep_lm_head and vocab in dims:
             why[name] = "vocab projection (lm_head) kept in float; pass lm_head=true to quantize it"
-        elif node in routers:
-            why[name] = "mixture-of-experts router kept in float (it chooses the experts)"
         if name in why:
             continue
         if weight_name not in made:
