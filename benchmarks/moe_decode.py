@@ -1,0 +1,129 @@
+"""A mixture-of-experts target against a dense one with the same active parameters (issue 32's yardstick: MoE
+decode per token within 1.3x of the dense model's).
+
+Both are random-weight pairs from exporter/tiny.py with one shape but the MLP: the MoE target (Qwen3-MoE) has
+`--experts` experts of `--moe-intermediate` each, `--per-token` of them routed to per token; the dense target
+(Qwen3) has one MLP of per_token x moe_intermediate, so a token reads as many MLP weights in both. Each is built,
+exported, quantized (`--precision int4`: `optimize --passes int4`, the experts into QMoE) and lowered for ORT;
+then `bench` runs on both directories in interleaved rounds (greedy and DFlash tokens/s, the target's step for 1
+and block tokens), quiet and with `--load 1`. Prints the table in the docs' format.
+
+    python benchmarks/moe_decode.py --work /tmp/moebench [--precision int4|float32] [--rounds 2] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from dflash_onnx.figures import markdown_table, provenance
+from exporter.tiny import TinySpec, build_pair
+
+CLI = [sys.executable, "-m", "dflash_onnx.cli"]
+
+
+def specs(args: argparse.Namespace) -> dict[str, TinySpec]:
+    shape = TinySpec(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=16, num_kv_heads=8, head_dim=128,
+                     target_layers=args.layers, draft_layers=1, target_layer_ids=[1, args.layers - 2],
+                     block_size=16, agree=True, tie_embeddings=False, damp_layers=0.002, max_positions=4096)
+    return {"moe": replace(shape, model_type="qwen3_moe", num_experts=args.experts, experts_per_token=args.per_token,
+                           moe_intermediate_size=args.moe_intermediate),
+            "dense": replace(shape, intermediate_size=args.per_token * args.moe_intermediate)}
+
+
+def run(command: list, log: Path) -> None:
+    with open(log, "a") as out:
+        code = subprocess.call([*map(str, command)], stdout=out, stderr=subprocess.STDOUT)
+    if code:
+        sys.exit(f"{' '.join(map(str, command))} failed (exit {code}); see {log}")
+
+
+def prepare(name: str, spec: TinySpec, work: Path, precision: str) -> Path:
+    """Build, export, (quantize,) lower: the lowered directory (reused when it is there)."""
+    root = work / name
+    lowered = root / f"ort_{precision}"
+    if (lowered / "dflash.json").is_file():
+        return lowered
+    log = root / "prepare.log"
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "target" / "config.json").is_file():
+        print(f"{name}: building the pair", file=sys.stderr)
+        build_pair(spec, root)
+    if not (root / "export" / "dflash.json").is_file():
+        print(f"{name}: exporting", file=sys.stderr)
+        run([*CLI, "export", "--target", root / "target", "--draft", root / "draft", "--out", root / "export",
+             "--quiet"], log)
+    source = root / "export"
+    if precision == "int4":
+        source = root / "int4"
+        if not (source / "dflash.json").is_file():
+            print(f"{name}: int4", file=sys.stderr)
+            run([*CLI, "optimize", root / "export", "--passes", "int4", "--out", source], log)
+    print(f"{name}: lowering for ORT", file=sys.stderr)
+    run([*CLI, "lower", source, "--target", "ort", "--out", lowered], log)
+    return lowered
+
+
+def bench(directory: Path, load: int, out: Path) -> dict:
+    run([*CLI, "bench", directory, "--num-prompts", "2", "--max-new-tokens", "64", "--repeats", "3", "--contexts",
+         "256", "--quiet", "--load", str(load), "--json", out], out.with_suffix(".log"))
+    return json.loads(out.read_text())
+
+
+def figures(report: dict, loaded: bool) -> dict[str, float]:
+    """tokens/s of greedy and DFlash; quiet: also the target's step (ms) for 1 and for block new tokens."""
+    aggregate = report["loaded"]["aggregate"] if loaded else report["aggregate"]
+    found = {"greedy": aggregate["greedy"]["tokens_per_second"], "dflash": aggregate["dflash"]["tokens_per_second"]}
+    if not loaded:
+        steps = dict(zip(report["curve"]["verify_lengths"], report["curve"]["target_ms"]["256"]))
+        found.update(step_1=steps[1], step_block=steps[report["block_size"]])
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--precision", choices=("int4", "float32"), default="int4")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--per-token", type=int, default=4)
+    parser.add_argument("--moe-intermediate", type=int, default=768)
+    parser.add_argument("--load", type=int, default=1, help="also measure beside N busy processes (0: quiet only)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    directories = {name: prepare(name, spec, args.work, args.precision) for name, spec in specs(args).items()}
+    results: dict[str, list[dict]] = {name: [] for name in directories}
+    for round_ in range(args.rounds):
+        for name, directory in directories.items():  # interleaved: both in every round
+            print(f"round {round_ + 1}: bench {name}", file=sys.stderr)
+            results[name].append(bench(directory, args.load, args.work / f"bench_{name}_{round_}.json"))
+    rows = []
+    speeds = [("greedy", "greedy tok/s"), ("dflash", "DFlash tok/s")]
+    steps = [("step_1", "target step, 1 token (ms, context 256)"), ("step_block", "target step, 16 tokens (ms)")]
+    for loaded in (False, True) if args.load else (False,):
+        columns = speeds if loaded else speeds + steps
+        medians = {name: {key: statistics.median(figures(r, loaded)[key] for r in reports) for key, _ in columns}
+                   for name, reports in results.items()}
+        for key, title in columns:
+            moe, dense = medians["moe"][key], medians["dense"][key]
+            ratio = moe / dense if key.startswith("step") else dense / moe  # MoE time over dense time
+            rows.append([f"{title}{', loaded' if loaded else ''}", f"{moe:.1f}", f"{dense:.1f}", f"{ratio:.2f}x"])
+    header = [f"{args.precision}, {args.experts} experts / {args.per_token} per token vs dense", "MoE", "dense",
+              "MoE time / dense time"]
+    print(markdown_table(header, rows))
+    print()
+    print(provenance())
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
