@@ -153,7 +153,7 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
     # QMoE reads symmetric blocks only (no zero points)
     expert_quantizer = quantizer if symmetric else DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
         block_size=block_size, is_symmetric=True, bits=bits))
-    experts_quantized, experts_kept = experts.quantize(model, bits, block_size, expert_quantizer)
+    experts_quantized, experts_kept = experts.quantize(model, bits, block_size, expert_quantizer, accuracy_level)
     why.update(experts_kept)
     _drop_unused(model)
     quantized = sum(n.op_type == "MatMulNBits" for n in model.graph)

@@ -200,6 +200,7 @@ def test_int4_quantizes_the_experts_into_qmoe_and_the_routers_stay_float(moe, tm
     qmoe = next(n for n in graph.graph.node if n.op_type == "QMoE")
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in qmoe.attribute}
     assert attributes["expert_weight_bits"] == 4 and attributes["block_size"] == 32
+    assert attributes["accuracy_level"] == 4  # int8 activations, as the MatMulNBits of the pass
     shapes = {t.name: list(t.dims) for t in graph.graph.initializer}
     assert shapes[qmoe.input[2]] == [8, 128, 32] and shapes[qmoe.input[3]] == [8, 128, 2]  # fc1: 2I rows, H/2 bytes
     # the float export's logits, and the quantized graph's DFlash tokens equal to its own greedy ones
