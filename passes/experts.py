@@ -127,8 +127,8 @@ class _QuantizedExperts:
     """One [E, rows, K] expert weight quantized by ORT's MatMulNBits kernel, one expert at a time, on demand: the
     packed weights and the scales, kept until both are read once."""
 
-    def __init__(self, source: ir.TensorProtocol, interleave: bool, quantizer, block_size: int):
-        self.source, self.interleave, self.quantizer, self.block_size = source, interleave, quantizer, block_size
+    def __init__(self, source: ir.TensorProtocol, interleave: bool, quantizer):
+        self.source, self.interleave, self.quantizer = source, interleave, quantizer
         self._arrays: dict[int, np.ndarray] = {}
 
     def _quantize(self) -> dict[int, np.ndarray]:
@@ -181,7 +181,7 @@ def quantize(model: ir.Model, bits: int, block_size: int, quantizer,
         for value, relayout in ((fc1, interleave), (fc2, False)):
             source = value.const_value
             experts, rows, k = source.shape
-            parts = _QuantizedExperts(source, relayout, quantizer, block_size)
+            parts = _QuantizedExperts(source, relayout, quantizer)
             inputs.append(_lazy(model, f"{value.name}_Q{bits}", ir.DataType.UINT8,
                                 [experts, rows, k * bits // 8], parts.part(0)))
             inputs.append(_lazy(model, f"{value.name}_scales", source.dtype, [experts, rows, k // block_size],
@@ -191,6 +191,5 @@ def quantize(model: ir.Model, bits: int, block_size: int, quantizer,
                  {"expert_weight_bits": bits, "block_size": block_size,
                   **({"accuracy_level": accuracy_level} if accuracy_level else {})}, pair=interleave)
         done += 1
-    _drop_function(model)
-    _drop_unused_weights(model)
+    _drop_function(model)  # the float weights left unread are the caller's to drop (quantize's _drop_unused)
     return done, kept

@@ -116,14 +116,13 @@ def experts_summary(model: nn.Module) -> dict | None:
 
 
 @contextmanager
-def experts_as_one_op(model: nn.Module) -> Iterator[bool]:
-    """For the duration, every known MoE block of `model` calls dflash::moe (what torch.onnx traces); yields
-    whether there was any."""
+def experts_as_one_op(model: nn.Module) -> Iterator[None]:
+    """For the duration, every known MoE block of `model` calls dflash::moe (what torch.onnx traces)."""
     blocks = moe_blocks(model)
     for block, layout in blocks:
         block.forward = types.MethodType(_routed_forward(layout), block)
     try:
-        yield bool(blocks)
+        yield
     finally:
         for block, _ in blocks:
             del block.forward
