@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from runtime.errors import DFlashError
-from runtime.manifest import GraphSpec, TensorSpec
+from runtime.manifest import GraphSpec, RecurrentSpec, TensorSpec
 from runtime.paths import member
 
 # the export's mixture-of-experts node: a model-local function of standard ops (exporter/models/experts.py) that
@@ -129,8 +129,8 @@ def share_initializers(
 
 
 def graph_spec(path: Path, num_layers: int, num_kv_heads: int, head_dim: int, kv_inputs: list[str],
-               kv_outputs: list[str]) -> GraphSpec:
-    """Describe an exported graph file for the manifest."""
+               kv_outputs: list[str], recurrent: RecurrentSpec | None = None) -> GraphSpec:
+    """Describe an exported graph file for the manifest (`recurrent`: a hybrid target's linear-attention state)."""
     model = onnx.load(str(path), load_external_data=False)
 
     def spec(value) -> TensorSpec:
@@ -140,7 +140,7 @@ def graph_spec(path: Path, num_layers: int, num_kv_heads: int, head_dim: int, kv
     return GraphSpec(
         file=path.name, inputs=[spec(v) for v in model.graph.input], outputs=[spec(v) for v in model.graph.output],
         num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        kv_inputs=kv_inputs, kv_outputs=kv_outputs,
+        kv_inputs=kv_inputs, kv_outputs=kv_outputs, recurrent=recurrent,
     )
 
 

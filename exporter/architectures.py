@@ -16,8 +16,10 @@ from runtime.errors import DFlashError
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 # families whose every MoE block exports as one dflash::MoE node (exporter/models/experts.py)
 ROUTED_FAMILIES = ("qwen3_moe",)
+# families whose linear-attention layers export with their state as graph I/O (exporter/models/hybrid.py)
+HYBRID_FAMILIES = ("qwen3_5_text",)
 SUPPORTED = ("dense decoders export (Qwen3, LLaMA, Qwen2, Mistral, Phi-3, OLMo 2, GLM-4, Gemma 3, Granite; "
-             "sliding-window layers included), and Qwen3-MoE")
+             "sliding-window layers included), Qwen3-MoE, and Qwen3.5 (Gated-DeltaNet hybrid)")
 
 
 def _attribute(config, name: str):
@@ -34,7 +36,7 @@ def missing_parts(config) -> list[str]:
     experts = next((_attribute(config, k) for k in EXPERT_COUNTS if _attribute(config, k)), None)
     if (experts or _attribute(config, "enable_moe_block")) and config.model_type not in ROUTED_FAMILIES:
         parts.append(f"mixture-of-experts layers{f' ({experts} experts)' if experts else ''}")
-    if "linear_attention" in (_attribute(config, "layer_types") or []):
+    if "linear_attention" in (_attribute(config, "layer_types") or []) and config.model_type not in HYBRID_FAMILIES:
         parts.append("Gated-DeltaNet linear-attention layers (conv and recurrent state beside the K/V)")
     if _attribute(config, "kv_lora_rank"):
         parts.append(f"multi-head latent attention (K/V compressed to rank {_attribute(config, 'kv_lora_rank')})")

@@ -34,6 +34,7 @@ from .lazy_weights import LazyWeights, pair_weights
 from .models.draft import DFlashDraft, DraftSpec
 from .models.experts import TRANSLATIONS as EXPERT_TRANSLATIONS
 from .models.experts import add_moe_function, experts_as_one_op, experts_summary
+from .models.hybrid import HybridTarget, wrap_target
 from .models.target import TappedTarget, check_against_hf
 from .pair import (
     DTYPES,
@@ -110,14 +111,21 @@ def export_target(target: TappedTarget, out: Path, opset: int, dtype: torch.dtyp
     with weights.mode if weights else nullcontext():  # fake inputs for a module traced without weights
         ids = torch.randint(0, 8, (2, 3))
         positions = (torch.arange(3) + 4)[None].repeat(2, 1)
-        past_kv = tuple(torch.zeros(2, 4, target.num_kv_heads, target.head_dim, dtype=dtype) for _ in range(2 * n))
+        if isinstance(target, HybridTarget):
+            state = tuple(target.sample_state(2, 4, 3, dtype))
+        else:
+            state = tuple(torch.zeros(2, 4, target.num_kv_heads, target.head_dim, dtype=dtype) for _ in range(2 * n))
+    if isinstance(target, HybridTarget):
+        state_in, state_out = target.state_names()
+        state_shapes = target.state_dynamic_shapes(batch, past, torch.export.Dim("pending", min=0))
+    else:
+        state_in, state_out = kv_names("past_key_values", n), kv_names("present", n)
+        state_shapes = tuple({0: batch, 1: past} for _ in range(2 * n))
     with experts_as_one_op(target.lm):
         program = export_program(
-            target, (ids, positions, *past_kv),
-            ["input_ids", "position_ids", *kv_names("past_key_values", n)],
-            ["logits", "greedy_ids", "target_hidden", *kv_names("present", n)],
-            ({0: batch, 1: seq}, {0: batch, 1: seq}, tuple({0: batch, 1: past} for _ in range(2 * n))),
-            opset, weights,
+            target, (ids, positions, *state), ["input_ids", "position_ids", *state_in],
+            ["logits", "greedy_ids", "target_hidden", *state_out],
+            ({0: batch, 1: seq}, {0: batch, 1: seq}, state_shapes), opset, weights,
         )
     save_graph(program.model, out / "target.onnx", written)
 
@@ -143,6 +151,19 @@ def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dty
         opset, weights,
     )
     save_graph(program.model, out / "draft.onnx", written)
+
+
+def target_graph_spec(path: Path, tapped: TappedTarget) -> GraphSpec:
+    """The target graph's manifest entry: its K/V pairs (attention layers only, in a hybrid model) and the
+    linear-attention state beside them."""
+    if not isinstance(tapped, HybridTarget):
+        n = tapped.num_layers
+        return graph_spec(path, n, tapped.num_kv_heads, tapped.head_dim, kv_names("past_key_values", n),
+                          kv_names("present", n))
+    layers = tapped.attention_layers
+    return graph_spec(path, len(layers), tapped.num_kv_heads, tapped.head_dim,
+                      [f"past_key_values.{i}.{kind}" for i in layers for kind in ("key", "value")],
+                      [f"present.{i}.{kind}" for i in layers for kind in ("key", "value")], tapped.recurrent_spec())
 
 
 def check_symbolic(graph: GraphSpec, promised: dict[str, list[int]]) -> None:
@@ -202,7 +223,7 @@ def export_pair(
             with stages.stage(step), refused_unless_built(info.model_type, step), torch.no_grad():
                 lm = load_target(target_dir, dtype)
                 draft = load_draft(draft_dir, lm, dtype)
-                tapped = TappedTarget(lm, spec.target_layer_ids).eval()
+                tapped = wrap_target(lm, spec.target_layer_ids)
                 check_against_hf(tapped, LOGIT_TOLERANCE[dtype])
         with stages.stage("exporting target graph"), refused_unless_built(info.model_type, "exporting the target"):
             export_target(tapped, tmp, opset, torch_dtype, target_weights, stages.fraction)
@@ -217,8 +238,7 @@ def export_pair(
             for name in ("target.onnx", "draft.onnx"):
                 onnx.checker.check_model(str(tmp / name))
             n_t, n_d = tapped.num_layers, len(draft.layers)
-            target_graph = graph_spec(tmp / "target.onnx", n_t, tapped.num_kv_heads, tapped.head_dim,
-                                      kv_names("past_key_values", n_t), kv_names("present", n_t))
+            target_graph = target_graph_spec(tmp / "target.onnx", tapped)
             draft_graph = graph_spec(tmp / "draft.onnx", n_d, draft.num_kv_heads, draft.head_dim,
                                      kv_names("past_key_values", n_d), kv_names("present", n_d))
             kv_t = {name: [0, 1] for name in target_graph.kv_inputs + target_graph.kv_outputs}

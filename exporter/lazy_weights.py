@@ -174,10 +174,12 @@ class ConvertedSource:
                              shape=ir.Shape(self.shape), name=name)
 
 
-def converted_sources(model: nn.Module, checkpoint: Checkpoint) -> dict[str, ConvertedSource]:
+def converted_sources(model: nn.Module, checkpoint: Checkpoint) -> dict[str, WeightSource]:
     """`model`'s parameters (a transformers model, on the meta device) that transformers' weight-conversion
-    mapping builds from several of `checkpoint`'s tensors, by parameter name; their shapes are the conversion's
-    run on meta tensors, so a checkpoint that does not fit its config is refused before anything is read."""
+    mapping reads from tensors of other names (a multimodal checkpoint's model.language_model.*: a Source) or
+    builds from several of `checkpoint`'s tensors (a ConvertedSource), by parameter name; converted shapes are the
+    conversion's run on meta tensors, so a checkpoint that does not fit its config is refused before anything is
+    read."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
@@ -188,11 +190,13 @@ def converted_sources(model: nn.Module, checkpoint: Checkpoint) -> dict[str, Con
     names = dict(model.named_parameters())
     state = model.state_dict()
     parts: dict[str, list[tuple[str, str]]] = {}
+    found: dict[str, WeightSource] = {}
     for key in sorted(checkpoint.files, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
         if pattern is not None and renamed in names:
             parts.setdefault(renamed, []).append((pattern, key))
-    found = {}
+        elif pattern is None and renamed != key and renamed in names:
+            found[renamed] = Source(checkpoint, key)
     for name, keys in parts.items():
         converter = by_pattern[keys[0][0]]
         source = ConvertedSource(checkpoint, name, converter, tuple(keys), model.config, ())

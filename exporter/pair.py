@@ -6,6 +6,7 @@ Every check runs before any expensive work and names both values when it fails.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,12 @@ from runtime.errors import DFlashError
 
 from .architectures import check_architecture
 from .models.draft import DFlashDraft, DraftSpec
+from .models.hybrid import wrap_target
 from .models.target import TappedTarget
+
+# transformers suggests kernel packages when its models fall back to their PyTorch code: here they only check
+# and trace, so the advice is noise
+logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Largest logit difference accepted between two computations of the same model, per dtype.
@@ -190,7 +196,7 @@ def meta_pair(target_dir: Path, draft_dir: Path, target_layer_ids: list[int],
     with parameters_on_meta(), torch.no_grad():
         lm = _from_config(config, dtype)
         draft = _draft_module(DraftSpec.from_dir(Path(draft_dir)), lm, dtype).eval()
-    return TappedTarget(lm, target_layer_ids).eval(), draft
+    return wrap_target(lm, target_layer_ids), draft
 
 
 def architecture_check_model(target_dir: Path, dtype: str = "float32") -> TappedTarget:
@@ -210,7 +216,7 @@ def architecture_check_model(target_dir: Path, dtype: str = "float32") -> Tapped
             setattr(text, token, None)
     torch.manual_seed(0)
     with torch.no_grad():
-        return TappedTarget(_from_config(config, dtype), [0]).eval()
+        return wrap_target(_from_config(config, dtype), [0])
 
 
 def load_tapped_pair(target_dir: Path, draft_dir: Path, target_layer_ids: list[int],
@@ -220,7 +226,7 @@ def load_tapped_pair(target_dir: Path, draft_dir: Path, target_layer_ids: list[i
     with torch.no_grad():
         lm = load_target(target_dir, dtype)
         draft = load_draft(draft_dir, lm, dtype)
-    return TappedTarget(lm, target_layer_ids).eval(), draft
+    return wrap_target(lm, target_layer_ids), draft
 
 
 def load_reference_draft(draft_dir: Path, dtype: str = "float32") -> nn.Module | None:

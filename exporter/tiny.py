@@ -30,6 +30,12 @@ class TinySpec:
     num_experts: int = 0  # > 0: a mixture-of-experts target (model_type qwen3_moe)
     experts_per_token: int = 2
     moe_intermediate_size: int | None = None
+    # > 0: a Gated-DeltaNet hybrid (model_type qwen3_5_text): every full_attention_interval-th layer is full
+    # attention, the others linear attention with these heads (key heads, value heads) and head size
+    full_attention_interval: int = 0
+    linear_heads: tuple[int, int] = (2, 4)
+    linear_head_dim: int = 8
+    conv_kernel: int = 4
     target_layers: int = 4
     draft_layers: int = 1
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 2])
@@ -100,7 +106,14 @@ def _target_config(spec: TinySpec) -> dict:
         config.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
                       moe_intermediate_size=spec.moe_intermediate_size or spec.hidden_size,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
-    if spec.model_type in ("qwen3", "qwen3_moe"):
+    if spec.full_attention_interval:
+        every = spec.full_attention_interval
+        config.update(linear_num_key_heads=spec.linear_heads[0], linear_num_value_heads=spec.linear_heads[1],
+                      linear_key_head_dim=spec.linear_head_dim, linear_value_head_dim=spec.linear_head_dim,
+                      linear_conv_kernel_dim=spec.conv_kernel,
+                      layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                   for i in range(spec.target_layers)])
+    if spec.model_type in ("qwen3", "qwen3_moe", "qwen3_5_text"):
         config["head_dim"] = spec.head_dim
     else:
         config["head_dim"] = spec.hidden_size // spec.num_heads
@@ -171,7 +184,7 @@ def _bias_towards(model, spec: TinySpec) -> None:
             head[spec.favourite_token, 0] = 4.0
         if spec.damp_layers != 1.0:
             for name, param in model.named_parameters():
-                if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):
                     param.mul_(spec.damp_layers)
 
 

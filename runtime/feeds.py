@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .manifest import GraphSpec, Manifest
+from .recurrent import empty_inputs
 
 
 def _kv(manifest: Manifest, graph: GraphSpec, context: int) -> dict[str, np.ndarray]:
@@ -14,11 +15,23 @@ def _kv(manifest: Manifest, graph: GraphSpec, context: int) -> dict[str, np.ndar
             for n in graph.kv_inputs}
 
 
+def _recurrent(manifest: Manifest) -> dict[str, np.ndarray]:
+    """A hybrid target's linear-attention state (random, as K/V; the size does not grow with the context) and no
+    pending rows; nothing for an attention-only target."""
+    spec = manifest.target.recurrent
+    if spec is None:
+        return {}
+    rng = np.random.default_rng(2)
+    return {name: (rng.standard_normal(value.shape) * 0.1).astype(value.dtype) if value.size else value
+            for name, value in empty_inputs(spec, manifest.numpy_dtype).items()}
+
+
 def target_feeds(manifest: Manifest, context: int, count: int) -> dict[str, np.ndarray]:
     """A target call on `count` new tokens after `context` tokens of K/V (concat form: the K/V are inputs;
     buffer form: the session holds them, the call passes the lengths)."""
     feeds = {"input_ids": np.full((1, count), 3, np.int64),
-             "position_ids": np.arange(context, context + count, dtype=np.int64)[None]}
+             "position_ids": np.arange(context, context + count, dtype=np.int64)[None],
+             **_recurrent(manifest)}
     if manifest.form == "buffer":
         total = context + count
         return {**feeds, "seqlens_k": np.array([total - 1], np.int32),

@@ -24,6 +24,20 @@ class TensorSpec:
 
 
 @dataclass
+class RecurrentSpec:
+    """A hybrid target's Gated-DeltaNet layers: the state each carries beside the attention layers' K/V
+    (exporter/models/linear_attention.py; runtime/recurrent.py feeds and commits it; names in recurrent.py)."""
+
+    layers: list[int]
+    conv_rows: int  # the convolution's kernel - 1: the committed input rows a call reads before its own
+    conv_channels: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    state_dtype: str = "float32"  # the recurrent state's and pending rows' dtype (conv rows: the manifest's)
+
+
+@dataclass
 class GraphSpec:
     """One graph file, its I/O, and which outputs carry each K/V input's next value (paired by index)."""
 
@@ -35,6 +49,7 @@ class GraphSpec:
     head_dim: int
     kv_inputs: list[str]
     kv_outputs: list[str]
+    recurrent: RecurrentSpec | None = None  # a hybrid target's linear-attention state; None: attention only
 
     def input_names(self) -> list[str]:
         return [t.name for t in self.inputs]
@@ -205,6 +220,8 @@ class Manifest:
             graph = dict(data[key])
             graph["inputs"] = [TensorSpec(**t) for t in graph["inputs"]]
             graph["outputs"] = [TensorSpec(**t) for t in graph["outputs"]]
+            if graph.get("recurrent") is not None:
+                graph["recurrent"] = RecurrentSpec(**graph["recurrent"])
             data[key] = GraphSpec(**graph)
         if data.get("lowering") is not None:
             data["lowering"] = Lowering(**data["lowering"])

@@ -29,6 +29,7 @@ import numpy as np
 
 from .errors import DFlashError
 from .manifest import GraphSpec, Manifest
+from .recurrent import RecurrentState
 from .session import Session
 
 
@@ -109,6 +110,9 @@ class ConcatTarget:
         graph = manifest.target
         self.session, self.chunk, self.row_multiple = session, prefill_chunk, row_multiple
         self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), manifest.numpy_dtype))
+        # a hybrid target's linear-attention state: fed with every call, committed by rows (recurrent.py)
+        self.recurrent = graph.recurrent and RecurrentState(graph.recurrent, manifest.numpy_dtype)
+        self.call_start = 0
         self.capacity: int | None = None
 
     def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
@@ -122,9 +126,17 @@ class ConcatTarget:
             names = ["greedy_ids", "target_hidden", *self.kv.outputs] + (["logits"] if wanted else [])
             padded = _padded_rows(chunk, self.row_multiple)
             positions = np.arange(self.kv.length, self.kv.length + len(padded), dtype=np.int64)[None]
-            out = self.session.run({"input_ids": padded[None], "position_ids": positions, **self.kv.prefix_feeds()},
-                                   names)
+            feeds = {"input_ids": padded[None], "position_ids": positions, **self.kv.prefix_feeds()}
+            if self.recurrent:
+                feeds.update(self.recurrent.feeds)
+                names += self.recurrent.outputs
+            out = self.session.run(feeds, names)
+            self.call_start = self.kv.length
+            if self.recurrent:
+                self.recurrent.record(out, len(padded))
             self.kv.update(out, self.kv.length if end == len(ids) else self.kv.length + rows)
+            if self.recurrent and end < len(ids):
+                self.recurrent.commit(rows)
             contexts.append(out["target_hidden"][0, :rows])
             greedy.append(out["greedy_ids"][0, :rows])
             if wanted:
@@ -133,6 +145,8 @@ class ConcatTarget:
 
     def commit(self, length: int) -> None:
         self.kv.length = length
+        if self.recurrent:
+            self.recurrent.commit(length - self.call_start)
 
 
 class ConcatDraft:
@@ -315,6 +329,10 @@ class BufferTarget:
         self.session, self.chunk, self.row_multiple = session, prefill_chunk, row_multiple
         self.capacity = int(manifest.ctx_len) - (row_multiple - 1)  # a padded call's last rows must fit too
         self.length = 0
+        # a hybrid target's linear-attention state stays on the host: fed with every call, committed by rows
+        self.recurrent = manifest.target.recurrent and RecurrentState(manifest.target.recurrent,
+                                                                      manifest.numpy_dtype)
+        self.call_start = 0
         # every call's position ids are a slice of these, its lengths written into these: a decode step of a
         # small model is a few hundred microseconds, and each numpy allocation is a visible part of it
         self.positions = np.arange(int(manifest.ctx_len), dtype=np.int64)[None]
@@ -330,7 +348,13 @@ class BufferTarget:
         self.seqlens[0], self.total[()] = total - 1, total
         feeds = {"input_ids": padded[None], "position_ids": self.positions[:, start:total], "seqlens_k": self.seqlens,
                  "total_sequence_length": self.total}
-        return self.session.run(feeds, self.NAMES + ["logits"] if logits else self.NAMES)
+        names = self.NAMES + ["logits"] if logits else self.NAMES
+        if not self.recurrent:
+            return self.session.run(feeds, names)
+        out = self.session.run({**feeds, **self.recurrent.feeds}, names + self.recurrent.outputs)
+        self.call_start = start
+        self.recurrent.record(out, len(padded))
+        return out
 
     def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
         rows = len(ids)
@@ -343,6 +367,8 @@ class BufferTarget:
             chunk = ids[begin : begin + self.chunk]
             wanted = _wanted_rows(begin, begin + len(chunk), len(ids), logits_rows)
             out = self._call(chunk, self.length + begin, wanted is not None)
+            if self.recurrent and begin + len(chunk) < len(ids):
+                self.recurrent.commit(len(chunk))
             contexts.append(out["target_hidden"][0, : len(chunk)])
             greedy.append(out["greedy_ids"][0, : len(chunk)])
             if wanted:
@@ -351,6 +377,8 @@ class BufferTarget:
 
     def commit(self, length: int) -> None:
         self.length = length
+        if self.recurrent:
+            self.recurrent.commit(length - self.call_start)
 
 
 def open_draft_runner(manifest: Manifest, draft: Session):

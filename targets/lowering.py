@@ -38,12 +38,18 @@ def start_lowering(source: Path, out: Path, options: Any, request: LowerRequest,
     return manifest, checkpoints
 
 
-def refuse_experts(manifest: Manifest, target: str, title: str) -> None:
-    """One line for a mixture-of-experts export on a lowering that has no form for its experts yet."""
+def refuse_unbuilt(manifest: Manifest, target: str, title: str) -> None:
+    """One line for an export with layers this lowering has no form for yet: mixture-of-experts layers, or a hybrid
+    target's linear-attention layers (the ORT lowering builds both)."""
     if manifest.experts:
         experts = manifest.experts
         raise DFlashError(f"lower --target {target}: this {manifest.model_type} export has mixture-of-experts layers "
                           f"({experts['experts']} experts, {experts['per_token']} per token), which the {title} "
+                          "lowering does not build yet; lower it with --target ort")
+    if manifest.target.recurrent:
+        layers = len(manifest.target.recurrent.layers)
+        raise DFlashError(f"lower --target {target}: this {manifest.model_type} export has {layers} Gated-DeltaNet "
+                          f"linear-attention layers (conv and recurrent state beside the K/V), which the {title} "
                           "lowering does not build yet; lower it with --target ort")
 
 

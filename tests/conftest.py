@@ -16,7 +16,7 @@ from targets import LowerRequest, open_decoder
 
 # Each exported pair covers a different corner: GQA ratios 1/2/4, 1-3 draft layers, tapped layers
 # including the last but one, block sizes 2/4/8/16, causal and non-causal, sliding windows in the draft and
-# in a hybrid target, Llama, mixture of experts.
+# in a hybrid target, Llama, mixture of experts, Gated-DeltaNet linear attention.
 EXPORTED = {
     "agree_b8": TinySpec(agree=True, tie_embeddings=False, block_size=8, draft_layers=1, target_layer_ids=[1, 2]),
     "causal_gqa4_b4": TinySpec(num_heads=8, num_kv_heads=2, head_dim=8, draft_layers=2, block_size=4,
@@ -29,6 +29,9 @@ EXPORTED = {
     # a mixture-of-experts target (Qwen3-MoE: 8 experts, 2 per token), its checkpoint stored one tensor per expert
     "moe_b4": TinySpec(model_type="qwen3_moe", num_experts=8, experts_per_token=2, agree=True, tie_embeddings=False,
                        block_size=4, target_layer_ids=[1, 2], seed=13),
+    # a Gated-DeltaNet hybrid (Qwen3.5: linear- and full-attention layers alternating), untied: varied tokens
+    "hybrid_b4": TinySpec(model_type="qwen3_5_text", full_attention_interval=2, tie_embeddings=False, block_size=4,
+                          target_layer_ids=[1, 2], seed=17),
 }
 DTYPES = {"agree_b4_fp16": "float16"}
 # `lower --target ort` of each pair: causal_gqa4_b4's target has sliding-window layers, which GroupQueryAttention

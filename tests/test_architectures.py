@@ -20,7 +20,6 @@ FAMILIES = {
     "qwen2_moe": ["mixture-of-experts layers (60 experts)"],
     "mixtral": ["mixture-of-experts layers (8 experts)"],
     "gpt_oss": ["mixture-of-experts layers", "attention sinks"],
-    "qwen3_5": ["Gated-DeltaNet linear-attention layers"],
     "qwen3_5_moe": ["mixture-of-experts layers", "Gated-DeltaNet linear-attention layers"],
     "qwen3_next": ["mixture-of-experts layers", "Gated-DeltaNet linear-attention layers"],
     "gemma4_text": ["per-layer head_dim"],
@@ -58,7 +57,7 @@ def test_a_family_the_exporter_does_not_build_is_refused_in_one_line(model_type,
 
 def test_the_refusal_is_what_the_command_line_prints(draft_dir, tmp_path):
     done = subprocess.run([sys.executable, "-m", "dflash_onnx.cli", "export", "--target",
-                           str(_target(tmp_path, "qwen3_5")), "--draft", str(draft_dir), "--out",
+                           str(_target(tmp_path, "qwen3_next")), "--draft", str(draft_dir), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]

@@ -48,6 +48,16 @@ class TappedTarget(nn.Module):
         shape = (batch, 0, self.num_kv_heads, self.head_dim)
         return [torch.zeros(shape, dtype=dtype) for _ in range(2 * self.num_layers)]
 
+    def state_names(self) -> tuple[list[str], list[str]]:
+        """The state (K/V) inputs and outputs, in graph order."""
+        layers = range(self.num_layers)
+        return ([f"past_key_values.{i}.{kind}" for i in layers for kind in ("key", "value")],
+                [f"present.{i}.{kind}" for i in layers for kind in ("key", "value")])
+
+    def next_state(self, present: tuple[torch.Tensor, ...], rows: int, committed: int) -> list[torch.Tensor]:
+        """The state inputs after a call of `rows` tokens that returned `present`, keeping its first `committed`."""
+        return [t[:, : t.shape[1] - rows + committed] for t in present]
+
     def _masks(self, position_ids: torch.Tensor, num_keys: int):
         """Per-layer-type masks for hybrid models, one windowed mask for all-sliding ones (Mistral)."""
         full = causal_mask(position_ids, num_keys)

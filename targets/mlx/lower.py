@@ -34,7 +34,7 @@ from ..lowering import (
     decode_seconds,
     lowered_output,
     record_measurements,
-    refuse_experts,
+    refuse_unbuilt,
     start_lowering,
     within_budget,
 )
@@ -144,7 +144,7 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
     options, request = options or MlxOptions(), request or LowerRequest()
     mx = import_mlx()
     manifest, _ = start_lowering(source, out, options, request)
-    refuse_experts(manifest, "mlx", "MLX")
+    refuse_unbuilt(manifest, "mlx", "MLX")
     manifest_of_export = manifest
     bits = options.bits
     # disk: the fused copy (the export's size) beside the MLX weights (quantized: ~0.3x / ~0.55x a float16 export)

@@ -13,6 +13,7 @@ import onnxruntime as ort
 from artifacts.graph_files import checked_graph
 from runtime.errors import DFlashError
 from runtime.manifest import Manifest
+from runtime.recurrent import output_names as recurrent_outputs
 
 from ..backend import recorded_options
 from ..kv_rows import rows_to_hold
@@ -147,6 +148,9 @@ class OrtBufferSession(OrtSession):
         self._rows = 0  # rows each buffer holds now
         self._pairs = list(zip(graph.kv_inputs, graph.kv_outputs))
         self._specs = {t.name: t for t in graph.outputs if t.name not in set(graph.kv_outputs)}
+        # a hybrid target's linear-attention state outputs: not sized by the call's rows alone (conv rows)
+        self._state = {n for layer in graph.recurrent.layers for n in recurrent_outputs(layer)} \
+            if graph.recurrent else set()
         self._binding = self._session.io_binding()
         self._outputs: dict[tuple[str, int], tuple[np.ndarray, object]] = {}
         self._bound: tuple | None = None
@@ -179,6 +183,8 @@ class OrtBufferSession(OrtSession):
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
         names = tuple(n for n in (output_names or self.output_names) if n in self._specs)
+        if self._state.intersection(names):
+            return self._run_with_state(feeds, names)
         rows, needed = int(feeds["input_ids"].shape[1]), int(feeds["total_sequence_length"])
         if needed > self._rows:
             self._grow_to(rows_to_hold(needed, self._rows, self.capacity, self.path.name))
@@ -202,6 +208,30 @@ class OrtBufferSession(OrtSession):
         except Exception as exc:
             raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
         return {name: self._output(name, rows)[0].copy() for name in names}
+
+
+    def _run_with_state(self, feeds: dict[str, np.ndarray], names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """A call that also returns a hybrid target's linear-attention state (conv rows past + new, states,
+        pending rows): K/V in place as in `run`, every input and output bound anew on the host."""
+        needed = int(feeds["total_sequence_length"])
+        if needed > self._rows:
+            self._grow_to(rows_to_hold(needed, self._rows, self.capacity, self.path.name))
+        binding = self._binding
+        binding.clear_binding_outputs()
+        kept = {name: np.ascontiguousarray(value) for name, value in feeds.items()}  # alive until the run ends
+        for name, value in kept.items():
+            binding.bind_cpu_input(name, value)
+        self._inputs.clear()
+        for name in names:
+            binding.bind_output(name, "cpu")
+        for past, present in self._pairs:
+            binding.bind_ortvalue_output(present, self._values[past])
+        self._bound = None
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as exc:
+            raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+        return {name: value.numpy() for name, value in zip(names, binding.get_outputs())}
 
 
 class OrtRowsSession(OrtSession):

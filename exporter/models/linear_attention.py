@@ -1,0 +1,104 @@
+"""Gated-DeltaNet linear-attention layers (Qwen3.5) with their state as graph inputs and outputs.
+
+A linear-attention layer carries two states instead of K/V: the causal convolution's last `kernel - 1` input
+rows, and a recurrent state [batch, heads, key_dim, value_dim] that every token updates. A DFlash verify runs
+tokens that may be rejected, and a recurrent state cannot be sliced back like K/V. So the graph returns, for each
+of its tokens, the update it applied (the decay, the key and the delta of the gated delta rule: small), and the
+host commits the accepted prefix by handing those rows back as `pending` with the next call, which applies them
+to the state before its own tokens, with the same operations a token's own step uses. A call therefore needs no
+state per position, a partial acceptance commits exactly the accepted prefix's state, and the state after a
+token never depends on how many tokens its call held (greedy and DFlash stay identical). The convolution's rows
+roll back like K/V: the graph returns past + new rows and the host keeps the last `kernel - 1` committed ones.
+
+The recurrence runs as a torch `scan` (an ONNX Scan): one token after another, as transformers' recurrent
+kernel computes it; its chunked prefill kernel rounds differently and is not used.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch._higher_order_ops.scan import scan
+from torch.nn import functional as F
+
+def _token_step(state: torch.Tensor, xs: tuple[torch.Tensor, ...]):
+    """One token of the gated delta rule: state [B, H, Dk, Dv]; decay [B, H], key and query [B, H, Dk], value
+    [B, H, Dv], beta [B, H]. Returns the new state, the token's output and its delta."""
+    decay, key, value, beta, query = xs
+    state = state * decay[..., None, None]
+    remembered = (state * key[..., None]).sum(dim=-2)
+    delta = (value - remembered) * beta[..., None]
+    state = state + key[..., None] * delta[..., None, :]
+    return state, ((state * query[..., None]).sum(dim=-2), delta)
+
+
+def _commit_step(state: torch.Tensor, xs: tuple[torch.Tensor, ...]):
+    """A committed token's update replayed from its decay, key and delta: the same operations as _token_step."""
+    decay, key, delta = xs
+    state = state * decay[..., None, None]
+    state = state + key[..., None] * delta[..., None, :]
+    return state, decay.sum(dim=-1)
+
+
+def _time_first(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.transpose(0, 1) for t in tensors)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedDeltaLayer:
+    """The state shapes and the math of one transformers Gated-DeltaNet module (Qwen3_5GatedDeltaNet)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.kernel = int(module.conv_kernel_size)
+        self.key_heads, self.value_heads = int(module.num_k_heads), int(module.num_v_heads)
+        self.key_dim, self.value_dim = int(module.head_k_dim), int(module.head_v_dim)
+        self.channels = int(module.conv_dim)
+
+    def empty_state(self, batch: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """conv rows [B, kernel - 1, channels] (model dtype), recurrent [B, H, Dk, Dv] (float32, as transformers
+        keeps it), and no pending rows."""
+        return [torch.zeros(batch, self.kernel - 1, self.channels, dtype=dtype),
+                torch.zeros(batch, self.value_heads, self.key_dim, self.value_dim, dtype=torch.float32),
+                *self.empty_pending(batch)]
+
+    def empty_pending(self, batch: int, rows: int = 0) -> list[torch.Tensor]:
+        heads = self.value_heads
+        return [torch.zeros(batch, rows, heads), torch.zeros(batch, rows, heads, self.key_dim),
+                torch.zeros(batch, rows, heads, self.value_dim)]
+
+    def forward(self, x: torch.Tensor, conv_past: torch.Tensor, recurrent: torch.Tensor, pending_decay: torch.Tensor,
+                pending_key: torch.Tensor, pending_delta: torch.Tensor):
+        """x [B, T, hidden] -> (output [B, T, hidden], conv rows [B, kernel - 1 + T, channels], the recurrent
+        state after the pending rows, the state after this call's tokens, and this call's decay, key, delta)."""
+        m = self.module
+        batch, steps = x.shape[0], x.shape[1]
+        mixed = m.in_proj_qkv(x)
+        rows = torch.cat([conv_past.to(mixed.dtype), mixed], dim=1)
+        weight = m.conv1d.weight[:, 0].to(mixed.dtype)  # [channels, kernel]: tap j reads row t + j of the window
+        conv = sum(rows[:, j : j + steps] * weight[:, j] for j in range(self.kernel))
+        if m.conv1d.bias is not None:
+            conv = conv + m.conv1d.bias
+        conv = F.silu(conv)
+        query, key, value = torch.split(conv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        groups = self.value_heads // self.key_heads
+        query = query.reshape(batch, steps, self.key_heads, self.key_dim).repeat_interleave(groups, dim=2).float()
+        key = key.reshape(batch, steps, self.key_heads, self.key_dim).repeat_interleave(groups, dim=2).float()
+        value = value.reshape(batch, steps, self.value_heads, self.value_dim).float()
+        query, key = _l2norm(query) * self.key_dim**-0.5, _l2norm(key)
+        beta = m.in_proj_b(x).sigmoid().float()
+        decay = torch.exp(-m.A_log.float().exp() * F.softplus(m.in_proj_a(x).float() + m.dt_bias))
+
+        # a neutral first row (decay 1, key and delta 0: the state unchanged, exactly), as scan needs one row
+        pending = [torch.cat([p.new_full((p.shape[0], 1, *p.shape[2:]), float(i == 0)), p], dim=1)
+                   for i, p in enumerate((pending_decay, pending_key, pending_delta))]
+        base, _ = scan(_commit_step, recurrent, _time_first(*pending))
+        end, (out, delta) = scan(_token_step, base, _time_first(decay, key, value, beta, query))
+        out, delta = out.transpose(0, 1).to(x.dtype), delta.transpose(0, 1)
+        gate = m.in_proj_z(x).reshape(batch, steps, self.value_heads, self.value_dim)
+        out = m.norm(out.reshape(-1, self.value_dim), gate.reshape(-1, self.value_dim))
+        output = m.out_proj(out.reshape(batch, steps, -1))
+        return output, rows, base, end, decay, key, delta

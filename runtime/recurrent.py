@@ -1,0 +1,73 @@
+"""A hybrid target's linear-attention state on the host: what each call feeds, and what a commit keeps.
+
+Per Gated-DeltaNet layer the graph reads the last `conv_rows` committed convolution inputs, the recurrent state
+and the pending rows (decay, key, delta of committed tokens not yet in that state), and returns the conv rows
+past + new, the state with the pending rows applied, the state after all of its own tokens, and its own tokens'
+rows (exporter/models/linear_attention.py). Committing n of a call's T rows keeps the conv rows [n, n + conv_rows),
+and either the state after all tokens (n == T) or the state before them with the first n rows pending. So a
+rejected token never reaches the state, and the state after a token is computed by the same operations in any
+call: greedy and DFlash stay identical.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .manifest import RecurrentSpec
+
+PENDING = ("decay", "key", "delta")
+
+
+def input_names(layer: int) -> list[str]:
+    """A linear-attention layer's state inputs, in graph order."""
+    return [f"past_state.{layer}.conv", f"past_state.{layer}.recurrent", *(f"pending.{layer}.{p}" for p in PENDING)]
+
+
+def output_names(layer: int) -> list[str]:
+    """A linear-attention layer's state outputs, in graph order."""
+    return [f"present_state.{layer}.conv", f"present_state.{layer}.recurrent", f"present_state.{layer}.recurrent_end",
+            *(f"present_pending.{layer}.{p}" for p in PENDING)]
+
+
+def empty_inputs(spec: RecurrentSpec, conv_dtype, batch: int = 1) -> dict[str, np.ndarray]:
+    """Every layer's state before the first token: zeros, and no pending rows."""
+    state = np.dtype(spec.state_dtype)
+    feeds = {}
+    for layer in spec.layers:
+        conv, recurrent, decay, key, delta = input_names(layer)
+        feeds[conv] = np.zeros((batch, spec.conv_rows, spec.conv_channels), conv_dtype)
+        feeds[recurrent] = np.zeros((batch, spec.heads, spec.key_dim, spec.value_dim), state)
+        feeds[decay] = np.zeros((batch, 0, spec.heads), state)
+        feeds[key] = np.zeros((batch, 0, spec.heads, spec.key_dim), state)
+        feeds[delta] = np.zeros((batch, 0, spec.heads, spec.value_dim), state)
+    return feeds
+
+
+class RecurrentState:
+    """The feeds of the next call, and the outputs of the last one until `commit` says how many rows it keeps."""
+
+    def __init__(self, spec: RecurrentSpec, conv_dtype):
+        self.spec = spec
+        self.feeds = empty_inputs(spec, conv_dtype)
+        self.outputs = [name for layer in spec.layers for name in output_names(layer)]
+        self.last: dict[str, np.ndarray] | None = None
+        self.last_rows = 0
+
+    def record(self, outputs: dict[str, np.ndarray], rows: int) -> None:
+        """Keep a call's state outputs (`rows`: the rows it ran, padding included) until its commit."""
+        self.last, self.last_rows = outputs, rows
+
+    def commit(self, rows: int) -> None:
+        """Keep the first `rows` rows of the last call (idempotent until the next call is recorded)."""
+        if self.last is None:
+            return
+        if not 0 <= rows <= self.last_rows:
+            raise ValueError(f"cannot commit {rows} rows of a call of {self.last_rows}")
+        out, whole = self.last, rows == self.last_rows
+        for layer in self.spec.layers:
+            conv, recurrent, end, *pending = output_names(layer)
+            conv_in, recurrent_in, *pending_in = input_names(layer)
+            self.feeds[conv_in] = out[conv][:, rows : rows + self.spec.conv_rows]
+            self.feeds[recurrent_in] = out[end if whole else recurrent]
+            for name, given in zip(pending_in, pending):
+                self.feeds[name] = out[given][:, :0 if whole else rows]
