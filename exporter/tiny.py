@@ -30,6 +30,7 @@ class TinySpec:
     num_experts: int = 0  # > 0: a mixture-of-experts target (model_type qwen3_moe)
     experts_per_token: int = 2
     moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int | None = None  # a shared expert beside the routed ones (Qwen2/3.5-MoE)
     # > 0: a Gated-DeltaNet hybrid (model_type qwen3_5_text): every full_attention_interval-th layer is full
     # attention, the others linear attention with these heads (key heads, value heads) and head size
     full_attention_interval: int = 0
@@ -80,6 +81,14 @@ PRESETS["qwen3-4b-shaped"] = TinySpec(
     vocab_size=151936, hidden_size=2560, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=9728,
     target_layers=36, draft_layers=5, target_layer_ids=[1, 9, 17, 25, 33], block_size=16, max_positions=40960,
     rope_theta=1_000_000.0, tie_embeddings=True, streamed=True, dtype="bfloat16")
+# Qwen3.5-4B (Gated-DeltaNet hybrid: 24 linear- and 8 full-attention layers, head_dim 256, partial RoPE) with a
+# 5-layer draft tapping layers 1, 8, 15, 22, 29, block 16, as z-lab's Qwen3.5 DFlash drafts are published; the
+# target in transformers' text-only layout (the published multimodal checkpoint's text weights load the same way)
+PRESETS["qwen3.5-4b-shaped"] = TinySpec(
+    model_type="qwen3_5_text", vocab_size=248320, hidden_size=2560, num_heads=16, num_kv_heads=4, head_dim=256,
+    intermediate_size=9216, full_attention_interval=4, linear_heads=(16, 32), linear_head_dim=128, conv_kernel=4,
+    target_layers=32, draft_layers=5, target_layer_ids=[1, 8, 15, 22, 29], block_size=16, max_positions=262144,
+    rope_theta=10_000_000.0, tie_embeddings=True, streamed=True, dtype="bfloat16")
 PRESETS["llama3.1-8b-shaped"] = TinySpec(
     model_type="llama", vocab_size=128256, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
     intermediate_size=14336, target_layers=32, draft_layers=5, target_layer_ids=[1, 8, 15, 22, 29], block_size=16,
@@ -106,6 +115,8 @@ def _target_config(spec: TinySpec) -> dict:
         config.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
                       moe_intermediate_size=spec.moe_intermediate_size or spec.hidden_size,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        if spec.shared_expert_intermediate_size:
+            config["shared_expert_intermediate_size"] = spec.shared_expert_intermediate_size
     if spec.full_attention_interval:
         every = spec.full_attention_interval
         config.update(linear_num_key_heads=spec.linear_heads[0], linear_num_value_heads=spec.linear_heads[1],
@@ -113,7 +124,7 @@ def _target_config(spec: TinySpec) -> dict:
                       linear_conv_kernel_dim=spec.conv_kernel,
                       layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention"
                                    for i in range(spec.target_layers)])
-    if spec.model_type in ("qwen3", "qwen3_moe", "qwen3_5_text"):
+    if spec.model_type in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"):
         config["head_dim"] = spec.head_dim
     else:
         config["head_dim"] = spec.hidden_size // spec.num_heads

@@ -149,7 +149,8 @@ class Manifest:
     costs: CostModel | None = None  # recorded by `lower` or `calibrate` on the directory's backend
     source_dirs: dict[str, str] = field(default_factory=dict)
     # a mixture-of-experts target: {"layers": MoE layers, "experts": per layer, "per_token": routed to,
-    # "intermediate_size": of one expert}; None for a dense one
+    # "intermediate_size": of one expert, "shared_intermediate_size": of a shared expert every token runs, where
+    # there is one}; None for a dense one
     experts: dict | None = None
     format_version: int = FORMAT_VERSION
 

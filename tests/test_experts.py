@@ -17,6 +17,7 @@ from dflash_onnx.cli import main
 from exporter.lazy_weights import Checkpoint, converted_sources
 from exporter.models.target import hf_greedy
 from exporter.pair import load_target
+from exporter.tiny import TinySpec, build_pair
 from passes.pipeline import apply_pipeline
 from runtime.errors import DFlashError
 from runtime.manifest import load_manifest
@@ -233,11 +234,46 @@ def test_the_other_lowerings_refuse_experts_in_one_line(backend, moe, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
-def test_qwen3_moe_passes_the_architecture_check_and_other_moe_families_do_not():
+def test_moe_families_pass_the_architecture_check_and_others_do_not():
     from transformers import CONFIG_MAPPING
 
     from exporter.architectures import check_architecture
 
-    check_architecture(CONFIG_MAPPING["qwen3_moe"](), "qwen3_moe")
-    with pytest.raises(DFlashError, match="qwen2_moe model with mixture-of-experts layers"):
-        check_architecture(CONFIG_MAPPING["qwen2_moe"](), "qwen2_moe")
+    for family in ("qwen3_moe", "qwen2_moe", "qwen3_5_moe"):
+        check_architecture(CONFIG_MAPPING[family](), family)
+    with pytest.raises(DFlashError, match="mixtral model with mixture-of-experts layers"):
+        check_architecture(CONFIG_MAPPING["mixtral"](), "mixtral")
+
+
+# shared experts: every token also runs one MLP, gated by sigmoid(Linear(hidden, 1)) (Qwen2-MoE, and Qwen3.5-MoE,
+# whose other layers are Gated-DeltaNet linear attention)
+SHARED_EXPERT_PAIRS = {
+    "qwen2_moe": TinySpec(model_type="qwen2_moe", num_experts=8, experts_per_token=2, shared_expert_intermediate_size=96,
+                          agree=True, tie_embeddings=False, block_size=4, target_layer_ids=[1, 2], seed=13),
+    "qwen3_5_moe_text": TinySpec(model_type="qwen3_5_moe_text", num_experts=8, experts_per_token=2,
+                                 shared_expert_intermediate_size=96, full_attention_interval=2, tie_embeddings=False,
+                                 block_size=4, target_layer_ids=[1, 2], seed=17),
+}
+
+
+@pytest.mark.parametrize("family", sorted(SHARED_EXPERT_PAIRS))
+def test_shared_expert_families_export_lower_and_decode_hf_greedy(family, tmp_path):
+    """Export against transformers' own class (parity: logits, K/V, state, DFlash tokens == HF greedy), then the
+    ORT lowering: the routed experts as com.microsoft MoE, the shared expert as plain ops, tokens == HF greedy."""
+    from dflash_onnx.parity import run_parity
+    from exporter.export import export_pair
+
+    spec = SHARED_EXPERT_PAIRS[family]
+    target, draft = build_pair(spec, tmp_path)
+    manifest = export_pair(target, draft, tmp_path / "out", progress=False)
+    assert manifest.experts["shared_intermediate_size"] == 96
+    assert _ops(tmp_path / "out" / "target.onnx").count(("dflash", "MoE")) == spec.target_layers
+    report = run_parity(tmp_path / "out", num_prompts=2, max_new_tokens=16)
+    assert report.ok, [c for c in report.checks if not c.ok]
+    lower_ort(tmp_path / "out", tmp_path / "ort", OrtOptions(ctx_len=256), QUIET)
+    assert _ops(tmp_path / "ort" / "target.onnx").count(("com.microsoft", "MoE")) == spec.target_layers
+    lm, decoder = load_target(target), open_decoder(tmp_path / "ort")
+    for prompt in PROMPTS:
+        want = hf_greedy(lm, prompt, 16, None)
+        assert decoder.generate(prompt, 16, "dflash", stop_token_ids=[]).tokens == want
+        assert decoder.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens == want

@@ -212,12 +212,42 @@ def test_the_other_lowerings_refuse_linear_attention_in_one_line(backend, hybrid
     assert not (tmp_path / "out").exists()
 
 
-def test_qwen3_5_passes_the_architecture_check_and_its_moe_and_next_siblings_do_not():
+def test_qwen3_5_and_its_moe_sibling_pass_the_architecture_check_and_qwen3_next_does_not():
+    """Qwen3-Next's linear-attention layers project q, k, v, z in one interleaved matrix: not built yet."""
     from transformers import CONFIG_MAPPING
 
     from exporter.architectures import missing_parts
 
-    assert missing_parts(CONFIG_MAPPING["qwen3_5"]().get_text_config(decoder=True)) == []
-    for family in ("qwen3_5_moe", "qwen3_next"):
-        parts = missing_parts(CONFIG_MAPPING[family]().get_text_config(decoder=True))
-        assert any("Gated-DeltaNet" in part for part in parts)
+    for family in ("qwen3_5", "qwen3_5_moe"):
+        assert missing_parts(CONFIG_MAPPING[family]().get_text_config(decoder=True)) == []
+    parts = missing_parts(CONFIG_MAPPING["qwen3_next"]().get_text_config(decoder=True))
+    assert any("Gated-DeltaNet" in part for part in parts)
+
+
+def test_a_published_multimodal_checkpoint_exports_its_text_model_streamed(tmp_path):
+    """Qwen3.5 ships as Qwen3_5ForConditionalGeneration (model.language_model.*, model.visual.*): the streamed
+    export reads the text weights through transformers' own renaming and decodes HF greedy's tokens."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from exporter.export import export_pair
+    from exporter.tiny import TinySpec, _target_config, build_draft, write_char_tokenizer
+
+    spec = TinySpec(model_type="qwen3_5_text", full_attention_interval=2, tie_embeddings=False, block_size=4,
+                    target_layer_ids=[1, 2], seed=17)
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 8, "temporal_patch_size": 2, "spatial_merge_size": 2}
+    torch.manual_seed(0)
+    composite = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=_target_config(spec), vision_config=vision,
+                                                              tie_word_embeddings=False)).eval()
+    composite.save_pretrained(str(tmp_path / "target"))
+    write_char_tokenizer(tmp_path / "target", spec.vocab_size)
+    lm = load_target(tmp_path / "target")
+    build_draft(spec, tmp_path / "draft", lm)
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        assert torch.equal(lm(input_ids=ids).logits, composite(input_ids=ids).logits)  # the oracle is the text model
+    export_pair(tmp_path / "target", tmp_path / "draft", tmp_path / "out", progress=False)
+    decoder = open_decoder(tmp_path / "out")
+    expected = hf_greedy(lm, PROMPTS[1], 16, None)
+    assert decoder.generate(PROMPTS[1], 16, mode="greedy", stop_token_ids=[]).tokens == expected
+    assert decoder.generate(PROMPTS[1], 16, stop_token_ids=[], verify="full").tokens == expected

@@ -50,13 +50,20 @@ MOE_OP = onnxscript.values.Op(onnxscript.values.Opset(DOMAIN, 1), OP, _schema())
 class ExpertsLayout:
     """Where one transformers family keeps its router and experts inside a sparse MoE block."""
 
-    router: str  # submodule with `weight` [experts, hidden] (and top_k, norm_topk_prob)
+    router: str  # submodule with `weight` [experts, hidden] and top_k (norm_topk_prob; absent: always renormalized)
     experts: str  # submodule with gate_up_proj and down_proj
+    shared: str | None = None  # an MLP every token also runs, added as sigmoid(shared_gate(x)) * shared(x)
+    shared_gate: str | None = None  # a Linear(hidden, 1)
 
 
 # Block classes whose forward is exactly: logits = router(x); softmax; top-k (renormalized when norm_topk_prob);
-# sum of weight * down(silu(gate(x)) * up(x)) over the chosen experts; nothing shared beside them.
-LAYOUTS = {"Qwen3MoeSparseMoeBlock": ExpertsLayout(router="gate", experts="experts")}
+# sum of weight * down(silu(gate(x)) * up(x)) over the chosen experts; plus, where `shared` is set, the gated
+# shared expert.
+SHARED = {"shared": "shared_expert", "shared_gate": "shared_expert_gate"}
+LAYOUTS = {"Qwen3MoeSparseMoeBlock": ExpertsLayout(router="gate", experts="experts"),
+           "Qwen2MoeSparseMoeBlock": ExpertsLayout(router="gate", experts="experts", **SHARED),
+           "Qwen3_5MoeSparseMoeBlock": ExpertsLayout(router="gate", experts="experts", **SHARED),
+           "Qwen3NextSparseMoeBlock": ExpertsLayout(router="gate", experts="experts", **SHARED)}
 
 
 @torch.library.custom_op("dflash::moe", mutates_args=())
@@ -92,7 +99,10 @@ def _routed_forward(layout: ExpertsLayout):
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = F.linear(flat, router.weight)
         out = torch.ops.dflash.moe(flat, logits, experts.gate_up_proj, experts.down_proj, router.top_k,
-                                   bool(router.norm_topk_prob))
+                                   bool(getattr(router, "norm_topk_prob", True)))
+        if layout.shared:
+            gate = torch.sigmoid(block.get_submodule(layout.shared_gate)(flat))
+            out = out + gate * block.get_submodule(layout.shared)(flat)
         return out.reshape(hidden_states.shape)
 
     return forward
@@ -111,8 +121,11 @@ def experts_summary(model: nn.Module) -> dict | None:
         return None
     block, layout = blocks[0]
     router, experts = block.get_submodule(layout.router), block.get_submodule(layout.experts)
-    return {"layers": len(blocks), "experts": int(experts.gate_up_proj.shape[0]), "per_token": int(router.top_k),
-            "intermediate_size": int(experts.down_proj.shape[2])}
+    summary = {"layers": len(blocks), "experts": int(experts.gate_up_proj.shape[0]), "per_token": int(router.top_k),
+               "intermediate_size": int(experts.down_proj.shape[2])}
+    if layout.shared:
+        summary["shared_intermediate_size"] = int(block.get_submodule(layout.shared).down_proj.weight.shape[1])
+    return summary
 
 
 @contextmanager

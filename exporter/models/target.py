@@ -41,7 +41,9 @@ class TappedTarget(nn.Module):
         self.num_layers = text.num_hidden_layers
         self.num_kv_heads = text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.sliding_window = getattr(text, "sliding_window", None)
+        # a window only where the config applies it (Qwen2-MoE keeps sliding_window 0 with use_sliding_window off)
+        uses_window = getattr(text, "use_sliding_window", True)
+        self.sliding_window = (getattr(text, "sliding_window", None) or None) if uses_window else None
         self.layer_types = list(getattr(text, "layer_types", None) or [])
 
     def empty_cache(self, batch: int = 1, dtype=torch.float32) -> list[torch.Tensor]:
