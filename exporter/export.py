@@ -262,6 +262,8 @@ def export_pair(
                 tool_version=__version__,
                 source_dirs={"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve())},
                 experts=experts_summary(tapped.lm),
+                attention_sinks=any(hasattr(layer.self_attn, "sinks") for layer in tapped.lm.get_decoder().layers
+                                    if hasattr(layer, "self_attn")),
             )
             manifest.save(tmp)
     return manifest

@@ -136,17 +136,29 @@ def validate_pair(
     return size
 
 
+def attention_implementation(config) -> str:
+    """SDPA, which exports and matches HF generate; "eager" for the classes that have no SDPA path (gpt-oss, whose
+    attention sinks join the softmax)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return "sdpa"
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+
+
 def load_target(path: Path, dtype: str = "float32") -> nn.Module:
-    """The HF causal LM, in eval mode, with SDPA attention (exports and matches HF generate)."""
+    """The HF causal LM, in eval mode, with SDPA attention where the class has it (attention_implementation)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    read_config(path, "target")
+    config = _target_config(Path(path))
     weight_files(path, "target")
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=DTYPES[dtype], local_files_only=True, attn_implementation="sdpa",
+            str(path), dtype=DTYPES[dtype], local_files_only=True, attn_implementation=attention_implementation(config),
             trust_remote_code=False, use_safetensors=True,
         )
     except Exception as exc:  # the loader raises many types; the checks above caught what a user can fix
@@ -182,7 +194,7 @@ def _target_config(path: Path):
 def _from_config(config, dtype: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation="sdpa",
+    return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attention_implementation(config),
                                             trust_remote_code=False).eval()
 
 

@@ -24,6 +24,41 @@ from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_nor
 from .base import PassContext
 
 
+# the fused norms whose scale ORT binds to the normalized input's type, and the scale's input index
+# (SimplifiedLayerNormalization takes a scale of another type, and returns that type)
+NORM_SCALE = {"SkipSimplifiedLayerNormalization": 2}
+
+
+def _cast_norm_scales(model: ir.Model) -> int:
+    """Zero-centred RMSNorms (Qwen3.5: x_norm * (1 + w), computed in float32 and cast back) fuse with a float32
+    scale beside float16 inputs, which ORT refuses to load: the scale is cast to the input's type (the norm still
+    computes in float32 inside the kernel; the scale is rounded to float16 first), and a result the fusion left
+    typed float32 is returned in the input's type and cast for its users. Returns the scales cast."""
+    added = 0
+    for node in list(model.graph):
+        index = NORM_SCALE.get(node.op_type) if node.domain in ("", "com.microsoft") else None
+        if index is None or len(node.inputs) <= index:
+            continue
+        source, scale = node.inputs[0], node.inputs[index]
+        if source is None or scale is None or source.dtype is None or scale.dtype in (None, source.dtype):
+            continue
+        cast = ir.node("Cast", [scale], attributes={"to": source.dtype})
+        cast.outputs[0].dtype, cast.outputs[0].shape = source.dtype, scale.shape
+        model.graph.insert_before(node, cast)
+        node.replace_input_with(index, cast.outputs[0])
+        added += 1
+        out = node.outputs[0]
+        if out.dtype not in (None, source.dtype):  # the norm's result was the float32 product: cast back for its users
+            wanted, uses = out.dtype, list(out.uses())
+            out.dtype = source.dtype
+            back = ir.node("Cast", [out], attributes={"to": wanted})
+            back.outputs[0].dtype, back.outputs[0].shape = wanted, out.shape
+            model.graph.insert_after(node, back)
+            for user, position in uses:
+                user.replace_input_with(position, back.outputs[0])
+    return added
+
+
 def run(ir_model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     common_passes.ShapeInferencePass()(ir_model)
     optimize(ir_model, inline=False)  # dflash::MoE stays one node (moe-fusion)
@@ -35,6 +70,7 @@ def run(ir_model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     fused["multi_head_attention"] = replace_sdpa_by_mha(ir_model)
     optimize(ir_model, inline=False)  # dflash::MoE stays one node (moe-fusion)
     rewrite(ir_model, ORT_PATTERN_REWRITE_RULES)
+    fused["norm_scales_cast"] = _cast_norm_scales(ir_model)
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=1)(ir_model)
     common_passes.RemoveInitializersFromInputsPass()(ir_model)
     return ir_model, {"fused": {name: n for name, n in fused.items() if n}}

@@ -152,6 +152,8 @@ class Manifest:
     # "intermediate_size": of one expert, "shared_intermediate_size": of a shared expert every token runs, where
     # there is one}; None for a dense one
     experts: dict | None = None
+    # the target's attention adds a learned per-head sink logit to each softmax (gpt-oss)
+    attention_sinks: bool = False
     format_version: int = FORMAT_VERSION
 
     @property

@@ -18,7 +18,6 @@ from runtime.errors import DFlashError
 # model_type -> what the refusal names (transformers' own default configs of each family)
 FAMILIES = {
     "mixtral": ["mixture-of-experts layers (8 experts)"],
-    "gpt_oss": ["mixture-of-experts layers", "attention sinks"],
     "qwen3_next": ["mixture-of-experts layers", "Gated-DeltaNet linear-attention layers"],
     "gemma4_text": ["per-layer head_dim"],
     "gemma4": ["per-layer head_dim"],

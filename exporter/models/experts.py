@@ -108,15 +108,40 @@ def _routed_forward(layout: ExpertsLayout):
     return forward
 
 
+def _dense_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, router_indices: torch.Tensor,
+                           routing_weights: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's experts (biased, interleaved gate/up [experts, hidden, 2 x intermediate], clamped SwiGLU) on every
+    token, each weighted by its routing weight (zero where a token is not routed): the block's result, traceable."""
+    # batched MatMuls (not Einsum, whose ORT kernel rounds a token's row differently in calls of other sizes)
+    gate_up = torch.matmul(hidden_states[None], experts.gate_up_proj) + experts.gate_up_proj_bias[:, None]
+    out = torch.matmul(experts._apply_gate(gate_up), experts.down_proj) + experts.down_proj_bias[:, None]
+    weights = torch.zeros(hidden_states.shape[0], out.shape[0], dtype=routing_weights.dtype)
+    weights = weights.scatter(1, router_indices, routing_weights)
+    return (out * weights.transpose(0, 1)[..., None].to(out.dtype)).sum(dim=0)
+
+
+# expert modules whose forward loops over the routed experts, replaced by the dense computation for the export
+DENSE_EXPERTS = ("GptOssExperts",)
+
+
 def moe_blocks(model: nn.Module) -> list[tuple[nn.Module, ExpertsLayout]]:
     """The sparse MoE blocks of `model` this exporter knows how to route, with their layouts."""
     return [(module, LAYOUTS[type(module).__name__]) for module in model.modules()
             if type(module).__name__ in LAYOUTS]
 
 
+def dense_experts(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if type(module).__name__ in DENSE_EXPERTS]
+
+
 def experts_summary(model: nn.Module) -> dict | None:
     """What the manifest records of `model`'s routed experts (None for a dense model)."""
     blocks = moe_blocks(model)
+    dense = dense_experts(model)
+    if dense:
+        router = next(m for m in model.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts"))
+        return {"layers": len(dense), "experts": int(dense[0].gate_up_proj.shape[0]), "per_token": int(router.top_k),
+                "intermediate_size": int(dense[0].down_proj.shape[1]), "computed": "every expert (dense)"}
     if not blocks:
         return None
     block, layout = blocks[0]
@@ -130,10 +155,12 @@ def experts_summary(model: nn.Module) -> dict | None:
 
 @contextmanager
 def experts_as_one_op(model: nn.Module) -> Iterator[None]:
-    """For the duration, every known MoE block of `model` calls dflash::moe (what torch.onnx traces)."""
-    blocks = moe_blocks(model)
-    for block, layout in blocks:
-        block.forward = types.MethodType(_routed_forward(layout), block)
+    """For the duration, every known MoE block of `model` calls dflash::moe (what torch.onnx traces), and every
+    expert module of DENSE_EXPERTS computes densely."""
+    blocks = [(block, _routed_forward(layout)) for block, layout in moe_blocks(model)]
+    blocks += [(experts, _dense_experts_forward) for experts in dense_experts(model)]
+    for block, forward in blocks:
+        block.forward = types.MethodType(forward, block)
     try:
         yield
     finally:

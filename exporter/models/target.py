@@ -45,6 +45,8 @@ class TappedTarget(nn.Module):
         uses_window = getattr(text, "use_sliding_window", True)
         self.sliding_window = (getattr(text, "sliding_window", None) or None) if uses_window else None
         self.layer_types = list(getattr(text, "layer_types", None) or [])
+        # eager attention (gpt-oss) adds the mask to its scores: 0 where visible, the dtype's lowest elsewhere
+        self.additive_masks = getattr(causal_lm.config, "_attn_implementation", "sdpa") == "eager"
 
     def empty_cache(self, batch: int = 1, dtype=torch.float32) -> list[torch.Tensor]:
         shape = (batch, 0, self.num_kv_heads, self.head_dim)
@@ -62,13 +64,20 @@ class TappedTarget(nn.Module):
 
     def _masks(self, position_ids: torch.Tensor, num_keys: int):
         """Per-layer-type masks for hybrid models, one windowed mask for all-sliding ones (Mistral)."""
-        full = causal_mask(position_ids, num_keys)
+        full = self._form(causal_mask(position_ids, num_keys))
         if self.sliding_window is None:
             return full
-        windowed = causal_mask(position_ids, num_keys, self.sliding_window)
+        windowed = self._form(causal_mask(position_ids, num_keys, self.sliding_window))
         if "sliding_attention" in self.layer_types:
             return {"full_attention": full, "sliding_attention": windowed}
         return windowed
+
+    def _form(self, visible: torch.Tensor) -> torch.Tensor:
+        """A boolean mask as the attention reads it: as it is (SDPA), or additive (eager)."""
+        if not self.additive_masks:
+            return visible
+        dtype = self.lm.get_input_embeddings().weight.dtype
+        return torch.zeros((), dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
         pairs = [(past[2 * i].transpose(1, 2), past[2 * i + 1].transpose(1, 2)) for i in range(self.num_layers)]

@@ -91,6 +91,10 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
                           "CUDA only: export with --dtype float16, or lower with --kv-buffer off")
     if manifest.dtype == "bfloat16":
         raise DFlashError(bfloat16_refusal(Path(source)))
+    if options.kv_buffer and manifest.attention_sinks:
+        raise DFlashError(f"lower --target ort: this {manifest.model_type} export's attention adds sink logits to its "
+                          "softmax, which the buffer form's GroupQueryAttention rewrite does not map yet: lower with "
+                          "--kv-buffer off (the concat form)")
     provider = provider_name(options.provider)
     if options.provider == "cpu" and manifest.dtype == "float16" and not manifest.weight_quantization:
         print("warning: ONNX Runtime's CPU provider has no float16 MatMul: its sessions convert float16 weights to "

@@ -1,0 +1,78 @@
+"""gpt-oss targets: eager attention with per-head sink logits and additive (0 / lowest) masks over alternating
+sliding and full layers, and biased, clamped SwiGLU experts computed densely (every expert, weighted by its
+routing). Oracles: transformers' GptOssForCausalLM, its own forward and greedy `generate`, and the reference
+`dflash` package on the same weights (parity)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_onnx.cli import main
+from exporter.models.target import hf_greedy
+from exporter.pair import load_target
+from exporter.tiny import TinySpec, build_pair
+from runtime.manifest import load_manifest
+from targets import LowerRequest, open_decoder
+from targets.ort.lower import lower_ort
+from targets.ort.options import OrtOptions
+
+SPEC = TinySpec(model_type="gpt_oss", num_experts=8, experts_per_token=2, tie_embeddings=False, block_size=4,
+                target_layer_ids=[1, 2], seed=19, target_sliding_window=5, max_positions=131072)
+PROMPTS = ([5, 9, 11, 3, 20], [40, 2, 66, 17, 9, 31, 8, 70, 12, 4, 51])
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    from exporter.export import export_pair
+
+    root = tmp_path_factory.mktemp("gpt_oss")
+    target, draft = build_pair(SPEC, root)
+    export_pair(target, draft, root / "out", progress=False)
+    return root
+
+
+def test_the_wrapper_reproduces_sinks_and_sliding_windows_with_additive_masks(gpt_oss):
+    """Boolean masks added to eager attention's scores would read as 0 / 1 (the issue's 0.51 logit difference):
+    the wrapper hands gpt-oss additive masks, and matches the model's own forward past the sliding window."""
+    from exporter.models.hybrid import wrap_target
+
+    lm = load_target(gpt_oss / "target")
+    assert lm.config._attn_implementation == "eager"
+    tapped = wrap_target(lm, [1, 2])
+    ids = torch.tensor([PROMPTS[1] + PROMPTS[0]])  # 16 tokens: past the window of 5
+    with torch.no_grad():
+        ours = tapped(ids, torch.arange(16)[None], *tapped.empty_cache())[0]
+        theirs = lm(input_ids=ids).logits
+        tapped.additive_masks = False
+        boolean = tapped(ids, torch.arange(16)[None], *tapped.empty_cache())[0]
+    assert float((ours - theirs).abs().max()) < 2e-5
+    assert float((boolean - theirs).abs().max()) > 1e-2  # the check can fail
+
+
+def test_export_parity_and_dflash_equal_hf_greedy_and_the_reference(gpt_oss, capsys):
+    manifest = load_manifest(gpt_oss / "out")
+    assert manifest.attention_sinks and manifest.experts["computed"] == "every expert (dense)"
+    code = main(["parity", str(gpt_oss / "out"), "--prompts", "2", "--max-new-tokens", "16"])
+    out = capsys.readouterr().out
+    assert code == 0 and "dflash-ort == reference" in out and "MISMATCH" not in out, out
+
+
+def test_the_ort_lowering_runs_the_concat_form_and_refuses_the_buffer_form_in_one_line(gpt_oss, capsys):
+    code = main(["lower", str(gpt_oss / "out"), "--target", "ort", "--out", str(gpt_oss / "buffer"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "--kv-buffer off" in err and "sink" in err, err
+    assert not (gpt_oss / "buffer").exists()
+    lower_ort(gpt_oss / "out", gpt_oss / "ort", OrtOptions(ctx_len=256, kv_buffer=False), LowerRequest(progress=False))
+    lm, decoder = load_target(gpt_oss / "target"), open_decoder(gpt_oss / "ort")
+    for prompt in PROMPTS:
+        want = hf_greedy(lm, prompt, 16, None)
+        assert decoder.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens == want
+        assert decoder.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == want
+
+
+@pytest.mark.parametrize("backend", ["mlx", "ai100", "coreml"])
+def test_the_other_lowerings_refuse_its_experts_in_one_line(backend, gpt_oss, tmp_path, capsys):
+    code = main(["lower", str(gpt_oss / "out"), "--target", backend, "--out", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "mixture-of-experts" in err, err
