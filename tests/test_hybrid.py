@@ -251,3 +251,18 @@ def test_a_published_multimodal_checkpoint_exports_its_text_model_streamed(tmp_p
     expected = hf_greedy(lm, PROMPTS[1], 16, None)
     assert decoder.generate(PROMPTS[1], 16, mode="greedy", stop_token_ids=[]).tokens == expected
     assert decoder.generate(PROMPTS[1], 16, stop_token_ids=[], verify="full").tokens == expected
+
+
+def test_a_float16_export_lowers_with_its_zero_centred_norms_fused(hybrid, tmp_path, references):
+    """Qwen3.5's RMSNorm scales by (1 + w) in float32: fused beside float16 inputs, ORT refused to load the graph
+    (the Qwen3.5-4B-shaped lowering failed so). The scale is cast to the input's type; tokens still equal."""
+    from exporter.export import export_pair
+
+    export_pair(hybrid.target_dir, hybrid.draft_dir, tmp_path / "fp16", dtype="float16", progress=False)
+    lowered = lower_ort(tmp_path / "fp16", tmp_path / "ort", OrtOptions(ctx_len=256), LowerRequest(progress=False))
+    assert lowered.lowering.rewrites["ort-fusions"]["target"]["fused"]["norm_scales_cast"] > 0
+    decoder = open_decoder(tmp_path / "ort")
+    prompt = PROMPTS[1]
+    greedy = decoder.generate(prompt, NEW_TOKENS, mode="greedy", stop_token_ids=[]).tokens
+    assert decoder.generate(prompt, NEW_TOKENS, stop_token_ids=[], verify="full").tokens == greedy
+    assert greedy[:4] == references[tuple(prompt)][:4]  # float16 follows float32's greedy at least at first
