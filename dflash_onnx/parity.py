@@ -22,7 +22,6 @@ from runtime.errors import DFlashError
 from runtime.manifest import Manifest
 from targets import open_decoder
 
-
 # measured on a tiny Qwen3.5 pair (tests/test_hybrid.py): the reference's output leaves HF greedy's
 HYBRID_REFERENCE = ("it rolls a verify back with transformers' DynamicCache.crop, which crops a linear-attention "
                     "layer's conv rows but not its recurrent state, so rejected tokens stay in that state and its "

@@ -237,7 +237,7 @@ def export_pair(
         with stages.stage("checking graphs"):
             for name in ("target.onnx", "draft.onnx"):
                 onnx.checker.check_model(str(tmp / name))
-            n_t, n_d = tapped.num_layers, len(draft.layers)
+            n_d = len(draft.layers)
             target_graph = target_graph_spec(tmp / "target.onnx", tapped)
             draft_graph = graph_spec(tmp / "draft.onnx", n_d, draft.num_kv_heads, draft.head_dim,
                                      kv_names("past_key_values", n_d), kv_names("present", n_d))

@@ -194,7 +194,8 @@ def _target_config(path: Path):
 def _from_config(config, dtype: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attention_implementation(config),
+    return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype],
+                                            attn_implementation=attention_implementation(config),
                                             trust_remote_code=False).eval()
 
 

@@ -23,7 +23,6 @@ from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_nor
 
 from .base import PassContext
 
-
 # the fused norms whose scale ORT binds to the normalized input's type, and the scale's input index
 # (SimplifiedLayerNormalization takes a scale of another type, and returns that type)
 NORM_SCALE = {"SkipSimplifiedLayerNormalization": 2}

@@ -248,8 +248,9 @@ def test_moe_families_pass_the_architecture_check_and_others_do_not():
 # shared experts: every token also runs one MLP, gated by sigmoid(Linear(hidden, 1)) (Qwen2-MoE, and Qwen3.5-MoE,
 # whose other layers are Gated-DeltaNet linear attention)
 SHARED_EXPERT_PAIRS = {
-    "qwen2_moe": TinySpec(model_type="qwen2_moe", num_experts=8, experts_per_token=2, shared_expert_intermediate_size=96,
-                          agree=True, tie_embeddings=False, block_size=4, target_layer_ids=[1, 2], seed=13),
+    "qwen2_moe": TinySpec(model_type="qwen2_moe", num_experts=8, experts_per_token=2,
+                          shared_expert_intermediate_size=96, agree=True, tie_embeddings=False, block_size=4,
+                          target_layer_ids=[1, 2], seed=13),
     "qwen3_5_moe_text": TinySpec(model_type="qwen3_5_moe_text", num_experts=8, experts_per_token=2,
                                  shared_expert_intermediate_size=96, full_attention_interval=2, tie_embeddings=False,
                                  block_size=4, target_layer_ids=[1, 2], seed=17),

@@ -266,3 +266,20 @@ def test_a_float16_export_lowers_with_its_zero_centred_norms_fused(hybrid, tmp_p
     greedy = decoder.generate(prompt, NEW_TOKENS, mode="greedy", stop_token_ids=[]).tokens
     assert decoder.generate(prompt, NEW_TOKENS, stop_token_ids=[], verify="full").tokens == greedy
     assert greedy[:4] == references[tuple(prompt)][:4]  # float16 follows float32's greedy at least at first
+
+
+def test_the_family_benchmark_compares_the_hybrid_with_the_same_shape_all_full_attention():
+    from conftest import benchmark_script
+    from transformers import AutoConfig
+
+    from exporter.tiny import _target_config
+
+    script = benchmark_script("family_decode")
+    args = script.argparse.Namespace(family="hybrid", vocab=512, hidden=256, layers=8, linear_heads=(2, 4),
+                                     linear_head_dim=32)
+    pair = script.specs(args)
+    types = {name: AutoConfig.for_model(spec.model_type, **_target_config(spec)).layer_types
+             for name, spec in pair.items()}
+    assert types["hybrid"].count("linear_attention") == 6 and set(types["dense"]) == {"full_attention"}
+    assert {k: v for k, v in vars(pair["hybrid"]).items() if k != "full_attention_interval"} == \
+        {k: v for k, v in vars(pair["dense"]).items() if k != "full_attention_interval"}

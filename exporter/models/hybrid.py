@@ -36,7 +36,7 @@ def wrap_target(causal_lm, target_layer_ids: list[int]) -> TappedTarget:
 
 def state_input_names(layer_types: list[str]) -> list[str]:
     return [name for i, kind in enumerate(layer_types) for name in
-            (recurrent.input_names(i) if kind == LINEAR else [f"past_key_values.{i}.key", f"past_key_values.{i}.value"])]
+            (recurrent.input_names(i) if kind == LINEAR else [f"past_key_values.{i}.{k}" for k in ("key", "value")])]
 
 
 def state_output_names(layer_types: list[str]) -> list[str]:

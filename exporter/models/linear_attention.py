@@ -21,6 +21,7 @@ from torch import nn
 from torch._higher_order_ops.scan import scan
 from torch.nn import functional as F
 
+
 def _token_step(state: torch.Tensor, xs: tuple[torch.Tensor, ...]):
     """One token of the gated delta rule: state [B, H, Dk, Dv]; decay [B, H], key and query [B, H, Dk], value
     [B, H, Dv], beta [B, H]. Returns the new state, the token's output and its delta."""

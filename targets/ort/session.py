@@ -209,7 +209,6 @@ class OrtBufferSession(OrtSession):
             raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
         return {name: self._output(name, rows)[0].copy() for name in names}
 
-
     def _run_with_state(self, feeds: dict[str, np.ndarray], names: tuple[str, ...]) -> dict[str, np.ndarray]:
         """A call that also returns a hybrid target's linear-attention state (conv rows past + new, states,
         pending rows): K/V in place as in `run`, every input and output bound anew on the host."""

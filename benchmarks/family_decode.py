@@ -1,14 +1,19 @@
-"""A mixture-of-experts target against a dense one with the same active parameters (issue 32's yardstick: MoE
-decode per token within 1.3x of the dense model's).
+"""A target family against a dense model of the same shape, side by side on ORT (issue 32's yardsticks).
 
-Both are random-weight pairs from exporter/tiny.py with one shape but the MLP: the MoE target (Qwen3-MoE) has
-`--experts` experts of `--moe-intermediate` each, `--per-token` of them routed to per token; the dense target
-(Qwen3) has one MLP of per_token x moe_intermediate, so a token reads as many MLP weights in both. Each is built,
-exported, quantized (`--precision int4`: `optimize --passes int4`, the experts into QMoE) and lowered for ORT;
-then `bench` runs on both directories in interleaved rounds (greedy and DFlash tokens/s, the target's step for 1
-and block tokens), quiet and with `--load 1`. Prints the table in the docs' format.
+`--family moe`: a mixture-of-experts target (Qwen3-MoE) with `--experts` experts of `--moe-intermediate` each,
+`--per-token` of them routed to per token, against a dense Qwen3 with one MLP of per_token x moe_intermediate,
+so a token reads as many MLP weights in both (the goal: MoE decode per token within 1.3x of the dense model's).
+`--family hybrid`: a Gated-DeltaNet hybrid (Qwen3.5: three linear-attention layers to one full) against the same
+Qwen3.5 shape with every layer full attention: what the linear layers' recurrent state costs a decode step and a
+verify step (each token's update, and the commit's pending rows), against K/V attention at `--context` tokens.
 
-    python benchmarks/moe_decode.py --work /tmp/moebench [--precision int4|float32] [--rounds 2] [--json FILE]
+Both are random-weight pairs from exporter/tiny.py; each is built, exported, quantized (`--precision int4`:
+`optimize --passes int4`) and lowered for ORT; then `bench` runs on both directories in interleaved rounds
+(greedy and DFlash tokens/s, the target's step for 1 and block tokens), quiet and with `--load 1`. Prints the
+table in the docs' format.
+
+    python benchmarks/family_decode.py --family moe|hybrid --work /tmp/familybench [--precision int4|float32]
+        [--rounds 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,6 +33,16 @@ CLI = [sys.executable, "-m", "dflash_onnx.cli"]
 
 
 def specs(args: argparse.Namespace) -> dict[str, TinySpec]:
+    """The family's target and its dense counterpart, by the names the table prints."""
+    if args.family == "hybrid":
+        key_heads, value_heads = args.linear_heads
+        shape = TinySpec(model_type="qwen3_5_text", vocab_size=args.vocab, hidden_size=args.hidden, num_heads=16,
+                         num_kv_heads=4, head_dim=128, target_layers=args.layers, draft_layers=1,
+                         target_layer_ids=[1, args.layers - 2], block_size=16, agree=True, tie_embeddings=False,
+                         damp_layers=0.002, max_positions=4096, linear_heads=(key_heads, value_heads),
+                         linear_head_dim=args.linear_head_dim)
+        return {"hybrid": replace(shape, full_attention_interval=4),
+                "dense": replace(shape, full_attention_interval=1)}
     shape = TinySpec(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=16, num_kv_heads=8, head_dim=128,
                      target_layers=args.layers, draft_layers=1, target_layer_ids=[1, args.layers - 2],
                      block_size=16, agree=True, tie_embeddings=False, damp_layers=0.002, max_positions=4096)
@@ -69,24 +84,25 @@ def prepare(name: str, spec: TinySpec, work: Path, precision: str) -> Path:
     return lowered
 
 
-def bench(directory: Path, load: int, out: Path) -> dict:
+def bench(directory: Path, load: int, context: int, out: Path) -> dict:
     run([*CLI, "bench", directory, "--num-prompts", "2", "--max-new-tokens", "64", "--repeats", "3", "--contexts",
-         "256", "--quiet", "--load", str(load), "--json", out], out.with_suffix(".log"))
+         str(context), "--quiet", "--load", str(load), "--json", out], out.with_suffix(".log"))
     return json.loads(out.read_text())
 
 
-def figures(report: dict, loaded: bool) -> dict[str, float]:
+def figures(report: dict, loaded: bool, context: int) -> dict[str, float]:
     """tokens/s of greedy and DFlash; quiet: also the target's step (ms) for 1 and for block new tokens."""
     aggregate = report["loaded"]["aggregate"] if loaded else report["aggregate"]
     found = {"greedy": aggregate["greedy"]["tokens_per_second"], "dflash": aggregate["dflash"]["tokens_per_second"]}
     if not loaded:
-        steps = dict(zip(report["curve"]["verify_lengths"], report["curve"]["target_ms"]["256"]))
+        steps = dict(zip(report["curve"]["verify_lengths"], report["curve"]["target_ms"][str(context)]))
         found.update(step_1=steps[1], step_block=steps[report["block_size"]])
     return found
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=("moe", "hybrid"), default="moe")
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--precision", choices=("int4", "float32"), default="int4")
     parser.add_argument("--rounds", type=int, default=2)
@@ -96,6 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--per-token", type=int, default=4)
     parser.add_argument("--moe-intermediate", type=int, default=768)
+    parser.add_argument("--linear-heads", type=lambda text: tuple(int(n) for n in text.split(",")), default=(8, 16),
+                        help="hybrid: linear-attention key heads,value heads")
+    parser.add_argument("--linear-head-dim", type=int, default=128)
+    parser.add_argument("--context", type=int, default=256, help="context of the target steps timed")
     parser.add_argument("--load", type=int, default=1, help="also measure beside N busy processes (0: quiet only)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -104,20 +124,26 @@ def main(argv: list[str] | None = None) -> None:
     for round_ in range(args.rounds):
         for name, directory in directories.items():  # interleaved: both in every round
             print(f"round {round_ + 1}: bench {name}", file=sys.stderr)
-            results[name].append(bench(directory, args.load, args.work / f"bench_{name}_{round_}.json"))
+            results[name].append(bench(directory, args.load, args.context, args.work / f"bench_{name}_{round_}.json"))
+    family = next(name for name in directories if name != "dense")
     rows = []
     speeds = [("greedy", "greedy tok/s"), ("dflash", "DFlash tok/s")]
-    steps = [("step_1", "target step, 1 token (ms, context 256)"), ("step_block", "target step, 16 tokens (ms)")]
+    steps = [("step_1", f"target step, 1 token (ms, context {args.context})"),
+             ("step_block", "target step, 16 tokens (ms)")]
     for loaded in (False, True) if args.load else (False,):
         columns = speeds if loaded else speeds + steps
-        medians = {name: {key: statistics.median(figures(r, loaded)[key] for r in reports) for key, _ in columns}
-                   for name, reports in results.items()}
+        medians = {name: {key: statistics.median(figures(r, loaded, args.context)[key] for r in reports)
+                          for key, _ in columns} for name, reports in results.items()}
         for key, title in columns:
-            moe, dense = medians["moe"][key], medians["dense"][key]
-            ratio = moe / dense if key.startswith("step") else dense / moe  # MoE time over dense time
-            rows.append([f"{title}{', loaded' if loaded else ''}", f"{moe:.1f}", f"{dense:.1f}", f"{ratio:.2f}x"])
-    header = [f"{args.precision}, {args.experts} experts / {args.per_token} per token vs dense", "MoE", "dense",
-              "MoE time / dense time"]
+            ours, dense = medians[family][key], medians["dense"][key]
+            ratio = ours / dense if key.startswith("step") else dense / ours  # the family's time over dense time
+            rows.append([f"{title}{', loaded' if loaded else ''}", f"{ours:.1f}", f"{dense:.1f}", f"{ratio:.2f}x"])
+    if family == "moe":
+        header = [f"{args.precision}, {args.experts} experts / {args.per_token} per token vs dense", "MoE", "dense",
+                  "MoE time / dense time"]
+    else:
+        header = [f"{args.precision}, 3 linear : 1 full attention vs all full", "hybrid", "dense",
+                  "hybrid time / dense time"]
     print(markdown_table(header, rows))
     print()
     print(provenance())
