@@ -120,10 +120,14 @@ class Source:
     def checkpoint_keys(self) -> tuple[str, ...]:
         return (self.key,)
 
-    def read(self, dtype: torch.dtype) -> torch.Tensor:
-        """The tensor as `dtype`; its file is mapped only while it is read."""
+    def read_stored(self) -> torch.Tensor:
+        """The tensor as the checkpoint stores it; its file is mapped only while it is read."""
         with safe_open(str(self.checkpoint.files[self.key]), framework="pt") as handle:
-            tensor = handle.get_tensor(self.key).to(dtype)
+            return handle.get_tensor(self.key)
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor as `dtype`."""
+        tensor = self.read_stored().to(dtype)
         return tensor / self.divisor if self.divisor != 1.0 else tensor
 
     def lazy(self, dtype: torch.dtype, name: str) -> ir.LazyTensor:
@@ -174,6 +178,53 @@ class ConvertedSource:
                              shape=ir.Shape(self.shape), name=name)
 
 
+@dataclass(frozen=True, eq=False)
+class Mxfp4Source:
+    """An expert weight a checkpoint stores in MXFP4 (gpt-oss: `{name}_blocks` [experts, rows, groups, 16] packed
+    nibbles, `{name}_scales` [experts, rows, groups] power-of-two exponents), dequantized by transformers' own
+    `convert_moe_packed_tensors` when the tensor is read: one tensor at a time, never the whole model."""
+
+    checkpoint: Checkpoint
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def checkpoint_keys(self) -> tuple[str, ...]:
+        return (f"{self.name}_blocks", f"{self.name}_scales")
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}_blocks (MXFP4)"
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        blocks, scales = (Source(self.checkpoint, key).read_stored() for key in self.checkpoint_keys)
+        return convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+
+    def lazy(self, dtype: torch.dtype, name: str) -> ir.LazyTensor:
+        return ir.LazyTensor(lambda: ir.Tensor(as_numpy(self.read(dtype)), name=name), dtype=IR_DTYPES[dtype],
+                             shape=ir.Shape(self.shape), name=name)
+
+
+def mxfp4_sources(model: nn.Module, checkpoint: Checkpoint, prefix: str = "") -> dict[str, Mxfp4Source]:
+    """`model`'s parameters the checkpoint stores as MXFP4 blocks and scales, by parameter name (under `prefix`);
+    their dequantized shape checked against the parameter's."""
+    found = {}
+    for name, param in model.named_parameters():
+        blocks, scales = f"{name}_blocks", f"{name}_scales"
+        if name in checkpoint.files or blocks not in checkpoint.files or scales not in checkpoint.files:
+            continue
+        experts, rows, groups, width = checkpoint.shapes[blocks]
+        shape = (experts, groups * width * 2, rows)  # dequantized, then [experts, inputs, outputs]
+        if shape != tuple(param.shape) or checkpoint.shapes[scales] != (experts, rows, groups):
+            raise DFlashError(f"{checkpoint.kind} tensors {blocks} {checkpoint.shapes[blocks]} and {scales} "
+                              f"{checkpoint.shapes[scales]} in {checkpoint.directory} do not dequantize to "
+                              f"{name}'s shape {tuple(param.shape)}: the checkpoint does not match its config.json")
+        found[f"{prefix}{name}"] = Mxfp4Source(checkpoint, name, shape)
+    return found
+
+
 def converted_sources(model: nn.Module, checkpoint: Checkpoint) -> dict[str, WeightSource]:
     """`model`'s parameters (a transformers model, on the meta device) that transformers' weight-conversion
     mapping reads from tensors of other names (a multimodal checkpoint's model.language_model.*: a Source) or
@@ -211,7 +262,7 @@ def converted_sources(model: nn.Module, checkpoint: Checkpoint) -> dict[str, Wei
     return found
 
 
-WeightSource = Source | ConvertedSource
+WeightSource = Source | ConvertedSource | Mxfp4Source
 
 
 def parameter_sources(module: nn.Module, prefix: str, checkpoint: Checkpoint,
@@ -310,6 +361,7 @@ def pair_sources(tapped: TappedTarget, draft: DFlashDraft, target_dir: Path,
     the target's (a draft's copies of them are ignored: the target's win)."""
     target = Checkpoint(target_dir, "target")
     converted = {f"lm.{name}": source for name, source in converted_sources(tapped.lm, target).items()}
+    converted.update(mxfp4_sources(tapped.lm, target, prefix="lm."))
     target_sources = parameter_sources(tapped, "lm.", target, fixed=converted)
 
     def name_of(weight: torch.Tensor) -> str:

@@ -76,3 +76,46 @@ def test_the_other_lowerings_refuse_its_experts_in_one_line(backend, gpt_oss, tm
     code = main(["lower", str(gpt_oss / "out"), "--target", backend, "--out", str(tmp_path / "out"), "--quiet"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "mixture-of-experts" in err, err
+
+
+def _mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[experts, outputs, inputs] float -> MXFP4 blocks [experts, outputs, inputs / 32, 16] and exponent scales
+    [experts, outputs, inputs / 32], as gpt-oss checkpoints store them (nearest FP4 value, low nibble first)."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    values = torch.tensor(FP4_VALUES)
+    experts, outputs, inputs = weight.shape
+    groups = weight.reshape(experts, outputs, inputs // 32, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(dim=-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - values).abs().argmin(dim=-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_a_checkpoint_with_mxfp4_experts_exports_streamed_dequantized_as_transformers_loads_it(tmp_path):
+    """gpt-oss ships its experts as MXFP4: the streamed export dequantizes them one tensor at a time with
+    transformers' own conversion, and decodes the tokens of the model transformers loads from the same files."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from exporter.export import export_pair
+
+    target, draft = build_pair(SPEC, tmp_path)
+    weights = load_file(str(target / "model.safetensors"))
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _mxfp4(weights.pop(name).transpose(1, 2).contiguous())
+        weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (target / "config.json").write_text(json.dumps(config))
+    export_pair(target, draft, tmp_path / "out", progress=False)
+    lm, decoder = load_target(target), open_decoder(tmp_path / "out")
+    assert not any(n.endswith("_blocks") for n, _ in lm.named_parameters())  # transformers dequantized them
+    for prompt in PROMPTS:
+        want = hf_greedy(lm, prompt, 16, None)
+        assert decoder.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens == want
+        assert decoder.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == want
