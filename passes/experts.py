@@ -120,6 +120,8 @@ def fuse(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
         _replace(model, node, "MoE", [node.inputs[0], node.inputs[1], fc1, None, down], {}, pair=True)
     _drop_function(model)
     _drop_unused_weights(model)
+    if nodes:
+        model.opset_imports.setdefault("com.microsoft", 1)
     return model, {"moe_nodes": len(nodes)} if nodes else {}
 
 

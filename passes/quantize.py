@@ -157,6 +157,8 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
     why.update(experts_kept)
     _drop_unused(model)
     quantized = sum(n.op_type == "MatMulNBits" for n in model.graph)
+    if quantized or experts_quantized:  # declared, so that ONNX's own shape inference knows the domain
+        model.opset_imports.setdefault("com.microsoft", 1)
     details = {"quantized_matmuls": quantized, "not_quantized": why, "block_size": block_size,
                "folded_weight_transposes": len(folded)}
     if experts_quantized:
