@@ -1,5 +1,5 @@
-"""The seeds' models at their real size (issue 19): every stage of a Qwen3-4B- or LLaMA-3.1-8B-shaped pair, with
-its wall time, peak memory and output size, in one table.
+"""The seeds' models at their real size (issue 19): every stage of a Qwen3-4B-, LLaMA-3.1-8B- or Qwen3.5-4B-shaped
+pair (the Gated-DeltaNet hybrid, issue 32), with its wall time, peak memory and output size, in one table.
 
 Stages, each a child process whose peak resident memory comes from `os.wait4` in a small launcher (the same
 figure as `/usr/bin/time`'s "Maximum resident set size"):
@@ -111,7 +111,7 @@ def _decode(bench: Bench, lowered: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-4b-shaped",
-                        help="a exporter.tiny preset: qwen3-4b-shaped, llama3.1-8b-shaped, "
+                        help="a exporter.tiny preset: qwen3-4b-shaped, llama3.1-8b-shaped, qwen3.5-4b-shaped, "
                              "qwen3-0.6b-shaped")
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--lean", action="store_true", help="delete the pair and the float16 export once read")
