@@ -15,15 +15,15 @@ from runtime.errors import DFlashError
 
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 # families whose every MoE block exports as one dflash::MoE node (exporter/models/experts.py)
-ROUTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe_text")
+ROUTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_next")
 # families whose experts export as a dense computation of every expert (exact; each weighted by its routing):
 # gpt-oss's biased, clamped SwiGLU experts (exporter/models/experts.py, dense_experts)
 DENSE_EXPERT_FAMILIES = ("gpt_oss",)
 # families whose linear-attention layers export with their state as graph I/O (exporter/models/hybrid.py)
-HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")
+HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 SUPPORTED = ("dense decoders export (Qwen3, LLaMA, Qwen2, Mistral, Phi-3, OLMo 2, GLM-4, Gemma 3, Granite; "
-             "sliding-window layers included), Qwen3-MoE, Qwen2-MoE, gpt-oss, and Qwen3.5 / Qwen3.5-MoE "
-             "(Gated-DeltaNet hybrids)")
+             "sliding-window layers included), Qwen3-MoE, Qwen2-MoE, gpt-oss, and the Gated-DeltaNet hybrids "
+             "Qwen3.5 / Qwen3.5-MoE / Qwen3-Next")
 
 
 def _attribute(config, name: str):

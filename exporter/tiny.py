@@ -124,7 +124,7 @@ def _target_config(spec: TinySpec) -> dict:
                       linear_conv_kernel_dim=spec.conv_kernel,
                       layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention"
                                    for i in range(spec.target_layers)])
-    if spec.model_type in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"):
+    if spec.model_type in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
         config["head_dim"] = spec.head_dim
     else:
         config["head_dim"] = spec.hidden_size // spec.num_heads

@@ -239,14 +239,14 @@ def test_moe_families_pass_the_architecture_check_and_others_do_not():
 
     from exporter.architectures import check_architecture
 
-    for family in ("qwen3_moe", "qwen2_moe", "qwen3_5_moe"):
+    for family in ("qwen3_moe", "qwen2_moe", "qwen3_5_moe", "qwen3_next"):
         check_architecture(CONFIG_MAPPING[family](), family)
     with pytest.raises(DFlashError, match="mixtral model with mixture-of-experts layers"):
         check_architecture(CONFIG_MAPPING["mixtral"](), "mixtral")
 
 
-# shared experts: every token also runs one MLP, gated by sigmoid(Linear(hidden, 1)) (Qwen2-MoE, and Qwen3.5-MoE,
-# whose other layers are Gated-DeltaNet linear attention)
+# shared experts: every token also runs one MLP, gated by sigmoid(Linear(hidden, 1)) (Qwen2-MoE, and Qwen3.5-MoE and
+# Qwen3-Next, whose other layers are Gated-DeltaNet linear attention)
 SHARED_EXPERT_PAIRS = {
     "qwen2_moe": TinySpec(model_type="qwen2_moe", num_experts=8, experts_per_token=2,
                           shared_expert_intermediate_size=96, agree=True, tie_embeddings=False, block_size=4,
@@ -254,6 +254,10 @@ SHARED_EXPERT_PAIRS = {
     "qwen3_5_moe_text": TinySpec(model_type="qwen3_5_moe_text", num_experts=8, experts_per_token=2,
                                  shared_expert_intermediate_size=96, full_attention_interval=2, tie_embeddings=False,
                                  block_size=4, target_layer_ids=[1, 2], seed=17),
+    # Qwen3-Next (Qwen3-Coder-Next): the hybrid whose linear layers project q, k, v, z and b, a interleaved
+    "qwen3_next": TinySpec(model_type="qwen3_next", num_experts=8, experts_per_token=2,
+                           shared_expert_intermediate_size=96, full_attention_interval=2, tie_embeddings=False,
+                           block_size=4, target_layer_ids=[1, 2], seed=17),
 }
 
 

@@ -50,7 +50,8 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class GatedDeltaLayer:
-    """The state shapes and the math of one transformers Gated-DeltaNet module (Qwen3_5GatedDeltaNet)."""
+    """The state shapes and the math of one transformers Gated-DeltaNet module (Qwen3_5GatedDeltaNet,
+    Qwen3NextGatedDeltaNet)."""
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -71,13 +72,25 @@ class GatedDeltaLayer:
         return [torch.zeros(batch, rows, heads), torch.zeros(batch, rows, heads, self.key_dim),
                 torch.zeros(batch, rows, heads, self.value_dim)]
 
+    def _projections(self, x: torch.Tensor):
+        """The conv input [B, T, channels] (q, k, v), the output gate z [B, T, heads, Dv], and b, a [B, T, heads]:
+        from separate projections (Qwen3.5), or from Qwen3-Next's two interleaved ones, split by its own method."""
+        m = self.module
+        batch, steps = x.shape[0], x.shape[1]
+        if hasattr(m, "in_proj_qkvz"):
+            query, key, value, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(x), m.in_proj_ba(x))
+            mixed = torch.cat([t.reshape(batch, steps, -1) for t in (query, key, value)], dim=-1)
+            return mixed, z, b, a
+        z = m.in_proj_z(x).reshape(batch, steps, self.value_heads, self.value_dim)
+        return m.in_proj_qkv(x), z, m.in_proj_b(x), m.in_proj_a(x)
+
     def forward(self, x: torch.Tensor, conv_past: torch.Tensor, recurrent: torch.Tensor, pending_decay: torch.Tensor,
                 pending_key: torch.Tensor, pending_delta: torch.Tensor):
         """x [B, T, hidden] -> (output [B, T, hidden], conv rows [B, kernel - 1 + T, channels], the recurrent
         state after the pending rows, the state after this call's tokens, and this call's decay, key, delta)."""
         m = self.module
         batch, steps = x.shape[0], x.shape[1]
-        mixed = m.in_proj_qkv(x)
+        mixed, gate, b, a = self._projections(x)
         rows = torch.cat([conv_past.to(mixed.dtype), mixed], dim=1)
         weight = m.conv1d.weight[:, 0].to(mixed.dtype)  # [channels, kernel]: tap j reads row t + j of the window
         conv = sum(rows[:, j : j + steps] * weight[:, j] for j in range(self.kernel))
@@ -90,8 +103,8 @@ class GatedDeltaLayer:
         key = key.reshape(batch, steps, self.key_heads, self.key_dim).repeat_interleave(groups, dim=2).float()
         value = value.reshape(batch, steps, self.value_heads, self.value_dim).float()
         query, key = _l2norm(query) * self.key_dim**-0.5, _l2norm(key)
-        beta = m.in_proj_b(x).sigmoid().float()
-        decay = torch.exp(-m.A_log.float().exp() * F.softplus(m.in_proj_a(x).float() + m.dt_bias))
+        beta = b.sigmoid().float()
+        decay = torch.exp(-m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias))
 
         # a neutral first row (decay 1, key and delta 0: the state unchanged, exactly), as scan needs one row
         pending = [torch.cat([p.new_full((p.shape[0], 1, *p.shape[2:]), float(i == 0)), p], dim=1)
@@ -99,7 +112,6 @@ class GatedDeltaLayer:
         base, _ = scan(_commit_step, recurrent, _time_first(*pending))
         end, (out, delta) = scan(_token_step, base, _time_first(decay, key, value, beta, query))
         out, delta = out.transpose(0, 1).to(x.dtype), delta.transpose(0, 1)
-        gate = m.in_proj_z(x).reshape(batch, steps, self.value_heads, self.value_dim)
         out = m.norm(out.reshape(-1, self.value_dim), gate.reshape(-1, self.value_dim))
         output = m.out_proj(out.reshape(batch, steps, -1))
         return output, rows, base, end, decay, key, delta
