@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch._higher_order_ops.scan import scan
 from torch.nn import functional as F
+from transformers.activations import ACT2FN
 
 
 def _token_step(state: torch.Tensor, xs: tuple[torch.Tensor, ...]):
@@ -34,7 +35,8 @@ def _token_step(state: torch.Tensor, xs: tuple[torch.Tensor, ...]):
 
 
 def _commit_step(state: torch.Tensor, xs: tuple[torch.Tensor, ...]):
-    """A committed token's update replayed from its decay, key and delta: the same operations as _token_step."""
+    """A committed token's update replayed from its decay, key and delta: the same operations as _token_step. The
+    per-row output is an unused scalar: torch.onnx writes a Scan without outputs with an untyped attribute."""
     decay, key, delta = xs
     state = state * decay[..., None, None]
     state = state + key[..., None] * delta[..., None, :]
@@ -96,7 +98,7 @@ class GatedDeltaLayer:
         conv = sum(rows[:, j : j + steps] * weight[:, j] for j in range(self.kernel))
         if m.conv1d.bias is not None:
             conv = conv + m.conv1d.bias
-        conv = F.silu(conv)
+        conv = ACT2FN[m.activation](conv)  # the config's hidden_act, as the module applies it
         query, key, value = torch.split(conv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         groups = self.value_heads // self.key_heads
         query = query.reshape(batch, steps, self.key_heads, self.key_dim).repeat_interleave(groups, dim=2).float()
