@@ -19,6 +19,7 @@ from runtime.paths import member
 # the export's mixture-of-experts node: a model-local function of standard ops (exporter/models/experts.py) that
 # the ORT lowering replaces by com.microsoft's MoE (passes/experts.py)
 MOE_DOMAIN, MOE_OP = "dflash", "MoE"
+SWIGLU_MOE_OP = "SwigluMoE"  # gpt-oss's biased, clamped-SwiGLU experts (exporter/models/swiglu_experts.py)
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
                onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT64: "int64",
                onnx.TensorProto.INT32: "int32"}

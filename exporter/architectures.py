@@ -16,9 +16,9 @@ from runtime.errors import DFlashError
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 # families whose every MoE block exports as one dflash::MoE node (exporter/models/experts.py)
 ROUTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_next")
-# families whose experts export as a dense computation of every expert (exact; each weighted by its routing):
-# gpt-oss's biased, clamped SwiGLU experts (exporter/models/experts.py, dense_experts)
-DENSE_EXPERT_FAMILIES = ("gpt_oss",)
+# families whose experts export as one dflash::SwigluMoE node per layer: gpt-oss's biased, clamped SwiGLU experts
+# (exporter/models/swiglu_experts.py)
+SWIGLU_FAMILIES = ("gpt_oss",)
 # families whose linear-attention layers export with their state as graph I/O (exporter/models/hybrid.py)
 HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 SUPPORTED = ("dense decoders export (Qwen3, LLaMA, Qwen2, Mistral, Phi-3, OLMo 2, GLM-4, Gemma 3, Granite; "
@@ -39,7 +39,7 @@ def missing_parts(config) -> list[str]:
     parts = []
     experts = next((_attribute(config, k) for k in EXPERT_COUNTS if _attribute(config, k)), None)
     if (experts or _attribute(config, "enable_moe_block")) and \
-            config.model_type not in ROUTED_FAMILIES + DENSE_EXPERT_FAMILIES:
+            config.model_type not in ROUTED_FAMILIES + SWIGLU_FAMILIES:
         parts.append(f"mixture-of-experts layers{f' ({experts} experts)' if experts else ''}")
     if "linear_attention" in (_attribute(config, "layer_types") or []) and config.model_type not in HYBRID_FAMILIES:
         parts.append("Gated-DeltaNet linear-attention layers (conv and recurrent state beside the K/V)")

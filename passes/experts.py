@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from artifacts.graph_files import MOE_DOMAIN, MOE_OP
+from artifacts.graph_files import MOE_DOMAIN, MOE_OP, SWIGLU_MOE_OP
 
 from .base import PassContext
 
@@ -98,9 +98,11 @@ def _replace(model: ir.Model, node: ir.Node, op: str, inputs: list[ir.Value | No
 
 
 def _drop_function(model: ir.Model) -> None:
-    """dflash::MoE's definition, once nothing calls it."""
-    if not moe_nodes(model):
-        model.functions.pop((MOE_DOMAIN, MOE_OP, ""), None)
+    """dflash::MoE's and dflash::SwigluMoE's definitions, once nothing calls them."""
+    for op in (MOE_OP, SWIGLU_MOE_OP):
+        if not moe_nodes(model, MOE_DOMAIN, op):
+            model.functions.pop((MOE_DOMAIN, op, ""), None)
+    if not any(node.domain == MOE_DOMAIN for node in model.graph):
         model.opset_imports.pop(MOE_DOMAIN, None)
 
 
@@ -109,8 +111,15 @@ def _drop_unused_weights(model: ir.Model) -> None:
         del model.graph.initializers[name]
 
 
+def swiglu_attributes(node: ir.Node) -> dict:
+    """A dflash::SwigluMoE node's activation, as com.microsoft::MoE / QMoE take it."""
+    return {name: node.attributes.get_float(name, default) for name, default in
+            (("activation_alpha", 1.0), ("activation_beta", 0.0), ("swiglu_limit", 0.0))}
+
+
 def fuse(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
-    """moe-fusion: every dflash::MoE -> com.microsoft::MoE over the same (re-laid-out) float weights."""
+    """moe-fusion: every dflash::MoE -> com.microsoft::MoE over the same (re-laid-out) float weights; every
+    dflash::SwigluMoE (gpt-oss: its weights already in the kernel's layout, with biases) likewise."""
     nodes = moe_nodes(model)
     for node in nodes:
         gate_up, down = _weights(node)
@@ -118,11 +127,15 @@ def fuse(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
         fc1 = _lazy(model, f"{gate_up.name}.interleaved", source.dtype, list(source.shape),
                     lambda source=source: _interleaved(source.numpy()))
         _replace(model, node, "MoE", [node.inputs[0], node.inputs[1], fc1, None, down], {}, pair=True)
+    swiglu = moe_nodes(model, MOE_DOMAIN, SWIGLU_MOE_OP)
+    for node in swiglu:
+        _replace(model, node, "MoE", list(node.inputs), {"normalize_routing_weights": 1, **swiglu_attributes(node)},
+                 pair=True)
     _drop_function(model)
     _drop_unused_weights(model)
-    if nodes:
+    if nodes or swiglu:
         model.opset_imports.setdefault("com.microsoft", 1)
-    return model, {"moe_nodes": len(nodes)} if nodes else {}
+    return model, {"moe_nodes": len(nodes) + len(swiglu)} if nodes or swiglu else {}
 
 
 class _QuantizedExperts:
@@ -153,10 +166,23 @@ class _QuantizedExperts:
         return read
 
 
+def _layers(node: ir.Node) -> tuple[ir.Value, ir.Value | None, ir.Value, ir.Value | None, bool]:
+    """fc1, its bias, fc2, its bias of a dflash::MoE, dflash::SwigluMoE or com.microsoft::MoE node, and whether fc1
+    still needs its gate and up rows interleaved (dflash::MoE keeps transformers' gate-then-up layout)."""
+    if node.domain == MOE_DOMAIN and node.op_type == MOE_OP:
+        gate_up, down = _weights(node)
+        return gate_up, None, down, None, True
+    inputs = list(node.inputs) + [None] * (6 - len(node.inputs))
+    fc1, fc1_bias, fc2, fc2_bias = inputs[2:6]
+    if fc1 is None or fc2 is None or fc1.const_value is None or fc2.const_value is None:
+        raise ValueError(f"{node.name}: the experts' weights are not constants")
+    return fc1, fc1_bias, fc2, fc2_bias, False
+
+
 def expert_blocks_refusal(node: ir.Node, block_size: int) -> str | None:
     """Why `node`'s experts cannot be quantized in blocks of `block_size` (None when they can)."""
-    gate_up, down = _weights(node)
-    hidden, intermediate = gate_up.const_value.shape[2], down.const_value.shape[2]
+    fc1, _, fc2, _, _ = _layers(node)
+    hidden, intermediate = fc1.const_value.shape[2], fc2.const_value.shape[2]
     if hidden % block_size or intermediate % block_size:
         return (f"experts' hidden {hidden} and intermediate {intermediate} sizes are not multiples of block "
                 f"{block_size}")
@@ -170,15 +196,14 @@ def quantize(model: ir.Model, bits: int, block_size: int, quantizer,
     activations, 1.4x faster decode than unset on the benchmark's MoE shape); returns how many, and why others
     were kept."""
     kept = {}
-    nodes = moe_nodes(model) + moe_nodes(model, "com.microsoft", "MoE")
+    nodes = moe_nodes(model) + moe_nodes(model, MOE_DOMAIN, SWIGLU_MOE_OP) + moe_nodes(model, "com.microsoft", "MoE")
     done = 0
     for node in nodes:
         why = expert_blocks_refusal(node, block_size)
         if why:
             kept[node.name] = why
             continue
-        interleave = node.domain == MOE_DOMAIN
-        fc1, fc2 = (node.inputs[2], node.inputs[4]) if not interleave else _weights(node)
+        fc1, fc1_bias, fc2, fc2_bias, interleave = _layers(node)
         inputs = []
         for value, relayout in ((fc1, interleave), (fc2, False)):
             source = value.const_value
@@ -189,9 +214,14 @@ def quantize(model: ir.Model, bits: int, block_size: int, quantizer,
             inputs.append(_lazy(model, f"{value.name}_scales", source.dtype, [experts, rows, k // block_size],
                                 parts.part(1)))
         (w1, s1), (w2, s2) = inputs[:2], inputs[2:]
-        _replace(model, node, "QMoE", [node.inputs[0], node.inputs[1], w1, s1, None, w2, s2],
-                 {"expert_weight_bits": bits, "block_size": block_size,
-                  **({"accuracy_level": accuracy_level} if accuracy_level else {})}, pair=interleave)
+        swiglu = swiglu_attributes(node) if node.op_type == SWIGLU_MOE_OP else {}
+        if node.domain == "com.microsoft":  # a fused MoE keeps its activation attributes
+            swiglu = {name: node.attributes[name].value for name in ("activation_alpha", "activation_beta",
+                                                                    "swiglu_limit") if name in node.attributes}
+        _replace(model, node, "QMoE", [node.inputs[0], node.inputs[1], w1, s1, fc1_bias, w2, s2, fc2_bias],
+                 {"expert_weight_bits": bits, "block_size": block_size, **swiglu,
+                  **({"accuracy_level": accuracy_level} if accuracy_level else {})},
+                 pair=node.domain == MOE_DOMAIN)
         done += 1
     _drop_function(model)  # the float weights left unread are the caller's to drop (quantize's _drop_unused)
     return done, kept

@@ -1,7 +1,8 @@
 """gpt-oss targets: eager attention with per-head sink logits and additive (0 / lowest) masks over alternating
-sliding and full layers, and biased, clamped SwiGLU experts computed densely (every expert, weighted by its
-routing). Oracles: transformers' GptOssForCausalLM, its own forward and greedy `generate`, and the reference
-`dflash` package on the same weights (parity)."""
+sliding and full layers, and biased, clamped SwiGLU experts as one dflash::SwigluMoE node per layer (a function
+computing every expert), which the ORT lowering runs as com.microsoft::MoE (only the routed experts) and int4 as
+QMoE. Oracles: transformers' GptOssForCausalLM, its own forward and greedy `generate`, and the reference `dflash`
+package on the same weights (parity)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_the_wrapper_reproduces_sinks_and_sliding_windows_with_additive_masks(gp
 
 def test_export_parity_and_dflash_equal_hf_greedy_and_the_reference(gpt_oss, capsys):
     manifest = load_manifest(gpt_oss / "out")
-    assert manifest.attention_sinks and manifest.experts["computed"] == "every expert (dense)"
+    assert manifest.attention_sinks and "clamped at 7.0" in manifest.experts["activation"]
+    assert _ops(gpt_oss / "out" / "target.onnx").count(("dflash", "SwigluMoE")) == SPEC.target_layers
     code = main(["parity", str(gpt_oss / "out"), "--prompts", "2", "--max-new-tokens", "16"])
     out = capsys.readouterr().out
     assert code == 0 and "dflash-ort == reference" in out and "MISMATCH" not in out, out
@@ -64,11 +66,39 @@ def test_the_ort_lowering_runs_the_concat_form_and_refuses_the_buffer_form_in_on
     assert code == 2 and len(err.splitlines()) == 1 and "--kv-buffer off" in err and "sink" in err, err
     assert not (gpt_oss / "buffer").exists()
     lower_ort(gpt_oss / "out", gpt_oss / "ort", OrtOptions(ctx_len=256, kv_buffer=False), LowerRequest(progress=False))
+    ops = _ops(gpt_oss / "ort" / "target.onnx")
+    assert ops.count(("com.microsoft", "MoE")) == SPEC.target_layers and ("dflash", "SwigluMoE") not in ops
     lm, decoder = load_target(gpt_oss / "target"), open_decoder(gpt_oss / "ort")
     for prompt in PROMPTS:
         want = hf_greedy(lm, prompt, 16, None)
         assert decoder.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens == want
         assert decoder.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == want
+
+
+def test_int4_quantizes_its_experts_into_qmoe_with_their_biases_and_activation(gpt_oss):
+    """The int4 pass turns each dflash::SwigluMoE into QMoE (biases and the clamped SwiGLU carried over); the
+    lowered int4 graph decodes greedy and DFlash to the same tokens."""
+    import onnx
+
+    main(["optimize", str(gpt_oss / "out"), "--passes", "int4", "--out", str(gpt_oss / "int4"), "--quiet"])
+    lower_ort(gpt_oss / "int4", gpt_oss / "ort4", OrtOptions(ctx_len=256, kv_buffer=False),
+              LowerRequest(progress=False))
+    graph = onnx.load(str(gpt_oss / "ort4" / "target.onnx"), load_external_data=False)
+    qmoe = [node for node in graph.graph.node if node.op_type == "QMoE"]
+    assert len(qmoe) == SPEC.target_layers
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in qmoe[0].attribute}
+    assert attributes["swiglu_limit"] == pytest.approx(7.0) and attributes["activation_beta"] == pytest.approx(1.0)
+    assert qmoe[0].input[4] and qmoe[0].input[7]  # fc1 and fc2 biases
+    decoder = open_decoder(gpt_oss / "ort4")
+    for prompt in PROMPTS:
+        greedy = decoder.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens
+        assert decoder.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == greedy
+
+
+def _ops(path) -> list[tuple[str, str]]:
+    import onnx
+
+    return [(node.domain, node.op_type) for node in onnx.load(str(path), load_external_data=False).graph.node]
 
 
 @pytest.mark.parametrize("backend", ["mlx", "ai100", "coreml"])

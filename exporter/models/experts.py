@@ -29,6 +29,8 @@ from torch.nn import functional as F
 from artifacts.graph_files import MOE_DOMAIN as DOMAIN
 from artifacts.graph_files import MOE_OP as OP
 
+from . import swiglu_experts
+
 
 def _schema() -> onnx.defs.OpSchema:
     """dflash::MoE's signature, for torch.onnx's tracer (the node is defined by a model-local function)."""
@@ -90,7 +92,7 @@ def moe_node(hidden, router_logits, gate_up_proj, down_proj, top_k: int, normali
     return MOE_OP(hidden, router_logits, gate_up_proj, down_proj, k=top_k, normalize_routing_weights=int(normalize))
 
 
-TRANSLATIONS = {torch.ops.dflash.moe.default: moe_node}
+TRANSLATIONS = {torch.ops.dflash.moe.default: moe_node, **swiglu_experts.TRANSLATIONS}
 
 
 def _routed_forward(layout: ExpertsLayout):
@@ -108,20 +110,8 @@ def _routed_forward(layout: ExpertsLayout):
     return forward
 
 
-def _dense_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, router_indices: torch.Tensor,
-                           routing_weights: torch.Tensor) -> torch.Tensor:
-    """gpt-oss's experts (biased, interleaved gate/up [experts, hidden, 2 x intermediate], clamped SwiGLU) on every
-    token, each weighted by its routing weight (zero where a token is not routed): the block's result, traceable."""
-    # batched MatMuls (not Einsum, whose ORT kernel rounds a token's row differently in calls of other sizes)
-    gate_up = torch.matmul(hidden_states[None], experts.gate_up_proj) + experts.gate_up_proj_bias[:, None]
-    out = torch.matmul(experts._apply_gate(gate_up), experts.down_proj) + experts.down_proj_bias[:, None]
-    weights = torch.zeros(hidden_states.shape[0], out.shape[0], dtype=routing_weights.dtype)
-    weights = weights.scatter(1, router_indices, routing_weights)
-    return (out * weights.transpose(0, 1)[..., None].to(out.dtype)).sum(dim=0)
-
-
-# expert modules whose forward loops over the routed experts, replaced by the dense computation for the export
-DENSE_EXPERTS = ("GptOssExperts",)
+# blocks computed by dflash::swiglu_moe instead (exporter/models/swiglu_experts.py): gpt-oss's MLP
+SWIGLU_BLOCKS = {"GptOssMLP": swiglu_experts.gpt_oss_forward}
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[nn.Module, ExpertsLayout]]:
@@ -130,18 +120,19 @@ def moe_blocks(model: nn.Module) -> list[tuple[nn.Module, ExpertsLayout]]:
             if type(module).__name__ in LAYOUTS]
 
 
-def dense_experts(model: nn.Module) -> list[nn.Module]:
-    return [module for module in model.modules() if type(module).__name__ in DENSE_EXPERTS]
+def swiglu_blocks(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if type(module).__name__ in SWIGLU_BLOCKS]
 
 
 def experts_summary(model: nn.Module) -> dict | None:
     """What the manifest records of `model`'s routed experts (None for a dense model)."""
     blocks = moe_blocks(model)
-    dense = dense_experts(model)
-    if dense:
-        router = next(m for m in model.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts"))
-        return {"layers": len(dense), "experts": int(dense[0].gate_up_proj.shape[0]), "per_token": int(router.top_k),
-                "intermediate_size": int(dense[0].down_proj.shape[1]), "computed": "every expert (dense)"}
+    swiglu = swiglu_blocks(model)
+    if swiglu:
+        experts = swiglu[0].experts
+        return {"layers": len(swiglu), "experts": int(experts.gate_up_proj.shape[0]),
+                "per_token": int(swiglu[0].router.top_k), "intermediate_size": int(experts.down_proj.shape[1]),
+                "activation": f"swiglu clamped at {experts.limit}, alpha {experts.alpha}, biased"}
     if not blocks:
         return None
     block, layout = blocks[0]
@@ -156,9 +147,9 @@ def experts_summary(model: nn.Module) -> dict | None:
 @contextmanager
 def experts_as_one_op(model: nn.Module) -> Iterator[None]:
     """For the duration, every known MoE block of `model` calls dflash::moe (what torch.onnx traces), and every
-    expert module of DENSE_EXPERTS computes densely."""
+    block of SWIGLU_BLOCKS dflash::swiglu_moe."""
     blocks = [(block, _routed_forward(layout)) for block, layout in moe_blocks(model)]
-    blocks += [(experts, _dense_experts_forward) for experts in dense_experts(model)]
+    blocks += [(block, SWIGLU_BLOCKS[type(block).__name__]) for block in swiglu_blocks(model)]
     for block, forward in blocks:
         block.forward = types.MethodType(forward, block)
     try:
@@ -216,12 +207,12 @@ def moe_function(opset: int) -> ir.Function:
 
 
 def add_moe_function(model: ir.Model) -> bool:
-    """Define dflash::MoE in `model` (after torch.onnx's optimizer, which would try to inline it); whether the
-    graph calls it."""
-    calls = [node for node in model.graph if node.domain == DOMAIN and node.op_type == OP]
-    if not calls:
-        return False
-    function = moe_function(model.opset_imports[""])
-    model.functions[function.identifier()] = function
-    model.opset_imports[DOMAIN] = 1
-    return True
+    """Define dflash::MoE and dflash::SwigluMoE in `model` where it calls them (after torch.onnx's optimizer,
+    which would try to inline them); whether the graph calls either."""
+    called = {node.op_type for node in model.graph if node.domain == DOMAIN}
+    builders = {OP: moe_function, swiglu_experts.OP: swiglu_experts.swiglu_moe_function}
+    for op in called & set(builders):
+        function = builders[op](model.opset_imports[""])
+        model.functions[function.identifier()] = function
+        model.opset_imports[DOMAIN] = 1
+    return bool(called & set(builders))

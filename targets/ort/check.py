@@ -1,9 +1,10 @@
 """The ORT lowering's output check: the lowered graphs against the export on the same inputs, through the
 same runners (so the buffer form's in-place K/V, rollback and the draft's rows are exercised).
 
-Quantized matmuls (MatMulNBits) are compared computing in float (accuracy_level 0) on both sides: with int8
-activations (the int4/int8 passes' default, accuracy_level 4) a last-bit change in a matmul's input moves its
-activations' int8 rounding, and a random-weight model amplifies that to percents of the logit scale, which
+Quantized matmuls (MatMulNBits, and the experts' QMoE) are compared computing in float (accuracy_level 0) on both
+sides: with int8 activations (the int4/int8 passes' default, accuracy_level 4) a last-bit change in a matmul's
+input moves its activations' int8 rounding, and a random-weight model amplifies that to percents of the logit
+scale, which
 would leave the check no tolerance a wrong rewrite could not pass. In float the lowering's rewrites may only
 reorder arithmetic, so a quantized export is held to the same tolerance as its float dtype. (What the int8
 kernels' rounding does to tokens is measured separately: row_invariance.py, and bench's agreement figures.)"""
@@ -26,12 +27,12 @@ LOWERING_TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
 
 
 def float_accuracy(path: Path) -> onnx.ModelProto | None:
-    """The graph at `path` (weights not loaded) with every MatMulNBits computing in float (accuracy_level 0);
-    None when it has no MatMulNBits computing otherwise."""
+    """The graph at `path` (weights not loaded) with every MatMulNBits and QMoE computing in float
+    (accuracy_level 0); None when it has none computing otherwise."""
     graph = onnx.load(str(path), load_external_data=False)
     changed = 0
     for node in graph.graph.node:
-        if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+        if node.op_type in ("MatMulNBits", "QMoE") and node.domain == "com.microsoft":
             level = next((a for a in node.attribute if a.name == "accuracy_level"), None)
             if level is not None and level.i != 0:
                 level.i, changed = 0, changed + 1
