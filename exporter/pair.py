@@ -143,7 +143,7 @@ def attention_implementation(config) -> str:
 
     try:
         model_class = AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError:
+    except (KeyError, ValueError):  # a config no causal-LM class is registered for: the architecture check says so
         return "sdpa"
     return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
 
