@@ -51,18 +51,21 @@ class RecurrentState:
         self.feeds = empty_inputs(spec, conv_dtype)
         self.outputs = [name for layer in spec.layers for name in output_names(layer)]
         self.last: dict[str, np.ndarray] | None = None
-        self.last_rows = 0
+        self.last_start = self.last_rows = 0
 
-    def record(self, outputs: dict[str, np.ndarray], rows: int) -> None:
-        """Keep a call's state outputs (`rows`: the rows it ran, padding included) until its commit."""
-        self.last, self.last_rows = outputs, rows
+    def record(self, outputs: dict[str, np.ndarray], start: int, rows: int) -> None:
+        """Keep the state outputs of a call whose rows (`rows`, padding included) began at position `start`, until
+        its commit."""
+        self.last, self.last_start, self.last_rows = outputs, start, rows
 
-    def commit(self, rows: int) -> None:
-        """Keep the first `rows` rows of the last call (idempotent until the next call is recorded)."""
+    def commit(self, length: int) -> None:
+        """Keep the last call's rows before position `length` (idempotent until the next call is recorded)."""
         if self.last is None:
             return
+        rows = length - self.last_start
         if not 0 <= rows <= self.last_rows:
-            raise ValueError(f"cannot commit {rows} rows of a call of {self.last_rows}")
+            raise ValueError(f"cannot commit to length {length}: the last call ran positions {self.last_start}.."
+                             f"{self.last_start + self.last_rows - 1}")
         out, whole = self.last, rows == self.last_rows
         for layer in self.spec.layers:
             conv, recurrent, end, *pending = output_names(layer)

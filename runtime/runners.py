@@ -112,7 +112,6 @@ class ConcatTarget:
         self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), manifest.numpy_dtype))
         # a hybrid target's linear-attention state: fed with every call, committed by rows (recurrent.py)
         self.recurrent = graph.recurrent and RecurrentState(graph.recurrent, manifest.numpy_dtype)
-        self.call_start = 0
         self.capacity: int | None = None
 
     def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
@@ -131,12 +130,11 @@ class ConcatTarget:
                 feeds.update(self.recurrent.feeds)
                 names += self.recurrent.outputs
             out = self.session.run(feeds, names)
-            self.call_start = self.kv.length
             if self.recurrent:
-                self.recurrent.record(out, len(padded))
+                self.recurrent.record(out, self.kv.length, len(padded))
             self.kv.update(out, self.kv.length if end == len(ids) else self.kv.length + rows)
             if self.recurrent and end < len(ids):
-                self.recurrent.commit(rows)
+                self.recurrent.commit(self.kv.length)
             contexts.append(out["target_hidden"][0, :rows])
             greedy.append(out["greedy_ids"][0, :rows])
             if wanted:
@@ -146,7 +144,7 @@ class ConcatTarget:
     def commit(self, length: int) -> None:
         self.kv.length = length
         if self.recurrent:
-            self.recurrent.commit(length - self.call_start)
+            self.recurrent.commit(length)
 
 
 class ConcatDraft:
@@ -332,7 +330,6 @@ class BufferTarget:
         # a hybrid target's linear-attention state stays on the host: fed with every call, committed by rows
         self.recurrent = manifest.target.recurrent and RecurrentState(manifest.target.recurrent,
                                                                       manifest.numpy_dtype)
-        self.call_start = 0
         # every call's position ids are a slice of these, its lengths written into these: a decode step of a
         # small model is a few hundred microseconds, and each numpy allocation is a visible part of it
         self.positions = np.arange(int(manifest.ctx_len), dtype=np.int64)[None]
@@ -352,8 +349,7 @@ class BufferTarget:
         if not self.recurrent:
             return self.session.run(feeds, names)
         out = self.session.run({**feeds, **self.recurrent.feeds}, names + self.recurrent.outputs)
-        self.call_start = start
-        self.recurrent.record(out, len(padded))
+        self.recurrent.record(out, start, len(padded))
         return out
 
     def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
@@ -368,7 +364,7 @@ class BufferTarget:
             wanted = _wanted_rows(begin, begin + len(chunk), len(ids), logits_rows)
             out = self._call(chunk, self.length + begin, wanted is not None)
             if self.recurrent and begin + len(chunk) < len(ids):
-                self.recurrent.commit(len(chunk))
+                self.recurrent.commit(self.length + begin + len(chunk))
             contexts.append(out["target_hidden"][0, : len(chunk)])
             greedy.append(out["greedy_ids"][0, : len(chunk)])
             if wanted:
@@ -378,7 +374,7 @@ class BufferTarget:
     def commit(self, length: int) -> None:
         self.length = length
         if self.recurrent:
-            self.recurrent.commit(length - self.call_start)
+            self.recurrent.commit(length)
 
 
 def open_draft_runner(manifest: Manifest, draft: Session):
