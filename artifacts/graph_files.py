@@ -130,8 +130,10 @@ def share_initializers(
 
 
 def graph_spec(path: Path, num_layers: int, num_kv_heads: int, head_dim: int, kv_inputs: list[str],
-               kv_outputs: list[str], recurrent: RecurrentSpec | None = None) -> GraphSpec:
-    """Describe an exported graph file for the manifest (`recurrent`: a hybrid target's linear-attention state)."""
+               kv_outputs: list[str], recurrent: RecurrentSpec | None = None,
+               kv_shapes: list[list[int]] | None = None) -> GraphSpec:
+    """Describe an exported graph file for the manifest (`recurrent`: a hybrid target's linear-attention state;
+    `kv_shapes`: [kv_heads, head_dim] per K/V pair where they differ by layer)."""
     model = onnx.load(str(path), load_external_data=False)
 
     def spec(value) -> TensorSpec:
@@ -141,7 +143,7 @@ def graph_spec(path: Path, num_layers: int, num_kv_heads: int, head_dim: int, kv
     return GraphSpec(
         file=path.name, inputs=[spec(v) for v in model.graph.input], outputs=[spec(v) for v in model.graph.output],
         num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        kv_inputs=kv_inputs, kv_outputs=kv_outputs, recurrent=recurrent,
+        kv_inputs=kv_inputs, kv_outputs=kv_outputs, recurrent=recurrent, kv_shapes=list(kv_shapes or []),
     )
 
 

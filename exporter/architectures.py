@@ -1,9 +1,10 @@
 """Which target architectures this exporter builds, and the one line for those it does not.
 
 The exported target is one graph shape: every layer full or sliding-window softmax attention over grouped K/V of
-one head size, a dense MLP or (the families in ROUTED_FAMILIES) a mixture of experts routed by softmax top-k, and
-logits taken as they are. A model with parts outside that is refused before
-anything is loaded, traced or written, naming its architecture and each missing part; what transformers or the
+the head sizes the config gives each layer (Gemma 4's layers also share K/V and add per-layer embeddings, inside
+transformers' own forward), a dense MLP or (the families in ROUTED_FAMILIES) a mixture of experts routed by softmax
+top-k, and logits as they are or softcapped. A model with parts outside that is refused before anything is loaded,
+traced or written, naming its architecture and each missing part; what transformers or the
 ONNX exporter raise for an architecture no rule here foresaw becomes one line too, never a traceback."""
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ ROUTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_next")
 SWIGLU_FAMILIES = ("gpt_oss",)
 # families whose linear-attention layers export with their state as graph I/O (exporter/models/hybrid.py)
 HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# what a layer may set for itself: its K/V's shape (Gemma 4's full-attention layers; models/target.py kv_layer_shapes)
+PER_LAYER_SHAPES = ("head_dim", "num_key_value_heads")
 SUPPORTED = ("dense decoders export (Qwen3, LLaMA, Qwen2, Mistral, Phi-3, OLMo 2, GLM-4, Gemma 3, Granite; "
-             "sliding-window layers included), Qwen3-MoE, Qwen2-MoE, gpt-oss, and the Gated-DeltaNet hybrids "
-             "Qwen3.5 / Qwen3.5-MoE / Qwen3-Next")
+             "sliding-window layers included), Gemma 4 (dense), Qwen3-MoE, Qwen2-MoE, gpt-oss, and the "
+             "Gated-DeltaNet hybrids Qwen3.5 / Qwen3.5-MoE / Qwen3-Next")
 
 
 def _attribute(config, name: str):
@@ -45,13 +48,10 @@ def missing_parts(config) -> list[str]:
         parts.append("Gated-DeltaNet linear-attention layers (conv and recurrent state beside the K/V)")
     if _attribute(config, "kv_lora_rank"):
         parts.append(f"multi-head latent attention (K/V compressed to rank {_attribute(config, 'kv_lora_rank')})")
-    overrides = sorted({key for layer in (config.to_dict().get("per_layer_config") or {}).values() for key in layer})
+    overrides = sorted({key for layer in (config.to_dict().get("per_layer_config") or {}).values() for key in layer}
+                       - set(PER_LAYER_SHAPES))
     if overrides:
         parts.append(f"per-layer {', '.join(overrides)} (layers of different shapes)")
-    if _attribute(config, "num_kv_shared_layers"):
-        parts.append("K/V shared between layers")
-    if _attribute(config, "hidden_size_per_layer_input"):
-        parts.append("per-layer input embeddings")
     return parts
 
 

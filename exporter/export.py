@@ -107,20 +107,12 @@ def save_graph(model: onnx_ir.Model, path: Path, written: Callable[[int, int], N
 def export_target(target: TappedTarget, out: Path, opset: int, dtype: torch.dtype,
                   weights: LazyWeights | None = None, written: Callable[[int, int], None] | None = None) -> None:
     batch, seq, past = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1), torch.export.Dim("past", min=0)
-    n = target.num_layers
     with weights.mode if weights else nullcontext():  # fake inputs for a module traced without weights
         ids = torch.randint(0, 8, (2, 3))
         positions = (torch.arange(3) + 4)[None].repeat(2, 1)
-        if isinstance(target, HybridTarget):
-            state = tuple(target.sample_state(2, 4, 3, dtype))
-        else:
-            state = tuple(torch.zeros(2, 4, target.num_kv_heads, target.head_dim, dtype=dtype) for _ in range(2 * n))
-    if isinstance(target, HybridTarget):
-        state_in, state_out = target.state_names()
-        state_shapes = target.state_dynamic_shapes(batch, past, torch.export.Dim("pending", min=0))
-    else:
-        state_in, state_out = kv_names("past_key_values", n), kv_names("present", n)
-        state_shapes = tuple({0: batch, 1: past} for _ in range(2 * n))
+        state = tuple(target.sample_state(2, 4, 3, dtype))
+    state_in, state_out = target.state_names()
+    state_shapes = target.state_dynamic_shapes(batch, past, torch.export.Dim("pending", min=0))
     with experts_as_one_op(target.lm):
         program = export_program(
             target, (ids, positions, *state), ["input_ids", "position_ids", *state_in],
@@ -154,16 +146,16 @@ def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dty
 
 
 def target_graph_spec(path: Path, tapped: TappedTarget) -> GraphSpec:
-    """The target graph's manifest entry: its K/V pairs (attention layers only, in a hybrid model) and the
-    linear-attention state beside them."""
-    if not isinstance(tapped, HybridTarget):
-        n = tapped.num_layers
-        return graph_spec(path, n, tapped.num_kv_heads, tapped.head_dim, kv_names("past_key_values", n),
-                          kv_names("present", n))
-    layers = tapped.attention_layers
-    return graph_spec(path, len(layers), tapped.num_kv_heads, tapped.head_dim,
-                      [f"past_key_values.{i}.{kind}" for i in layers for kind in ("key", "value")],
-                      [f"present.{i}.{kind}" for i in layers for kind in ("key", "value")], tapped.recurrent_spec())
+    """The target graph's manifest entry: its K/V pairs (the layers with K/V of their own: not a hybrid's linear
+    layers nor Gemma 4's sharing ones), their shapes where they differ by layer, and a hybrid's linear-attention
+    state beside them."""
+    state_in, state_out = tapped.state_names()
+    kv_in = [name for name in state_in if name.startswith("past_key_values.")]
+    kv_out = [name for name in state_out if name.startswith("present.") and name.endswith((".key", ".value"))]
+    recurrent = tapped.recurrent_spec() if isinstance(tapped, HybridTarget) else None
+    shapes = [] if tapped.uniform_kv else [list(shape) for shape in tapped.kv_shapes.values()]
+    return graph_spec(path, len(tapped.kv_shapes), tapped.num_kv_heads, tapped.head_dim, kv_in, kv_out, recurrent,
+                      shapes)
 
 
 def check_symbolic(graph: GraphSpec, promised: dict[str, list[int]]) -> None:
@@ -264,6 +256,8 @@ def export_pair(
                 experts=experts_summary(tapped.lm),
                 attention_sinks=any(hasattr(layer.self_attn, "sinks") for layer in tapped.lm.get_decoder().layers
                                     if hasattr(layer, "self_attn")),
+                kv_shared_layers=tapped.num_layers - len(tapped.kv_shapes) - len(getattr(tapped, "linear", ())),
+                logit_softcapping=tapped.softcap,
             )
             manifest.save(tmp)
     return manifest

@@ -16,10 +16,10 @@ from torch import nn
 from artifacts.model_dirs import read_config, weight_files
 from runtime.errors import DFlashError
 
-from .architectures import check_architecture
+from .architectures import PER_LAYER_SHAPES, check_architecture
 from .models.draft import DFlashDraft, DraftSpec
 from .models.hybrid import wrap_target
-from .models.target import TappedTarget
+from .models.target import TappedTarget, kv_layer_shapes
 
 # transformers suggests kernel packages when its models fall back to their PyTorch code: here they only check
 # and trace, so the advice is noise
@@ -39,8 +39,6 @@ class TargetInfo:
     vocab_size: int
     hidden_size: int
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
     stop_token_ids: list[int]
 
     @classmethod
@@ -64,10 +62,9 @@ class TargetInfo:
         check_architecture(config, str(path))
         try:
             text = config.get_text_config(decoder=True)
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            kv_layer_shapes(text)  # grouped-query attention: every K/V layer's heads and head size are defined
             return cls(model_type=config.model_type, vocab_size=text.vocab_size, hidden_size=text.hidden_size,
-                       num_layers=text.num_hidden_layers, num_kv_heads=text.num_key_value_heads, head_dim=head_dim,
-                       stop_token_ids=_stop_token_ids(path, config))
+                       num_layers=text.num_hidden_layers, stop_token_ids=_stop_token_ids(path, config))
         except AttributeError as exc:
             raise DFlashError(f"target {path / 'config.json'} ({config.model_type}) is not a decoder-only LLM with "
                               f"grouped-query attention ({exc}): DFlash targets are causal LMs such as Qwen3, Llama, "
@@ -217,19 +214,40 @@ def architecture_check_model(target_dir: Path, dtype: str = "float32") -> Tapped
     layer type, and a 512-token vocabulary), to check the wrapper against HF's forward before a weightless
     export: masks and head post-processing do not depend on the weights or the model's size."""
     config = _target_config(Path(target_dir))
+    _keep_fewest_layers(config.get_text_config(decoder=True))
     text = config.get_text_config(decoder=True)
-    types = list(getattr(text, "layer_types", None) or [])
-    keep = max([2] + [types.index(kind) + 1 for kind in set(types)])
-    text.num_hidden_layers = min(text.num_hidden_layers, keep)
-    if types:
-        text.layer_types = types[: text.num_hidden_layers]
     text.vocab_size = min(text.vocab_size, 512)
-    for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
+    for token in ("bos_token_id", "eos_token_id"):
         if getattr(text, token, None) is not None:
             setattr(text, token, None)
+    if (getattr(text, "pad_token_id", None) or 0) >= text.vocab_size:  # Gemma 4's forward reads the pad id
+        text.pad_token_id = 0
     torch.manual_seed(0)
     with torch.no_grad():
         return wrap_target(_from_config(config, dtype), [0])
+
+
+def _keep_fewest_layers(text) -> None:
+    """Cut `text` to its first layer of each type (two layers at least) and, where later layers read earlier ones'
+    K/V (Gemma 4's num_kv_shared_layers), the first such layer of each type, keeping each kept layer's own shape."""
+    count = text.num_hidden_layers
+    types = list(getattr(text, "layer_types", None) or [None] * count)
+    keep = max([2] + [types.index(kind) + 1 for kind in set(types)])
+    shared = int(getattr(text, "num_kv_shared_layers", 0) or 0)
+    first_shared = count - shared
+    kept = list(range(min(count, keep, first_shared if shared else count)))
+    if shared:
+        kept += [types.index(kind, first_shared) for kind in dict.fromkeys(types[first_shared:])]
+    per_layer = getattr(text, "per_layer_config", None)
+    shapes = {new: {key: getattr(per_layer[old], key) for key in PER_LAYER_SHAPES}
+              for new, old in enumerate(kept)} if per_layer is not None else None
+    text.num_hidden_layers = len(kept)
+    if any(types):
+        text.layer_types = [types[i] for i in kept]
+    if shared:
+        text.num_kv_shared_layers = sum(i >= first_shared for i in kept)
+    if shapes is not None:
+        text.per_layer_config = shapes
 
 
 def load_tapped_pair(target_dir: Path, draft_dir: Path, target_layer_ids: list[int],

@@ -37,6 +37,14 @@ class TinySpec:
     linear_heads: tuple[int, int] = (2, 4)
     linear_head_dim: int = 8
     conv_kernel: int = 4
+    # Gemma 4 (model_type gemma4_text): full-attention layers with their own head size and K/V heads (K reused as V
+    # where k_eq_v), the last kv_shared_layers layers reading the K/V of the last earlier layer of their kind, and
+    # per-layer input embeddings of this width (0: none)
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    k_eq_v: bool = False
+    kv_shared_layers: int = 0
+    per_layer_input_size: int = 0
     target_layers: int = 4
     draft_layers: int = 1
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 2])
@@ -111,6 +119,13 @@ def _target_config(spec: TinySpec) -> dict:
         config["sliding_window"] = spec.target_sliding_window
         config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                                  for i in range(spec.target_layers)]
+    if spec.model_type == "gemma4_text":
+        config.update(global_head_dim=spec.global_head_dim or spec.head_dim, attention_k_eq_v=spec.k_eq_v,
+                      num_kv_shared_layers=spec.kv_shared_layers, hidden_size_per_layer_input=spec.per_layer_input_size,
+                      vocab_size_per_layer_input=spec.vocab_size, final_logit_softcapping=spec.final_logit_softcapping,
+                      hidden_activation="gelu_pytorch_tanh")
+        if spec.global_kv_heads:
+            config["num_global_key_value_heads"] = spec.global_kv_heads
     if spec.num_experts:
         config.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
                       moe_intermediate_size=spec.moe_intermediate_size or spec.hidden_size,
@@ -124,7 +139,7 @@ def _target_config(spec: TinySpec) -> dict:
                       linear_conv_kernel_dim=spec.conv_kernel,
                       layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention"
                                    for i in range(spec.target_layers)])
-    if spec.model_type in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
+    if spec.model_type in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text"):
         config["head_dim"] = spec.head_dim
     else:
         config["head_dim"] = spec.hidden_size // spec.num_heads

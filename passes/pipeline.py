@@ -116,7 +116,7 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
             del model
             gc.collect()
             specs[graph] = graph_spec(tmp / spec.file, spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                      spec.kv_inputs, spec.kv_outputs, spec.recurrent)
+                                      spec.kv_inputs, spec.kv_outputs, spec.recurrent, spec.kv_shapes)
         share_initializers(tmp, manifest.draft.file, manifest.target.file, manifest.vocab_size)
         copy_tokenizer_files(source, tmp)
         applied = [{"name": p.name, "options": {**p.recorded_defaults, **pass_options.get("*", {}),

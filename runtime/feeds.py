@@ -11,7 +11,7 @@ from .recurrent import empty_inputs
 
 def _kv(manifest: Manifest, graph: GraphSpec, context: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)  # random, not zeros: calloc'd zero pages would time page faults
-    return {n: rng.standard_normal((1, context, graph.num_kv_heads, graph.head_dim)).astype(manifest.numpy_dtype)
+    return {n: rng.standard_normal((1, context, *graph.kv_shape(n))).astype(manifest.numpy_dtype)
             for n in graph.kv_inputs}
 
 

@@ -50,6 +50,20 @@ class GraphSpec:
     kv_inputs: list[str]
     kv_outputs: list[str]
     recurrent: RecurrentSpec | None = None  # a hybrid target's linear-attention state; None: attention only
+    # [kv_heads, head_dim] of each K/V pair where layers differ (Gemma 4's full-attention layers); empty: every
+    # pair has num_kv_heads and head_dim
+    kv_shapes: list[list[int]] = field(default_factory=list)
+
+    def pair_shapes(self) -> list[tuple[int, int]]:
+        """(kv_heads, head_dim) of each K/V pair, in kv_inputs order (a pair: a key input and its value)."""
+        if self.kv_shapes:
+            return [(int(heads), int(dim)) for heads, dim in self.kv_shapes]
+        return [(self.num_kv_heads, self.head_dim)] * self.num_layers
+
+    def kv_shape(self, name: str) -> tuple[int, int]:
+        """(kv_heads, head_dim) of the K/V input or output `name`."""
+        names = self.kv_inputs if name in self.kv_inputs else self.kv_outputs
+        return self.pair_shapes()[names.index(name) // 2]
 
     def input_names(self) -> list[str]:
         return [t.name for t in self.inputs]
@@ -154,6 +168,10 @@ class Manifest:
     experts: dict | None = None
     # the target's attention adds a learned per-head sink logit to each softmax (gpt-oss)
     attention_sinks: bool = False
+    # layers reading an earlier layer's K/V instead of their own (Gemma 4's num_kv_shared_layers): the target graph
+    # has K/V inputs for the others only
+    kv_shared_layers: int = 0
+    logit_softcapping: float | None = None  # the target's logits are tanh(x / c) * c (Gemma), inside its graph
     format_version: int = FORMAT_VERSION
 
     @property

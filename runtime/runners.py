@@ -23,6 +23,7 @@ DFlash then produce identical tokens. The lowering measures the multiple (`Lower
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,18 +75,26 @@ def _wanted_rows(begin: int, end: int, count: int, logits_rows: int) -> slice | 
     return slice(max(0, first - begin), end - begin) if logits_rows > 0 and end > first else None
 
 
+def _no_rows(heads: int, dim: int) -> tuple[int, ...]:
+    """A concat-form K/V input before the first call: [batch 1, no rows, kv_heads, head_dim]."""
+    return (1, 0, heads, dim)
+
+
 class KVState:
     """One graph's K/V: the arrays the last call returned, each paired by name with its input, and the
     committed length. In the concat form (batch 1) `array[:, :length]` is a contiguous view."""
 
-    def __init__(self, graph: GraphSpec, initial: np.ndarray):
+    def __init__(self, graph: GraphSpec, shape: Callable[[int, int], tuple[int, ...]], dtype):
+        """`shape(kv_heads, head_dim)`: the initial array's shape for a pair of that size (one zero array per
+        distinct shape, shared: the first call replaces them)."""
         if len(graph.kv_inputs) != len(graph.kv_outputs):
             raise DFlashError(f"{graph.file}: {len(graph.kv_inputs)} K/V inputs but {len(graph.kv_outputs)} outputs")
         missing = sorted(set(graph.kv_outputs) - set(graph.output_names()))
         if missing:
             raise DFlashError(f"{graph.file} has no outputs {missing} to pair with its K/V inputs")
         self.inputs, self.outputs = list(graph.kv_inputs), list(graph.kv_outputs)
-        self.arrays = [initial] * len(self.inputs)
+        zeros = {size: np.zeros(shape(*size), dtype) for size in set(graph.pair_shapes())}
+        self.arrays = [zeros[graph.kv_shape(name)] for name in self.inputs]
         self.length = 0
 
     def prefix_feeds(self) -> dict[str, np.ndarray]:
@@ -109,7 +118,7 @@ class ConcatTarget:
     def __init__(self, session: Session, manifest: Manifest, prefill_chunk: int, row_multiple: int = 1):
         graph = manifest.target
         self.session, self.chunk, self.row_multiple = session, prefill_chunk, row_multiple
-        self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), manifest.numpy_dtype))
+        self.kv = KVState(graph, _no_rows, manifest.numpy_dtype)
         # a hybrid target's linear-attention state: fed with every call, committed by rows (recurrent.py)
         self.recurrent = graph.recurrent and RecurrentState(graph.recurrent, manifest.numpy_dtype)
         self.capacity: int | None = None
@@ -151,7 +160,7 @@ class ConcatDraft:
     def __init__(self, session: Session, manifest: Manifest):
         graph = manifest.draft
         self.session, self.graph = session, graph
-        self.kv = KVState(graph, np.zeros((1, 0, graph.num_kv_heads, graph.head_dim), manifest.numpy_dtype))
+        self.kv = KVState(graph, _no_rows, manifest.numpy_dtype)
 
     def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool) -> Proposal:
         """Append `context` rows to the draft's context cache and draft the block after them."""
@@ -171,8 +180,8 @@ class RowsKV(KVState):
     roll back."""
 
     def __init__(self, graph: GraphSpec, capacity: int, dtype):
-        super().__init__(graph, np.empty(0, dtype))
-        self.arrays = [np.zeros((1, capacity, graph.num_kv_heads, graph.head_dim), dtype) for _ in self.inputs]
+        super().__init__(graph, lambda heads, dim: (0,), dtype)
+        self.arrays = [np.zeros((1, capacity, *graph.kv_shape(name)), dtype) for name in self.inputs]
         self.capacity = capacity
 
     def update(self, outputs: dict[str, np.ndarray], length: int) -> None:
@@ -228,8 +237,7 @@ class _Retained:
         # (the draft writes its block's K/V at their positions) stay clear of the committed context
         self.capacity = self.ctx_len - (self.sizes[-1] if self.consecutive else 1 + manifest.block_size)
         self.on_device = session.retains_state
-        initial = np.zeros((1, graph.num_kv_heads, self.ctx_len, graph.head_dim), manifest.numpy_dtype)
-        self.kv = KVState(graph, initial)
+        self.kv = KVState(graph, lambda heads, dim: (1, heads, self.ctx_len, dim), manifest.numpy_dtype)
         lengths = manifest.lowering.compute_context_lengths if manifest.lowering is not None else []
         # the input's length is the read length: one zero array per compiled length, made once
         self.reads = [np.zeros(n, np.int64) for n in sorted(lengths)] if "comp_ctx_lengths" in \

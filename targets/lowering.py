@@ -39,12 +39,18 @@ def start_lowering(source: Path, out: Path, options: Any, request: LowerRequest,
 
 
 def refuse_unbuilt(manifest: Manifest, target: str, title: str) -> None:
-    """One line for an export with layers this lowering has no form for yet: mixture-of-experts layers, or a hybrid
-    target's linear-attention layers (the ORT lowering builds both)."""
+    """One line for an export with layers this lowering has no form for yet: mixture-of-experts layers, K/V shaped
+    or shared per layer (Gemma 4), or a hybrid target's linear-attention layers (the ORT lowering builds them all)."""
     if manifest.experts:
         experts = manifest.experts
         raise DFlashError(f"lower --target {target}: this {manifest.model_type} export has mixture-of-experts layers "
                           f"({experts['experts']} experts, {experts['per_token']} per token), which the {title} "
+                          "lowering does not build yet; lower it with --target ort")
+    varied = "K/V of different shapes per layer" if manifest.target.kv_shapes else ""
+    shared = f"{manifest.kv_shared_layers} layers reading an earlier layer's K/V" if manifest.kv_shared_layers else ""
+    if varied or shared:
+        parts = " and ".join(part for part in (varied, shared) if part)
+        raise DFlashError(f"lower --target {target}: this {manifest.model_type} export has {parts}, which the {title} "
                           "lowering does not build yet; lower it with --target ort")
     if manifest.target.recurrent:
         layers = len(manifest.target.recurrent.layers)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,19 +63,35 @@ class ExportedPair:
         return open_decoder(self.out)
 
 
+def shared_root(tmp_path_factory) -> Path:
+    """A directory every xdist worker of this run sees (the run's base temp's parent under xdist), for fixtures
+    built once per run rather than once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
-    """exported(name) -> ExportedPair, built on first use and shared by every test."""
+    """exported(name) -> ExportedPair, built on first use by whichever worker asks first (a file lock keeps the
+    others waiting, then they read it) and shared by every test; tests copy a pair before changing it."""
+    from filelock import FileLock
+
     cache: dict[str, ExportedPair] = {}
+    shared = shared_root(tmp_path_factory) / "exported"
+    shared.mkdir(exist_ok=True)
 
     def get(name: str) -> ExportedPair:
         if name not in cache:
-            root = tmp_path_factory.mktemp(name)
-            target_dir, draft_dir = build_pair(EXPORTED[name], root)
-            start = time.perf_counter()
-            export_pair(target_dir, draft_dir, root / "out", dtype=DTYPES.get(name, "float32"), progress=False)
-            cache[name] = ExportedPair(EXPORTED[name], target_dir, draft_dir, root / "out",
-                                       time.perf_counter() - start)
+            root, done = shared / name, shared / f"{name}.seconds"
+            with FileLock(str(shared / f"{name}.lock")):
+                if not done.is_file():
+                    target_dir, draft_dir = build_pair(EXPORTED[name], root)
+                    start = time.perf_counter()
+                    export_pair(target_dir, draft_dir, root / "out", dtype=DTYPES.get(name, "float32"),
+                                progress=False)
+                    done.write_text(f"{time.perf_counter() - start}")
+            cache[name] = ExportedPair(EXPORTED[name], root / "target", root / "draft", root / "out",
+                                       float(done.read_text()))
         return cache[name]
 
     return get
@@ -117,8 +134,6 @@ def lowered(exported, tmp_path_factory):
     agree_b8 is lowered with a fake qaic-compile on PATH (so the compile step runs); others are dry runs.
     agree_b2's graphs also return logits (sampling); the others return ids only.
     """
-    import os
-
     from targets.ai100.lower import lower_ai100
     from targets.ai100.options import Ai100Options
 

@@ -18,8 +18,6 @@ from runtime.errors import DFlashError
 # model_type -> what the refusal names (transformers' own default configs of each family)
 FAMILIES = {
     "mixtral": ["mixture-of-experts layers (8 experts)"],
-    "gemma4_text": ["per-layer head_dim"],
-    "gemma4": ["per-layer head_dim"],
     "deepseek_v3": ["mixture-of-experts layers", "multi-head latent attention"],
     "kimi_k25": ["does not build as a causal LM"],
 }
@@ -69,7 +67,8 @@ def test_an_unforeseen_failure_inside_transformers_is_one_line():
         raise MemoryError
 
 
-DENSE = ["qwen3", "llama", "qwen2", "mistral", "phi3", "olmo2", "glm4", "gemma3_text", "granite"]
+DENSE = ["qwen3", "llama", "qwen2", "mistral", "phi3", "olmo2", "glm4", "gemma3_text", "granite", "gemma4_text",
+         "gemma4"]
 
 
 @pytest.mark.parametrize("model_type", DENSE)

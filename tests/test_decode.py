@@ -129,7 +129,7 @@ def test_bad_generation_arguments(decoders):
 def test_kv_feeds_are_zero_copy_views(decoders):
     """Rollback is a length change: the committed prefix is fed back without copying."""
     decoder = decoders("agree_b8")
-    kv = KVState(decoder.manifest.target, np.zeros((1, 0, 2, 16), np.float32))
+    kv = KVState(decoder.manifest.target, lambda heads, dim: (1, 0, heads, dim), np.float32)
     present = {name: np.random.rand(1, 9, 2, 16).astype(np.float32) for name in kv.outputs}
     kv.update(present, 5)
     for name, view in kv.prefix_feeds().items():
@@ -142,11 +142,11 @@ def test_kv_outputs_are_paired_with_inputs_by_name(decoders):
 
     graph = decoders("agree_b8").manifest.target
     shuffled = dataclasses.replace(graph, outputs=list(reversed(graph.outputs)))
-    kv = KVState(shuffled, np.zeros((1, 0, 2, 16), np.float32))
+    kv = KVState(shuffled, lambda heads, dim: (1, 0, heads, dim), np.float32)
     assert all(o == i.replace("past_key_values", "present") for i, o in zip(kv.inputs, kv.outputs))
     broken = dataclasses.replace(graph, outputs=[t for t in graph.outputs if t.name != "present.0.value"])
     with pytest.raises(DFlashError, match="present.0.value"):
-        KVState(broken, np.zeros((1, 0, 2, 16), np.float32))
+        KVState(broken, lambda heads, dim: (1, 0, heads, dim), np.float32)
 
 
 def test_chunked_prefill_changes_nothing(exported, decoders):

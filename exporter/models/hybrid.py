@@ -51,7 +51,7 @@ class HybridTarget(TappedTarget):
         super().__init__(causal_lm, target_layer_ids)
         self.linear = {i: GatedDeltaLayer(layer.linear_attn) for i, layer in enumerate(causal_lm.get_decoder().layers)
                        if self.layer_types[i] == LINEAR}
-        self.attention_layers = [i for i in range(self.num_layers) if i not in self.linear]
+        self.attention_layers = list(self.kv_shapes)
 
     def empty_cache(self, batch: int = 1, dtype=torch.float32) -> list[torch.Tensor]:
         state = []
@@ -59,7 +59,7 @@ class HybridTarget(TappedTarget):
             if i in self.linear:
                 state += self.linear[i].empty_state(batch, dtype)
             else:
-                state += [torch.zeros(batch, 0, self.num_kv_heads, self.head_dim, dtype=dtype) for _ in range(2)]
+                state += [torch.zeros(batch, 0, *self.kv_shapes[i], dtype=dtype) for _ in range(2)]
         return state
 
     def recurrent_spec(self) -> RecurrentSpec:
@@ -95,7 +95,7 @@ class HybridTarget(TappedTarget):
                 conv, recurrent_state, *_ = self.linear[i].empty_state(batch, dtype)
                 state += [conv, recurrent_state, *self.linear[i].empty_pending(batch, pending)]
             else:
-                state += [torch.zeros(batch, past, self.num_kv_heads, self.head_dim, dtype=dtype) for _ in range(2)]
+                state += [torch.zeros(batch, past, *self.kv_shapes[i], dtype=dtype) for _ in range(2)]
         return state
 
     def state_dynamic_shapes(self, batch, past, pending) -> tuple[dict, ...]:
@@ -137,6 +137,6 @@ class HybridTarget(TappedTarget):
             x = x + out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             hidden.append(x)
-        logits = self.lm.get_output_embeddings()(decoder.norm(x))
+        logits = self.head(decoder.norm(x))
         taps = torch.cat([hidden[i] for i in self.target_layer_ids], dim=-1)
         return (logits, torch.argmax(logits, dim=-1), taps, *present)

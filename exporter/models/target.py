@@ -15,8 +15,27 @@ from transformers import DynamicCache
 
 from runtime.errors import DFlashError
 
-# Logit post-processing that lives in a CausalLM head's forward, which this wrapper does not replay.
-UNSUPPORTED_HEAD_OPTIONS = {"logits_scaling": 1.0, "final_logit_softcapping": None, "logit_scale": 1.0}
+# Logit post-processing that lives in a CausalLM head's forward, which this wrapper does not replay (Gemma's
+# final_logit_softcapping it does: TappedTarget.forward).
+UNSUPPORTED_HEAD_OPTIONS = {"logits_scaling": 1.0, "logit_scale": 1.0}
+
+
+def kv_layer_shapes(text) -> dict[int, tuple[int, int]]:
+    """{layer: (kv_heads, head_dim)} for each layer that keeps K/V of its own: not a linear-attention layer (Qwen3.5)
+    and not one reading an earlier layer's K/V (Gemma 4's num_kv_shared_layers); shapes per layer where the config
+    sets them per layer (Gemma 4's full-attention layers: global_head_dim, num_global_key_value_heads)."""
+    count = text.num_hidden_layers
+    per_layer = getattr(text, "per_layer_config", None)
+    sharing = getattr(text, "kv_sharing_modes", None) or [None] * count
+    types = getattr(text, "layer_types", None) or [None] * count
+    shapes = {}
+    for i in range(count):
+        if sharing[i] == "reuse" or types[i] == "linear_attention":
+            continue
+        layer = per_layer[i] if per_layer is not None else text
+        head_dim = getattr(layer, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        shapes[i] = (int(layer.num_key_value_heads), int(head_dim))
+    return shapes
 
 
 def causal_mask(position_ids: torch.Tensor, num_keys: int, window: int | None = None) -> torch.Tensor:
@@ -39,8 +58,10 @@ class TappedTarget(nn.Module):
         self.target_layer_ids = list(target_layer_ids)
         text = causal_lm.config.get_text_config(decoder=True)
         self.num_layers = text.num_hidden_layers
-        self.num_kv_heads = text.num_key_value_heads
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.kv_shapes = kv_layer_shapes(text)  # the layers with K/V of their own, in order, and their shapes
+        self.num_kv_heads, self.head_dim = next(iter(self.kv_shapes.values()))  # the first's (uniform_kv: all)
+        self.uniform_kv = len(set(self.kv_shapes.values())) == 1
+        self.softcap = getattr(text, "final_logit_softcapping", None) or None
         # a window only where the config applies it (Qwen2-MoE keeps sliding_window 0 with use_sliding_window off)
         uses_window = getattr(text, "use_sliding_window", True)
         self.sliding_window = (getattr(text, "sliding_window", None) or None) if uses_window else None
@@ -49,14 +70,20 @@ class TappedTarget(nn.Module):
         self.additive_masks = getattr(causal_lm.config, "_attn_implementation", "sdpa") == "eager"
 
     def empty_cache(self, batch: int = 1, dtype=torch.float32) -> list[torch.Tensor]:
-        shape = (batch, 0, self.num_kv_heads, self.head_dim)
-        return [torch.zeros(shape, dtype=dtype) for _ in range(2 * self.num_layers)]
+        return self.sample_state(batch, 0, 0, dtype)
+
+    def sample_state(self, batch: int, past: int, pending: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """State inputs with `past` K/V rows (tracing inputs; `pending` is the hybrid's)."""
+        return [torch.zeros(batch, past, heads, dim, dtype=dtype)
+                for heads, dim in self.kv_shapes.values() for _ in ("key", "value")]
+
+    def state_dynamic_shapes(self, batch, past, pending) -> tuple[dict, ...]:
+        return tuple({0: batch, 1: past} for _ in range(2 * len(self.kv_shapes)))
 
     def state_names(self) -> tuple[list[str], list[str]]:
         """The state (K/V) inputs and outputs, in graph order."""
-        layers = range(self.num_layers)
-        return ([f"past_key_values.{i}.{kind}" for i in layers for kind in ("key", "value")],
-                [f"present.{i}.{kind}" for i in layers for kind in ("key", "value")])
+        return ([f"past_key_values.{i}.{kind}" for i in self.kv_shapes for kind in ("key", "value")],
+                [f"present.{i}.{kind}" for i in self.kv_shapes for kind in ("key", "value")])
 
     def next_state(self, present: tuple[torch.Tensor, ...], rows: int, committed: int) -> list[torch.Tensor]:
         """The state inputs after a call of `rows` tokens that returned `present`, keeping its first `committed`."""
@@ -79,8 +106,16 @@ class TappedTarget(nn.Module):
         dtype = self.lm.get_input_embeddings().weight.dtype
         return torch.zeros((), dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits as the CausalLM's forward returns them: Gemma's final softcapping applied as it applies it."""
+        logits = self.lm.get_output_embeddings()(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
-        pairs = [(past[2 * i].transpose(1, 2), past[2 * i + 1].transpose(1, 2)) for i in range(self.num_layers)]
+        # The layers with K/V of their own come first (Gemma 4's sharing layers read theirs inside the forward)
+        pairs = [(past[2 * k].transpose(1, 2), past[2 * k + 1].transpose(1, 2)) for k in range(len(self.kv_shapes))]
         # Plain (non-sliding) cache layers: the host owns the K/V and the masks apply any window.
         cache = DynamicCache(ddp_cache_data=pairs)
         num_keys = past[0].shape[1] + input_ids.shape[1]
@@ -92,11 +127,11 @@ class TappedTarget(nn.Module):
             use_cache=True,
             output_hidden_states=True,
         )
-        logits = self.lm.get_output_embeddings()(out.last_hidden_state)
+        logits = self.head(out.last_hidden_state)
         hidden = torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
         present: list[torch.Tensor] = []
         cache = out.cache if hasattr(out, "cache") else out.past_key_values  # the older transformers 5 name
-        for layer in cache.layers:
+        for layer in cache.layers[: len(self.kv_shapes)]:
             present += [layer.keys.transpose(1, 2), layer.values.transpose(1, 2)]
         return (logits, torch.argmax(logits, dim=-1), hidden, *present)
 

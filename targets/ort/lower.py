@@ -95,6 +95,10 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
         raise DFlashError(f"lower --target ort: this {manifest.model_type} export's attention adds sink logits to its "
                           "softmax, which the buffer form's GroupQueryAttention rewrite does not map yet: lower with "
                           "--kv-buffer off (the concat form)")
+    if options.kv_buffer and manifest.kv_shared_layers:
+        raise DFlashError(f"lower --target ort: {manifest.kv_shared_layers} of this {manifest.model_type} export's "
+                          "layers read an earlier layer's K/V, which the buffer form's GroupQueryAttention rewrite "
+                          "does not map yet: lower with --kv-buffer off (the concat form)")
     provider = provider_name(options.provider)
     if options.provider == "cpu" and manifest.dtype == "float16" and not manifest.weight_quantization:
         print("warning: ONNX Runtime's CPU provider has no float16 MatMul: its sessions convert float16 weights to "

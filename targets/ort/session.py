@@ -143,7 +143,7 @@ class OrtBufferSession(OrtSession):
         super().__init__(path, **settings)
         graph = manifest.target
         self.capacity, self._dtype = int(manifest.ctx_len), manifest.numpy_dtype
-        self._heads = (graph.num_kv_heads, graph.head_dim)
+        self._graph = graph
         self._values: dict[str, ort.OrtValue] = {}
         self._rows = 0  # rows each buffer holds now
         self._pairs = list(zip(graph.kv_inputs, graph.kv_outputs))
@@ -162,9 +162,9 @@ class OrtBufferSession(OrtSession):
 
     def _grow_to(self, rows: int) -> None:
         """Replace every buffer by one of `rows` rows holding its contents, and bind it."""
-        shape = (1, self._heads[0], rows, self._heads[1])
         for past, _ in self._pairs:
-            self._values[past] = _grown(self._values.get(past), shape, self._dtype, self.device)
+            heads, dim = self._graph.kv_shape(past)
+            self._values[past] = _grown(self._values.get(past), (1, heads, rows, dim), self._dtype, self.device)
             self._binding.bind_ortvalue_input(past, self._values[past])
         self._rows, self._bound = rows, None  # the outputs are bound to the new buffers on the next run
 
@@ -247,8 +247,7 @@ class OrtRowsSession(OrtSession):
         super().__init__(path, **settings)
         graph = manifest.draft
         self.capacity, self.dtype = int(manifest.ctx_len), manifest.numpy_dtype
-        self._heads = [graph.num_kv_heads, graph.head_dim]
-        self._row_bytes = graph.num_kv_heads * graph.head_dim * np.dtype(self.dtype).itemsize
+        self._graph = graph
         self._rows = 0  # rows each buffer holds now
         self._buffers: list[tuple[str, str, ort.OrtValue | None]] = [
             (past, rows, None) for past, rows in zip(graph.kv_inputs, graph.kv_outputs)]
@@ -266,9 +265,8 @@ class OrtRowsSession(OrtSession):
         past, rows = int(feeds["position_ids"][0, 0]), int(feeds["target_hidden"].shape[1])
         if past + rows > self._rows:
             self._rows = rows_to_hold(past + rows, self._rows, self.capacity, "the draft")
-            shape = (1, self._rows, *self._heads)
-            self._buffers = [(name, new, _grown(buffer, shape, self.dtype, self.device))
-                             for name, new, buffer in self._buffers]
+            self._buffers = [(name, new, _grown(buffer, (1, self._rows, *self._graph.kv_shape(name)), self.dtype,
+                                                self.device)) for name, new, buffer in self._buffers]
         binding = self._binding
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
@@ -276,10 +274,10 @@ class OrtRowsSession(OrtSession):
         for name, value in kept.items():
             binding.bind_cpu_input(name, value)
         for past_name, rows_name, buffer in self._buffers:
-            start = buffer.data_ptr()
-            binding.bind_input(past_name, self.device, 0, self.dtype, [1, past, *self._heads], start)
-            binding.bind_output(rows_name, self.device, 0, self.dtype, [1, rows, *self._heads],
-                                start + past * self._row_bytes)
+            start, heads = buffer.data_ptr(), list(self._graph.kv_shape(past_name))
+            row_bytes = heads[0] * heads[1] * np.dtype(self.dtype).itemsize
+            binding.bind_input(past_name, self.device, 0, self.dtype, [1, past, *heads], start)
+            binding.bind_output(rows_name, self.device, 0, self.dtype, [1, rows, *heads], start + past * row_bytes)
         for name in names:
             binding.bind_output(name, "cpu")
         try:

@@ -1,0 +1,140 @@
+"""Gemma 4 targets: sliding layers and full-attention layers of another head size and K/V head count (K reused as V),
+the last layers reading an earlier layer's K/V instead of keeping their own, per-layer input embeddings, and final
+logit softcapping. The graph has K/V inputs for the layers that own K/V, each of its own shape (manifest
+`kv_shapes`). Oracles: transformers' Gemma4ForCausalLM / Gemma4ForConditionalGeneration, their own forward and
+greedy `generate`, and the reference `dflash` package on the same weights (parity)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_onnx.cli import main
+from exporter.models.target import hf_greedy
+from exporter.pair import load_target
+from exporter.tiny import TinySpec, build_pair
+from runtime.manifest import load_manifest
+from targets import LowerRequest, open_decoder
+from targets.ort.lower import lower_ort
+from targets.ort.options import OrtOptions
+
+# 4 layers: sliding (head 16, 2 K/V heads), full (head 32, 1 K/V head, K as V), then two reading layers 0 and 1's
+SPEC = TinySpec(model_type="gemma4_text", num_heads=4, num_kv_heads=2, head_dim=16, global_head_dim=32,
+                global_kv_heads=1, k_eq_v=True, kv_shared_layers=2, per_layer_input_size=8, target_sliding_window=5,
+                final_logit_softcapping=30.0, input_embedding_scale=8.0, target_layer_ids=[1, 2], seed=23)
+PROMPTS = ([5, 9, 11, 3, 20], [40, 2, 66, 17, 9, 31, 8, 70, 12, 4, 51])
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    from exporter.export import export_pair
+
+    root = tmp_path_factory.mktemp("gemma4")
+    target, draft = build_pair(SPEC, root)
+    export_pair(target, draft, root / "out", progress=False)
+    return root
+
+
+def test_the_wrapper_is_the_model_past_its_window_with_shared_kv_and_softcapping(gemma4):
+    from exporter.models.hybrid import wrap_target
+
+    lm = load_target(gemma4 / "target")
+    tapped = wrap_target(lm, [1, 2])
+    assert tapped.kv_shapes == {0: (2, 16), 1: (1, 32)} and tapped.softcap == 30.0
+    ids = torch.tensor([PROMPTS[1] + PROMPTS[0]])  # 16 tokens: past the window of 5
+    with torch.no_grad():
+        ours = tapped(ids, torch.arange(16)[None], *tapped.empty_cache())
+        theirs = lm(input_ids=ids).logits
+        # the same tokens in two calls: the second reads the first's K/V, its shared layers included
+        first = tapped(ids[:, :9], torch.arange(9)[None], *tapped.empty_cache())
+        second = tapped(ids[:, 9:], torch.arange(9, 16)[None], *first[3:])
+    assert float((ours[0] - theirs).abs().max()) < 2e-5
+    assert float(theirs.abs().max()) <= 30.0  # the cap applies: logits stay inside (-30, 30)
+    assert float((second[0] - theirs[:, 9:]).abs().max()) < 2e-5
+    assert [tuple(t.shape[2:]) for t in ours[3:]] == [(2, 16), (2, 16), (1, 32), (1, 32)]
+
+
+def test_export_records_each_layers_kv_shape_and_parity_holds(gemma4, capsys):
+    manifest = load_manifest(gemma4 / "out")
+    graph = manifest.target
+    assert graph.kv_inputs == ["past_key_values.0.key", "past_key_values.0.value", "past_key_values.1.key",
+                               "past_key_values.1.value"]
+    assert graph.pair_shapes() == [(2, 16), (1, 32)] and graph.kv_shape("present.1.value") == (1, 32)
+    assert manifest.kv_shared_layers == 2 and manifest.logit_softcapping == 30.0
+    code = main(["parity", str(gemma4 / "out"), "--prompts", "2", "--max-new-tokens", "16"])
+    out = capsys.readouterr().out
+    assert code == 0 and "dflash-ort == hf greedy" in out and "dflash-ort == reference" in out, out
+    assert "MISMATCH" not in out, out
+
+
+def test_the_ort_lowering_decodes_hf_greedy_and_refuses_the_buffer_form_in_one_line(gemma4, capsys):
+    code = main(["lower", str(gemma4 / "out"), "--target", "ort", "--out", str(gemma4 / "buffer"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "--kv-buffer off" in err and "2 of this" in err, err
+    assert not (gemma4 / "buffer").exists()
+    lower_ort(gemma4 / "out", gemma4 / "ort", OrtOptions(ctx_len=128, kv_buffer=False), LowerRequest(progress=False))
+    lm, decoder = load_target(gemma4 / "target"), open_decoder(gemma4 / "ort")
+    for prompt in PROMPTS:
+        want = hf_greedy(lm, prompt, 16, None)
+        assert decoder.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens == want
+        assert decoder.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == want
+
+
+@pytest.mark.parametrize("target", ["mlx", "coreml", "ai100"])
+def test_the_other_lowerings_refuse_per_layer_kv_in_one_line(gemma4, target, capsys):
+    code = main(["lower", str(gemma4 / "out"), "--target", target, "--out", str(gemma4 / target), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "K/V of different shapes per layer" in err and "2 layers reading an earlier layer's K/V" in err, err
+    assert not (gemma4 / target).exists()
+
+
+def test_the_published_multimodal_layout_exports_streamed_and_decodes_hf_greedy(tmp_path):
+    """Gemma 4 ships as Gemma4ForConditionalGeneration (model.language_model.*, a vision tower): the streamed
+    export reads its text model (the issue's crash: the architecture check's small model lost its pad id, which
+    the composite forward reads)."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from exporter.export import export_pair
+    from exporter.tiny import _target_config, build_draft, write_char_tokenizer
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 16}
+    torch.manual_seed(0)
+    composite = Gemma4ForConditionalGeneration(Gemma4Config(text_config=_target_config(SPEC), vision_config=vision,
+                                                            audio_config=None)).eval()
+    composite.save_pretrained(str(tmp_path / "target"))
+    write_char_tokenizer(tmp_path / "target", SPEC.vocab_size)
+    lm = load_target(tmp_path / "target")
+    build_draft(SPEC, tmp_path / "draft", lm)
+    export_pair(tmp_path / "target", tmp_path / "draft", tmp_path / "out", progress=False)
+    decoder = open_decoder(tmp_path / "out")
+    want = hf_greedy(lm, PROMPTS[1], 16, None)
+    assert decoder.generate(PROMPTS[1], 16, mode="greedy", stop_token_ids=[]).tokens == want
+    assert decoder.generate(PROMPTS[1], 16, stop_token_ids=[], verify="full").tokens == want
+
+
+def test_the_architecture_checks_small_model_keeps_the_sharing_and_the_shapes(gemma4):
+    """The weightless export checks the wrapper on the fewest layers holding each layer type: for Gemma 4 that
+    must keep a reading layer of each type and each kept layer's own head size."""
+    from exporter.pair import architecture_check_model
+
+    tapped = architecture_check_model(gemma4 / "target")
+    text = tapped.lm.config.get_text_config(decoder=True)
+    assert text.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert text.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    assert tapped.kv_shapes == {0: (2, 16), 1: (1, 32)}
+
+
+def test_gemma4s_mixture_of_experts_block_is_refused_in_one_line(tmp_path, capsys):
+    from safetensors.torch import save_file
+    from transformers import Gemma4TextConfig
+
+    config = Gemma4TextConfig(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64)
+    config.save_pretrained(str(tmp_path / "target"))
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(tmp_path / "target" / "model.safetensors"))
+    draft = build_pair(TinySpec(), tmp_path / "pair")[1]
+    code = main(["export", "--target", str(tmp_path / "target"), "--draft", str(draft), "--out",
+                 str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "mixture-of-experts layers (8 experts)" in err, err
