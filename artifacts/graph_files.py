@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from runtime.errors import DFlashError
-from runtime.manifest import GraphSpec, RecurrentSpec, TensorSpec
+from runtime.manifest import GraphSpec, TensorSpec
 from runtime.paths import member
 
 # the export's mixture-of-experts node: a model-local function of standard ops (exporter/models/experts.py) that
@@ -130,20 +130,22 @@ def share_initializers(
 
 
 def graph_spec(path: Path, num_layers: int, num_kv_heads: int, head_dim: int, kv_inputs: list[str],
-               kv_outputs: list[str], recurrent: RecurrentSpec | None = None,
-               kv_shapes: list[list[int]] | None = None) -> GraphSpec:
-    """Describe an exported graph file for the manifest (`recurrent`: a hybrid target's linear-attention state;
-    `kv_shapes`: [kv_heads, head_dim] per K/V pair where they differ by layer)."""
+               kv_outputs: list[str], **layers) -> GraphSpec:
+    """Describe an exported graph file for the manifest; `layers`: GraphSpec's per-layer facts (recurrent,
+    kv_shapes, kv_windows)."""
+    inputs, outputs = graph_io(path)
+    return GraphSpec(file=path.name, inputs=inputs, outputs=outputs, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, kv_inputs=kv_inputs, kv_outputs=kv_outputs, **layers)
+
+
+def graph_io(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The inputs and outputs of the graph file at `path`, as the manifest lists them."""
     model = onnx.load(str(path), load_external_data=False)
 
     def spec(value) -> TensorSpec:
         shape = [d.dim_param if d.dim_param else d.dim_value for d in value.type.tensor_type.shape.dim]
         return TensorSpec(value.name, ONNX_DTYPES.get(value.type.tensor_type.elem_type, "unknown"), shape)
 
-    return GraphSpec(
-        file=path.name, inputs=[spec(v) for v in model.graph.input], outputs=[spec(v) for v in model.graph.output],
-        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        kv_inputs=kv_inputs, kv_outputs=kv_outputs, recurrent=recurrent, kv_shapes=list(kv_shapes or []),
-    )
+    return [spec(v) for v in model.graph.input], [spec(v) for v in model.graph.output]
 
 

@@ -154,8 +154,9 @@ def target_graph_spec(path: Path, tapped: TappedTarget) -> GraphSpec:
     kv_out = [name for name in state_out if name.startswith("present.") and name.endswith((".key", ".value"))]
     recurrent = tapped.recurrent_spec() if isinstance(tapped, HybridTarget) else None
     shapes = [] if tapped.uniform_kv else [list(shape) for shape in tapped.kv_shapes.values()]
-    return graph_spec(path, len(tapped.kv_shapes), tapped.num_kv_heads, tapped.head_dim, kv_in, kv_out, recurrent,
-                      shapes)
+    windows = [tapped.window(i) or 0 for i in tapped.kv_shapes]
+    return graph_spec(path, len(tapped.kv_shapes), tapped.num_kv_heads, tapped.head_dim, kv_in, kv_out,
+                      recurrent=recurrent, kv_shapes=shapes, kv_windows=windows if any(windows) else [])
 
 
 def check_symbolic(graph: GraphSpec, promised: dict[str, list[int]]) -> None:

@@ -11,8 +11,12 @@ with a ctx_len cos/sin cache computed as the graph computes its angles), which r
 their transposes.
 
 Input: a target graph after `rope-fusion` and `ort-fusions` (attention as MultiHeadAttention over
-`Concat(Transpose(past), new)`); option `ctx_len`. The causal mask comes from the lengths, so targets with
-sliding-window layers are refused by the ORT lowering's check. Applied by the ORT lowering only.
+`Concat(Transpose(past), new)`); option `ctx_len`. The causal mask comes from the lengths; a sliding-window
+layer (the manifest's `kv_windows`) gets GroupQueryAttention's `local_window_size`, which on ORT's CPU kernel
+masks exactly as the export's windowed mask (a query sees keys fewer than `window` positions back: measured
+against a numpy reference). An export that does not record its windows and has them fails the ORT lowering's
+check. Layers may differ in K/V shape and in rotary frequencies (one cos/sin cache per inv_freq). Applied by the
+ORT lowering only.
 """
 
 from __future__ import annotations
@@ -107,8 +111,10 @@ class _Rewriter:
         self.flat_shape = add_constant(self.graph, "kv_buffer_bsd_shape", np.array([0, 0, -1], np.int64))
         self.seqlens = ir.Value(name=SEQLENS, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape([batch]))
         self.total = ir.Value(name=TOTAL, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape([]))
-        self.cache: tuple[ir.Value, ir.Value] | None = None
+        # the rotary cos/sin caches, one per distinct inv_freq (Gemma's sliding and full layers rotate differently)
+        self.caches: dict[bytes, tuple[ir.Value, ir.Value]] = {}
         self.rotary_layers = 0
+        self.windowed_layers = 0
 
     def _rows(self, source: ir.Value, width: int, name: str) -> tuple[ir.Node, ir.Value]:
         """Reshape [b, s, h, hd] -> [b, s, h * hd], with the shape declared (tidy reads it)."""
@@ -133,10 +139,11 @@ class _Rewriter:
             if slot != (1 if role == "key" else 2):
                 raise DFlashError(f"buffer form: the {role}s of layer {layer} enter attention input {slot}")
             attention, rows[role] = found, concat.inputs[1]
-        heads, kv_width = attr(attention, "num_heads"), spec.num_kv_heads * spec.head_dim
+        kv_heads, head_dim = spec.kv_shape(spec.kv_inputs[2 * layer])
+        heads, kv_width = attr(attention, "num_heads"), kv_heads * head_dim
         # ORT's GroupQueryAttention rotates only heads whose size is a multiple of 16
         float32 = self.kv_type.dtype == ir.DataType.FLOAT
-        rotary = _rotary(attention, rows["key"]) if float32 and spec.head_dim % 16 == 0 else None
+        rotary = _rotary(attention, rows["key"]) if float32 and head_dim % 16 == 0 else None
         new_nodes, flat = [], {}
         for role, value in rows.items():  # new rows [b, kv, t, hd] -> [b, t, kv*hd], as GQA takes them
             seq_first = rotary[1] if role == "key" and rotary is not None else _unrotated(value)
@@ -147,25 +154,31 @@ class _Rewriter:
                 seq_first = turn.outputs[0]
             reshape, flat[role] = self._rows(seq_first, kv_width, f"{value.name}_bsd_l{layer}")
             new_nodes.append(reshape)
-        options = {"num_heads": heads, "kv_num_heads": spec.num_kv_heads}
+        options = {"num_heads": heads, "kv_num_heads": kv_heads}
         if "scale" in attention.attributes:
             options["scale"] = attr(attention, "scale")
+        window = spec.kv_windows[layer] if spec.kv_windows else 0
+        if window:  # a query sees the keys fewer than `window` positions back, as the export's mask (measured)
+            options["local_window_size"] = window
+            self.windowed_layers += 1
         query, extra = attention.inputs[0], []
         if rotary is not None:
-            reshape, query = self._rows(rotary[0], heads * spec.head_dim, f"gqa_query_l{layer}")
+            reshape, query = self._rows(rotary[0], heads * head_dim, f"gqa_query_l{layer}")
             new_nodes.append(reshape)
-            if self.cache is None:
+            key = np.ascontiguousarray(rotary[2], np.float32).tobytes()
+            if key not in self.caches:
                 cos, sin = rope_tables(self.ctx_len, rotary[2])
-                self.cache = (add_constant(self.graph, "kv_buffer_cache_cos", cos),
-                              add_constant(self.graph, "kv_buffer_cache_sin", sin))
-            extra = list(self.cache)
+                suffix = f"_{len(self.caches)}" if self.caches else ""
+                self.caches[key] = (add_constant(self.graph, f"kv_buffer_cache_cos{suffix}", cos),
+                                    add_constant(self.graph, f"kv_buffer_cache_sin{suffix}", sin))
+            extra = list(self.caches[key])
             options.update(do_rotary=1, rotary_interleaved=0)
             self.rotary_layers += 1
         gqa = ir.node("GroupQueryAttention", [query, flat["key"], flat["value"], k_in, v_in, self.seqlens, self.total,
                                               *extra], options, domain="com.microsoft", num_outputs=3,
                       name=f"gqa_buffer_{layer}")
         gqa.outputs[0].type = attention.outputs[0].type or self.kv_type
-        gqa.outputs[0].shape = ir.Shape([*self.row_dims, heads * spec.head_dim])
+        gqa.outputs[0].shape = ir.Shape([*self.row_dims, heads * head_dim])
         for old, new in ((k_out, gqa.outputs[1]), (v_out, gqa.outputs[2])):  # GQA writes `present` now
             name = old.name
             old.replace_all_uses_with(new, replace_graph_outputs=True)
@@ -178,8 +191,9 @@ class _Rewriter:
     def finish(self) -> None:
         """Declare the buffers and the length inputs; refuse a graph whose K/V inputs something else reads."""
         spec = self.spec
-        buffer = ir.Shape(["batch", spec.num_kv_heads, BUFFER_ROWS, spec.head_dim])
         for name in [*spec.kv_inputs, *spec.kv_outputs]:
+            kv_heads, head_dim = spec.kv_shape(name)
+            buffer = ir.Shape(["batch", kv_heads, BUFFER_ROWS, head_dim])
             (self.inputs.get(name) or {v.name: v for v in self.graph.outputs}[name]).shape = buffer
         self.graph.inputs.extend([self.seqlens, self.total])
 
@@ -205,4 +219,5 @@ def run(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
                      if u.op_type != "GroupQueryAttention" and not _reads_batch_only(u)})
     if others:
         raise DFlashError(f"buffer form: K/V inputs still read by {others} ({HINT})")
-    return model, {"attentions": spec.num_layers, "ctx_len": ctx_len, "rotary_in_attention": rewriter.rotary_layers}
+    return model, {"attentions": spec.num_layers, "ctx_len": ctx_len, "rotary_in_attention": rewriter.rotary_layers,
+                   "sliding_windows": rewriter.windowed_layers}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from artifacts.graph_files import checked_graph, graph_spec, share_initializers
+from artifacts.graph_files import checked_graph, graph_io, share_initializers
 from artifacts.publish import check_out_dir, copy_tokenizer_files, staged_directory
 from runtime.errors import DFlashError
 from runtime.manifest import GraphSpec, Manifest, load_export
@@ -115,8 +115,8 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
             ir.save(model, str(tmp / spec.file), external_data=f"{spec.file}.data", size_threshold_bytes=1024)
             del model
             gc.collect()
-            specs[graph] = graph_spec(tmp / spec.file, spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                      spec.kv_inputs, spec.kv_outputs, spec.recurrent, spec.kv_shapes)
+            inputs, outputs = graph_io(tmp / spec.file)
+            specs[graph] = replace(spec, inputs=inputs, outputs=outputs)
         share_initializers(tmp, manifest.draft.file, manifest.target.file, manifest.vocab_size)
         copy_tokenizer_files(source, tmp)
         applied = [{"name": p.name, "options": {**p.recorded_defaults, **pass_options.get("*", {}),

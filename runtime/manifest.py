@@ -53,6 +53,9 @@ class GraphSpec:
     # [kv_heads, head_dim] of each K/V pair where layers differ (Gemma 4's full-attention layers); empty: every
     # pair has num_kv_heads and head_dim
     kv_shapes: list[list[int]] = field(default_factory=list)
+    # each K/V pair's sliding window (a query sees the keys fewer than this many positions back; 0: all before it);
+    # empty: every layer attends to all positions (or an export from before windows were recorded)
+    kv_windows: list[int] = field(default_factory=list)
 
     def pair_shapes(self) -> list[tuple[int, int]]:
         """(kv_heads, head_dim) of each K/V pair, in kv_inputs order (a pair: a key input and its value)."""

@@ -35,10 +35,10 @@ EXPORTED = {
                           target_layer_ids=[1, 2], seed=17),
 }
 DTYPES = {"agree_b4_fp16": "float16"}
-# `lower --target ort` of each pair: causal_gqa4_b4's target has sliding-window layers, which GroupQueryAttention
-# over the buffers would drop the mask of, so that pair is lowered in the concat form (the buffer form is refused
-# for it, tested). agree_b4_fp16 covers float16 graphs: RoPE stays out of GroupQueryAttention and the draft's
-# rotations keep their per-call cos/sin (both rewrites are float32-only), the rest of the lowering applies.
+# `lower --target ort` of each pair: causal_gqa4_b4 (sliding-window layers) keeps the concat form covered; its
+# buffer form, the windows as GroupQueryAttention's local_window_size, has a test of its own. agree_b4_fp16 covers
+# float16 graphs: RoPE stays out of GroupQueryAttention and the draft's rotations keep their per-call cos/sin (both
+# rewrites are float32-only), the rest of the lowering applies.
 KV_BUFFER = {"agree_b8": True, "llama_sliding_b16": True, "causal_gqa4_b4": False, "agree_b4_fp16": True}
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import onnx
 import pytest
@@ -90,8 +93,6 @@ def test_buffer_form_writes_kv_in_place_into_buffers_that_grow_with_the_context(
 
 def test_a_lowering_whose_graph_fixes_the_buffer_rows_still_decodes(decoders, ort_lowered, tmp_path):
     """Lowerings made before the rows were left open declare ctx_len rows: the session allocates exactly those."""
-    import shutil
-
     fixed = tmp_path / "fixed"
     shutil.copytree(ort_lowered("agree_b8"), fixed)
     graph = onnx.load(str(fixed / "target.onnx"), load_external_data=False)
@@ -107,9 +108,33 @@ def test_a_lowering_whose_graph_fixes_the_buffer_rows_still_decodes(decoders, or
     assert lowered.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == want
 
 
+def test_sliding_window_layers_get_their_window_in_the_buffer_form(exported, tmp_path):
+    """causal_gqa4_b4's target slides over 5 positions in layers 0 and 2: GroupQueryAttention's
+    local_window_size masks as the export does, and the buffer form decodes HF greedy's tokens past the window."""
+    from exporter.models.target import hf_greedy
+    from exporter.pair import load_target
+
+    pair = exported("causal_gqa4_b4")
+    assert load_manifest(pair.out).target.kv_windows == [5, 0, 5, 0]
+    lowered = lower_ort(pair.out, tmp_path / "sliding", OrtOptions(ctx_len=128), QUIET)
+    assert lowered.form == "buffer" and lowered.lowering.rewrites["kv-buffer"]["target"]["sliding_windows"] == 2
+    lm, decoder = load_target(pair.target_dir), open_decoder(tmp_path / "sliding")
+    prompt = [40, 2, 66, 17, 9, 31, 8, 70, 12, 4, 51]
+    want = hf_greedy(lm, prompt, 16, None)
+    assert decoder.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens == want
+    assert decoder.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == want
+
+
 def test_buffer_form_is_refused_where_it_would_change_the_output(exported, tmp_path):
+    """An export that does not record its windows (made before they were): the lowering's check finds the
+    unmasked buffer form's logits wrong and refuses it, naming the concat form; nothing is written."""
+    source = tmp_path / "unrecorded"
+    shutil.copytree(exported("causal_gqa4_b4").out, source)
+    raw = json.loads((source / "dflash.json").read_text())
+    raw["target"]["kv_windows"] = []
+    (source / "dflash.json").write_text(json.dumps(raw))
     with pytest.raises(DFlashError, match="--kv-buffer off"):
-        lower_ort(exported("causal_gqa4_b4").out, tmp_path / "sliding", request=QUIET)
+        lower_ort(source, tmp_path / "sliding", OrtOptions(ctx_len=128), request=QUIET)
     assert not (tmp_path / "sliding").exists()
 
 

@@ -89,6 +89,14 @@ class TappedTarget(nn.Module):
         """The state inputs after a call of `rows` tokens that returned `present`, keeping its first `committed`."""
         return [t[:, : t.shape[1] - rows + committed] for t in present]
 
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window as `_masks` applies it: every layer's where no layer type says otherwise
+        (Mistral), the sliding_attention layers' in models of both kinds; None: it sees every earlier position."""
+        if self.sliding_window is None:
+            return None
+        typed = "sliding_attention" in self.layer_types
+        return self.sliding_window if not typed or self.layer_types[layer] == "sliding_attention" else None
+
     def _masks(self, position_ids: torch.Tensor, num_keys: int):
         """Per-layer-type masks for hybrid models, one windowed mask for all-sliding ones (Mistral)."""
         full = self._form(causal_mask(position_ids, num_keys))
