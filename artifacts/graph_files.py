@@ -20,6 +20,8 @@ from runtime.paths import member
 # the ORT lowering replaces by com.microsoft's MoE (passes/experts.py)
 MOE_DOMAIN, MOE_OP = "dflash", "MoE"
 SWIGLU_MOE_OP = "SwigluMoE"  # gpt-oss's biased, clamped-SwiGLU experts (exporter/models/swiglu_experts.py)
+SINK_ATTENTION_OP = "SinkAttention"  # gpt-oss's attention with sink logits (exporter/models/sink_attention.py)
+GELU_EXPERTS_OP = "GeluTanhExperts"  # Gemma 4's experts, routed by its own router (exporter/models/gelu_experts.py)
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
                onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT64: "int64",
                onnx.TensorProto.INT32: "int32"}

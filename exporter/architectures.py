@@ -20,12 +20,15 @@ ROUTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_next")
 # families whose experts export as one dflash::SwigluMoE node per layer: gpt-oss's biased, clamped SwiGLU experts
 # (exporter/models/swiglu_experts.py)
 SWIGLU_FAMILIES = ("gpt_oss",)
+# families whose experts modules, given their router's choice, export as one dflash::GeluTanhExperts node per layer
+# (exporter/models/gelu_experts.py): Gemma 4's MoE layers
+GELU_EXPERTS_FAMILIES = ("gemma4_text",)
 # families whose linear-attention layers export with their state as graph I/O (exporter/models/hybrid.py)
 HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # what a layer may set for itself: its K/V's shape (Gemma 4's full-attention layers; models/target.py kv_layer_shapes)
 PER_LAYER_SHAPES = ("head_dim", "num_key_value_heads")
 SUPPORTED = ("dense decoders export (Qwen3, LLaMA, Qwen2, Mistral, Phi-3, OLMo 2, GLM-4, Gemma 3, Granite; "
-             "sliding-window layers included), Gemma 4 (dense), Qwen3-MoE, Qwen2-MoE, gpt-oss, and the "
+             "sliding-window layers included), Gemma 4 (dense and MoE), Qwen3-MoE, Qwen2-MoE, gpt-oss, and the "
              "Gated-DeltaNet hybrids Qwen3.5 / Qwen3.5-MoE / Qwen3-Next")
 
 
@@ -42,7 +45,7 @@ def missing_parts(config) -> list[str]:
     parts = []
     experts = next((_attribute(config, k) for k in EXPERT_COUNTS if _attribute(config, k)), None)
     if (experts or _attribute(config, "enable_moe_block")) and \
-            config.model_type not in ROUTED_FAMILIES + SWIGLU_FAMILIES:
+            config.model_type not in ROUTED_FAMILIES + SWIGLU_FAMILIES + GELU_EXPERTS_FAMILIES:
         parts.append(f"mixture-of-experts layers{f' ({experts} experts)' if experts else ''}")
     if "linear_attention" in (_attribute(config, "layer_types") or []) and config.model_type not in HYBRID_FAMILIES:
         parts.append("Gated-DeltaNet linear-attention layers (conv and recurrent state beside the K/V)")

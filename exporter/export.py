@@ -35,6 +35,7 @@ from .models.draft import DFlashDraft, DraftSpec
 from .models.experts import TRANSLATIONS as EXPERT_TRANSLATIONS
 from .models.experts import add_moe_function, experts_as_one_op, experts_summary
 from .models.hybrid import HybridTarget, wrap_target
+from .models.sink_attention import has_sinks, sinks_as_one_op
 from .models.target import TappedTarget, check_against_hf
 from .pair import (
     DTYPES,
@@ -113,7 +114,7 @@ def export_target(target: TappedTarget, out: Path, opset: int, dtype: torch.dtyp
         state = tuple(target.sample_state(2, 4, 3, dtype))
     state_in, state_out = target.state_names()
     state_shapes = target.state_dynamic_shapes(batch, past, torch.export.Dim("pending", min=0))
-    with experts_as_one_op(target.lm):
+    with experts_as_one_op(target.lm), sinks_as_one_op(target.lm):
         program = export_program(
             target, (ids, positions, *state), ["input_ids", "position_ids", *state_in],
             ["logits", "greedy_ids", "target_hidden", *state_out],
@@ -255,8 +256,7 @@ def export_pair(
                 tool_version=__version__,
                 source_dirs={"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve())},
                 experts=experts_summary(tapped.lm),
-                attention_sinks=any(hasattr(layer.self_attn, "sinks") for layer in tapped.lm.get_decoder().layers
-                                    if hasattr(layer, "self_attn")),
+                attention_sinks=has_sinks(tapped.lm),
                 kv_shared_layers=tapped.num_layers - len(tapped.kv_shapes) - len(getattr(tapped, "linear", ())),
                 logit_softcapping=tapped.softcap,
             )

@@ -27,7 +27,7 @@ class TinySpec:
     num_kv_heads: int = 2
     head_dim: int = 16
     intermediate_size: int | None = None
-    num_experts: int = 0  # > 0: a mixture-of-experts target (model_type qwen3_moe)
+    num_experts: int = 0  # > 0: a mixture-of-experts target (model_type qwen3_moe, or gemma4_text's MoE layers)
     experts_per_token: int = 2
     moe_intermediate_size: int | None = None
     shared_expert_intermediate_size: int | None = None  # a shared expert beside the routed ones (Qwen2/3.5-MoE)
@@ -126,7 +126,10 @@ def _target_config(spec: TinySpec) -> dict:
                       hidden_activation="gelu_pytorch_tanh")
         if spec.global_kv_heads:
             config["num_global_key_value_heads"] = spec.global_kv_heads
-    if spec.num_experts:
+        if spec.num_experts:  # Gemma 4's MoE layers: routed experts beside the dense MLP
+            config.update(enable_moe_block=True, num_experts=spec.num_experts, top_k_experts=spec.experts_per_token,
+                          moe_intermediate_size=spec.moe_intermediate_size or spec.hidden_size)
+    elif spec.num_experts:
         config.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
                       moe_intermediate_size=spec.moe_intermediate_size or spec.hidden_size,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])

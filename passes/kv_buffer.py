@@ -25,6 +25,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from artifacts.graph_files import MOE_DOMAIN, SINK_ATTENTION_OP
 from runtime.errors import DFlashError
 
 from .base import PassContext
@@ -50,13 +51,18 @@ def _only_reader(value: ir.Value, op_type: str) -> ir.Node:
     return users[0]
 
 
+def _is_sink_attention(node: ir.Node) -> bool:
+    return node.domain == MOE_DOMAIN and node.op_type == SINK_ATTENTION_OP
+
+
 def _attention_reading(value: ir.Value) -> tuple[ir.Node, int]:
-    """The MultiHeadAttention that `value` reaches through shape-only ops, and the input slot it enters."""
+    """The MultiHeadAttention (or gpt-oss's dflash::SinkAttention, which takes query, key and value in the same
+    slots) that `value` reaches through shape-only ops, and the input slot it enters."""
     frontier = [value]
     while frontier:
         current = frontier.pop()
         for use in current.uses():
-            if use.node.op_type == "MultiHeadAttention":
+            if use.node.op_type == "MultiHeadAttention" or _is_sink_attention(use.node):
                 return use.node, use.idx
             if use.node.op_type in SHAPE_ONLY and use.idx == 0:
                 frontier.append(use.node.outputs[0])
@@ -115,6 +121,7 @@ class _Rewriter:
         self.caches: dict[bytes, tuple[ir.Value, ir.Value]] = {}
         self.rotary_layers = 0
         self.windowed_layers = 0
+        self.sink_layers = 0
 
     def _rows(self, source: ir.Value, width: int, name: str) -> tuple[ir.Node, ir.Value]:
         """Reshape [b, s, h, hd] -> [b, s, h * hd], with the shape declared (tidy reads it)."""
@@ -174,6 +181,9 @@ class _Rewriter:
             extra = list(self.caches[key])
             options.update(do_rotary=1, rotary_interleaved=0)
             self.rotary_layers += 1
+        if _is_sink_attention(attention):  # its sink logit per head: GroupQueryAttention's head_sink (measured)
+            extra = [*(extra or [None, None]), None, None, attention.inputs[4]]
+            self.sink_layers += 1
         gqa = ir.node("GroupQueryAttention", [query, flat["key"], flat["value"], k_in, v_in, self.seqlens, self.total,
                                               *extra], options, domain="com.microsoft", num_outputs=3,
                       name=f"gqa_buffer_{layer}")
@@ -220,4 +230,4 @@ def run(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     if others:
         raise DFlashError(f"buffer form: K/V inputs still read by {others} ({HINT})")
     return model, {"attentions": spec.num_layers, "ctx_len": ctx_len, "rotary_in_attention": rewriter.rotary_layers,
-                   "sliding_windows": rewriter.windowed_layers}
+                   "sliding_windows": rewriter.windowed_layers, "sinks": rewriter.sink_layers}

@@ -126,15 +126,45 @@ def test_the_architecture_checks_small_model_keeps_the_sharing_and_the_shapes(ge
     assert tapped.kv_shapes == {0: (2, 16), 1: (1, 32)}
 
 
-def test_gemma4s_mixture_of_experts_block_is_refused_in_one_line(tmp_path, capsys):
-    from safetensors.torch import save_file
-    from transformers import Gemma4TextConfig
+# Gemma 4's MoE layers (26B-A4B): routed experts beside each layer's dense MLP; no layer reads another's K/V
+MOE_SPEC = TinySpec(model_type="gemma4_text", num_heads=4, num_kv_heads=2, head_dim=16, global_head_dim=32,
+                    global_kv_heads=1, k_eq_v=True, num_experts=8, experts_per_token=2, target_sliding_window=5,
+                    final_logit_softcapping=30.0, input_embedding_scale=8.0, target_layer_ids=[1, 2], seed=29)
 
-    config = Gemma4TextConfig(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64)
-    config.save_pretrained(str(tmp_path / "target"))
-    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(tmp_path / "target" / "model.safetensors"))
-    draft = build_pair(TinySpec(), tmp_path / "pair")[1]
-    code = main(["export", "--target", str(tmp_path / "target"), "--draft", str(draft), "--out",
-                 str(tmp_path / "out"), "--quiet"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "mixture-of-experts layers (8 experts)" in err, err
+
+def test_gemma4s_experts_export_as_one_node_per_layer_and_the_buffer_form_decodes_hf_greedy(tmp_path, capsys):
+    """Each MoE layer's experts become one dflash::GeluTanhExperts node (routing from transformers' own router, its
+    per-expert scales and input scale set to random values here so that they count); parity holds; the ORT buffer
+    form (buffers of each layer's own shape, the sliding layers' windows in GroupQueryAttention) decodes HF greedy."""
+    from safetensors.torch import load_file, save_file
+
+    from exporter.export import export_pair
+
+    target, draft = build_pair(MOE_SPEC, tmp_path)
+    weights = load_file(str(target / "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    for name in [n for n in weights if n.endswith(("router.per_expert_scale", "router.scale"))]:
+        weights[name] = 0.5 + torch.rand(weights[name].shape, generator=generator)
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    manifest = export_pair(target, draft, tmp_path / "out", progress=False)
+    assert manifest.experts["experts"] == 8 and manifest.experts["per_token"] == 2
+    assert _ops(tmp_path / "out" / "target.onnx").count(("dflash", "GeluTanhExperts")) == MOE_SPEC.target_layers
+    code = main(["parity", str(tmp_path / "out"), "--prompts", "2", "--max-new-tokens", "16"])
+    out = capsys.readouterr().out
+    assert code == 0 and "dflash-ort == hf greedy" in out and "MISMATCH" not in out, out
+    lowered = lower_ort(tmp_path / "out", tmp_path / "ort", OrtOptions(ctx_len=128), LowerRequest(progress=False))
+    assert lowered.form == "buffer" and lowered.lowering.rewrites["kv-buffer"]["target"]["sliding_windows"] == 2
+    lm, decoder = load_target(target), open_decoder(tmp_path / "ort")
+    for prompt in PROMPTS:
+        want = hf_greedy(lm, prompt, 16, None)
+        assert decoder.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens == want
+        assert decoder.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == want
+    buffers = decoder.target.kv_buffers()
+    assert buffers["past_key_values.0.key"].shape[1::2] == (2, 16) and buffers["past_key_values.1.key"].shape[1::2] \
+        == (1, 32)
+
+
+def _ops(path) -> list[tuple[str, str]]:
+    import onnx
+
+    return [(node.domain, node.op_type) for node in onnx.load(str(path), load_external_data=False).graph.node]

@@ -1,5 +1,6 @@
 """gpt-oss targets: eager attention with per-head sink logits and additive (0 / lowest) masks over alternating
-sliding and full layers, and biased, clamped SwiGLU experts as one dflash::SwigluMoE node per layer (a function
+sliding and full layers (one dflash::SinkAttention node per layer, GroupQueryAttention with head_sink in the ORT
+buffer form), and biased, clamped SwiGLU experts as one dflash::SwigluMoE node per layer (a function
 computing every expert), which the ORT lowering runs as com.microsoft::MoE (only the routed experts) and int4 as
 QMoE. Oracles: transformers' GptOssForCausalLM, its own forward and greedy `generate`, and the reference `dflash`
 package on the same weights (parity)."""
@@ -54,21 +55,28 @@ def test_the_wrapper_reproduces_sinks_and_sliding_windows_with_additive_masks(gp
 def test_export_parity_and_dflash_equal_hf_greedy_and_the_reference(gpt_oss, capsys):
     manifest = load_manifest(gpt_oss / "out")
     assert manifest.attention_sinks and "clamped at 7.0" in manifest.experts["activation"]
-    assert _ops(gpt_oss / "out" / "target.onnx").count(("dflash", "SwigluMoE")) == SPEC.target_layers
+    ops = _ops(gpt_oss / "out" / "target.onnx")
+    assert ops.count(("dflash", "SwigluMoE")) == ops.count(("dflash", "SinkAttention")) == SPEC.target_layers
     code = main(["parity", str(gpt_oss / "out"), "--prompts", "2", "--max-new-tokens", "16"])
     out = capsys.readouterr().out
     assert code == 0 and "dflash-ort == reference" in out and "MISMATCH" not in out, out
 
 
-def test_the_ort_lowering_runs_the_concat_form_and_refuses_the_buffer_form_in_one_line(gpt_oss, capsys):
-    code = main(["lower", str(gpt_oss / "out"), "--target", "ort", "--out", str(gpt_oss / "buffer"), "--quiet"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "--kv-buffer off" in err and "sink" in err, err
-    assert not (gpt_oss / "buffer").exists()
-    lower_ort(gpt_oss / "out", gpt_oss / "ort", OrtOptions(ctx_len=256, kv_buffer=False), LowerRequest(progress=False))
-    ops = _ops(gpt_oss / "ort" / "target.onnx")
+@pytest.mark.parametrize("kv_buffer", [True, False])
+def test_the_ort_lowering_decodes_hf_greedy_in_both_forms(gpt_oss, kv_buffer):
+    """Buffer form: each dflash::SinkAttention becomes GroupQueryAttention with the sinks as head_sink and the
+    sliding layers' windows; concat form: the function stays. Experts as com.microsoft::MoE in both."""
+    out = gpt_oss / ("buffer" if kv_buffer else "concat")
+    lowered = lower_ort(gpt_oss / "out", out, OrtOptions(ctx_len=256, kv_buffer=kv_buffer),
+                        LowerRequest(progress=False))
+    ops = _ops(out / "target.onnx")
     assert ops.count(("com.microsoft", "MoE")) == SPEC.target_layers and ("dflash", "SwigluMoE") not in ops
-    lm, decoder = load_target(gpt_oss / "target"), open_decoder(gpt_oss / "ort")
+    if kv_buffer:
+        rewrites = lowered.lowering.rewrites["kv-buffer"]["target"]
+        assert rewrites["sinks"] == SPEC.target_layers and rewrites["sliding_windows"] == SPEC.target_layers // 2
+        assert ops.count(("com.microsoft", "GroupQueryAttention")) == SPEC.target_layers
+    assert (("dflash", "SinkAttention") in ops) == (not kv_buffer)
+    lm, decoder = load_target(gpt_oss / "target"), open_decoder(out)
     for prompt in PROMPTS:
         want = hf_greedy(lm, prompt, 16, None)
         assert decoder.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens == want

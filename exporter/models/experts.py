@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from artifacts.graph_files import MOE_DOMAIN as DOMAIN
 from artifacts.graph_files import MOE_OP as OP
 
-from . import swiglu_experts
+from . import gelu_experts, sink_attention, swiglu_experts
 
 
 def _schema() -> onnx.defs.OpSchema:
@@ -92,7 +92,8 @@ def moe_node(hidden, router_logits, gate_up_proj, down_proj, top_k: int, normali
     return MOE_OP(hidden, router_logits, gate_up_proj, down_proj, k=top_k, normalize_routing_weights=int(normalize))
 
 
-TRANSLATIONS = {torch.ops.dflash.moe.default: moe_node, **swiglu_experts.TRANSLATIONS}
+TRANSLATIONS = {torch.ops.dflash.moe.default: moe_node, **swiglu_experts.TRANSLATIONS, **gelu_experts.TRANSLATIONS,
+                **sink_attention.TRANSLATIONS}
 
 
 def _routed_forward(layout: ExpertsLayout):
@@ -112,6 +113,9 @@ def _routed_forward(layout: ExpertsLayout):
 
 # blocks computed by dflash::swiglu_moe instead (exporter/models/swiglu_experts.py): gpt-oss's MLP
 SWIGLU_BLOCKS = {"GptOssMLP": swiglu_experts.gpt_oss_forward}
+# experts modules given their routing, computed by dflash::gelu_tanh_experts (exporter/models/gelu_experts.py):
+# Gemma 4's, beside each MoE layer's dense MLP
+ROUTED_EXPERTS = {"Gemma4TextExperts": gelu_experts.gemma4_experts_forward}
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[nn.Module, ExpertsLayout]]:
@@ -124,10 +128,20 @@ def swiglu_blocks(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in SWIGLU_BLOCKS]
 
 
+def routed_experts(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if type(module).__name__ in ROUTED_EXPERTS]
+
+
 def experts_summary(model: nn.Module) -> dict | None:
     """What the manifest records of `model`'s routed experts (None for a dense model)."""
     blocks = moe_blocks(model)
     swiglu = swiglu_blocks(model)
+    given = routed_experts(model)
+    if given:
+        text = model.config.get_text_config(decoder=True)
+        return {"layers": len(given), "experts": int(given[0].gate_up_proj.shape[0]),
+                "per_token": int(text.top_k_experts), "intermediate_size": int(given[0].down_proj.shape[2]),
+                "activation": "gelu (tanh), beside a dense MLP; routing weights scaled per expert"}
     if swiglu:
         experts = swiglu[0].experts
         return {"layers": len(swiglu), "experts": int(experts.gate_up_proj.shape[0]),
@@ -146,10 +160,11 @@ def experts_summary(model: nn.Module) -> dict | None:
 
 @contextmanager
 def experts_as_one_op(model: nn.Module) -> Iterator[None]:
-    """For the duration, every known MoE block of `model` calls dflash::moe (what torch.onnx traces), and every
-    block of SWIGLU_BLOCKS dflash::swiglu_moe."""
+    """For the duration, every known MoE block of `model` calls dflash::moe (what torch.onnx traces), every block
+    of SWIGLU_BLOCKS dflash::swiglu_moe, and every experts module of ROUTED_EXPERTS dflash::gelu_tanh_experts."""
     blocks = [(block, _routed_forward(layout)) for block, layout in moe_blocks(model)]
     blocks += [(block, SWIGLU_BLOCKS[type(block).__name__]) for block in swiglu_blocks(model)]
+    blocks += [(block, ROUTED_EXPERTS[type(block).__name__]) for block in routed_experts(model)]
     for block, forward in blocks:
         block.forward = types.MethodType(forward, block)
     try:
@@ -207,10 +222,12 @@ def moe_function(opset: int) -> ir.Function:
 
 
 def add_moe_function(model: ir.Model) -> bool:
-    """Define dflash::MoE and dflash::SwigluMoE in `model` where it calls them (after torch.onnx's optimizer,
-    which would try to inline them); whether the graph calls either."""
+    """Define dflash::MoE, dflash::SwigluMoE, dflash::GeluTanhExperts and dflash::SinkAttention in `model` where it
+    calls them (after torch.onnx's optimizer, which would try to inline them); whether the graph calls any."""
     called = {node.op_type for node in model.graph if node.domain == DOMAIN}
-    builders = {OP: moe_function, swiglu_experts.OP: swiglu_experts.swiglu_moe_function}
+    builders = {OP: moe_function, swiglu_experts.OP: swiglu_experts.swiglu_moe_function,
+                gelu_experts.OP: gelu_experts.gelu_tanh_experts_function,
+                sink_attention.OP: sink_attention.sink_attention_function}
     for op in called & set(builders):
         function = builders[op](model.opset_imports[""])
         model.functions[function.identifier()] = function

@@ -22,6 +22,8 @@ from torch import nn
 from artifacts.graph_files import MOE_DOMAIN as DOMAIN
 from artifacts.graph_files import SWIGLU_MOE_OP as OP
 
+from .function_body import FunctionBody
+
 INPUTS = ("input", "router_logits", "fc1", "fc1_bias", "fc2", "fc2_bias")
 FLOAT_ATTRIBUTES = ("activation_alpha", "activation_beta", "swiglu_limit")
 
@@ -82,21 +84,8 @@ def gpt_oss_forward(block: nn.Module, hidden_states: torch.Tensor):
 def swiglu_moe_function(opset: int) -> ir.Function:
     """dflash::SwigluMoE's body in standard ops: every expert on every token, weighted by the routing."""
     x, logits, fc1, fc1_bias, fc2, fc2_bias = (ir.Value(name=name) for name in INPUTS)
-    nodes: list[ir.Node] = []
-
-    def add(op: str, *inputs: ir.Value, outputs: int = 1, **attributes):
-        node = ir.node(op, list(inputs), attributes=attributes, num_outputs=outputs)
-        nodes.append(node)
-        return node.outputs[0] if outputs == 1 else tuple(node.outputs)
-
-    def ints(values: list[int]) -> ir.Value:
-        return add("Constant", value=ir.tensor(values, dtype=ir.DataType.INT64))
-
-    def referenced(name: str, kind: ir.AttributeType, attribute: str) -> ir.Value:
-        """A Constant of the node's attribute `name` (read by reference, as com.microsoft::MoE reads it)."""
-        node = ir.Node("", "Constant", [], attributes=[ir.RefAttr(attribute, name, kind)])
-        nodes.append(node)
-        return node.outputs[0]
+    body = FunctionBody()
+    add, ints, referenced = body.add, body.ints, body.referenced
 
     k = add("Reshape", referenced("k", ir.AttributeType.INT, "value_int"), ints([1]))
     alpha, beta, limit = (add("CastLike", referenced(name, ir.AttributeType.FLOAT, "value_float"), x)
@@ -116,7 +105,8 @@ def swiglu_moe_function(opset: int) -> ir.Function:
     summed = add("ReduceSum", add("Mul", per_expert, weights), ints([0]), keepdims=0)
     out = add("Transpose", summed, perm=[1, 0])
     out.name = "output"
-    graph = ir.Graph([x, logits, fc1, fc1_bias, fc2, fc2_bias], [out], nodes=nodes, opset_imports={"": opset}, name=OP)
+    graph = ir.Graph([x, logits, fc1, fc1_bias, fc2, fc2_bias], [out], nodes=body.nodes, opset_imports={"": opset},
+                     name=OP)
     return ir.Function(DOMAIN, OP, "", graph=graph, attributes=[
         ir.Attr("k", ir.AttributeType.INT, 1), *(ir.Attr(name, ir.AttributeType.FLOAT, 1.0)
                                                  for name in FLOAT_ATTRIBUTES)])

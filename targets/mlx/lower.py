@@ -145,6 +145,9 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
     mx = import_mlx()
     manifest, _ = start_lowering(source, out, options, request)
     refuse_unbuilt(manifest, "mlx", "MLX")
+    if options.kv_buffer and any(manifest.target.kv_windows):
+        raise DFlashError(f"lower --target mlx: this {manifest.model_type} export's sliding-window layers need their "
+                          "window, which MLX's GroupQueryAttention does not apply yet: lower with --kv-buffer off")
     manifest_of_export = manifest
     bits = options.bits
     # disk: the fused copy (the export's size) beside the MLX weights (quantized: ~0.3x / ~0.55x a float16 export)

@@ -91,10 +91,6 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
                           "CUDA only: export with --dtype float16, or lower with --kv-buffer off")
     if manifest.dtype == "bfloat16":
         raise DFlashError(bfloat16_refusal(Path(source)))
-    if options.kv_buffer and manifest.attention_sinks:
-        raise DFlashError(f"lower --target ort: this {manifest.model_type} export's attention adds sink logits to its "
-                          "softmax, which the buffer form's GroupQueryAttention rewrite does not map yet: lower with "
-                          "--kv-buffer off (the concat form)")
     if options.kv_buffer and manifest.kv_shared_layers:
         raise DFlashError(f"lower --target ort: {manifest.kv_shared_layers} of this {manifest.model_type} export's "
                           "layers read an earlier layer's K/V, which the buffer form's GroupQueryAttention rewrite "
