@@ -65,7 +65,7 @@ def test_export_parity_and_dflash_equal_hf_greedy_and_the_reference(gpt_oss, cap
 @pytest.mark.parametrize("kv_buffer", [True, False])
 def test_the_ort_lowering_decodes_hf_greedy_in_both_forms(gpt_oss, kv_buffer):
     """Buffer form: each dflash::SinkAttention becomes GroupQueryAttention with the sinks as head_sink and the
-    sliding layers' windows; concat form: the function stays. Experts as com.microsoft::MoE in both."""
+    sliding layers' windows; concat form: the function stays (inlined by ORT). Experts as com.microsoft::MoE in both."""
     out = gpt_oss / ("buffer" if kv_buffer else "concat")
     lowered = lower_ort(gpt_oss / "out", out, OrtOptions(ctx_len=256, kv_buffer=kv_buffer),
                         LowerRequest(progress=False))
@@ -75,7 +75,8 @@ def test_the_ort_lowering_decodes_hf_greedy_in_both_forms(gpt_oss, kv_buffer):
         rewrites = lowered.lowering.rewrites["kv-buffer"]["target"]
         assert rewrites["sinks"] == SPEC.target_layers and rewrites["sliding_windows"] == SPEC.target_layers // 2
         assert ops.count(("com.microsoft", "GroupQueryAttention")) == SPEC.target_layers
-    assert (("dflash", "SinkAttention") in ops) == (not kv_buffer)
+    else:  # the function stays (ONNX Runtime's saved optimization inlines it)
+        assert ("com.microsoft", "GroupQueryAttention") not in ops
     lm, decoder = load_target(gpt_oss / "target"), open_decoder(out)
     for prompt in PROMPTS:
         want = hf_greedy(lm, prompt, 16, None)

@@ -59,6 +59,9 @@ class TappedTarget(nn.Module):
         text = causal_lm.config.get_text_config(decoder=True)
         self.num_layers = text.num_hidden_layers
         self.kv_shapes = kv_layer_shapes(text)  # the layers with K/V of their own, in order, and their shapes
+        if not self.kv_shapes:
+            raise DFlashError(f"target {text.model_type}: no layer keeps K/V of its own (every layer is linear "
+                              "attention or reads another's): not supported yet")
         self.num_kv_heads, self.head_dim = next(iter(self.kv_shapes.values()))  # the first's (uniform_kv: all)
         self.uniform_kv = len(set(self.kv_shapes.values())) == 1
         self.softcap = getattr(text, "final_logit_softcapping", None) or None
