@@ -41,7 +41,7 @@ def specs(args: argparse.Namespace) -> dict[str, TinySpec]:
                          target_layer_ids=[1, args.layers - 2], block_size=16, agree=True, tie_embeddings=False,
                          damp_layers=0.002, max_positions=4096, linear_heads=(key_heads, value_heads),
                          linear_head_dim=args.linear_head_dim)
-        return {"hybrid": replace(shape, full_attention_interval=4),
+        return {"hybrid": replace(shape, full_attention_interval=4, multimodal="ort-genai" in args.peers),
                 "dense": replace(shape, full_attention_interval=1)}
     shape = TinySpec(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=16, num_kv_heads=8, head_dim=128,
                      target_layers=args.layers, draft_layers=1, target_layer_ids=[1, args.layers - 2],
@@ -84,9 +84,10 @@ def prepare(name: str, spec: TinySpec, work: Path, precision: str) -> Path:
     return lowered
 
 
-def bench(directory: Path, load: int, context: int, out: Path) -> dict:
+def bench(directory: Path, load: int, context: int, out: Path, peers: str = "") -> dict:
     run([*CLI, "bench", directory, "--num-prompts", "2", "--max-new-tokens", "64", "--repeats", "3", "--contexts",
-         str(context), "--quiet", "--load", str(load), "--json", out], out.with_suffix(".log"))
+         str(context), "--quiet", "--load", str(load), "--json", out, *(["--peers", peers] if peers else [])],
+        out.with_suffix(".log"))
     return json.loads(out.read_text())
 
 
@@ -98,6 +99,23 @@ def figures(report: dict, loaded: bool, context: int) -> dict[str, float]:
         steps = dict(zip(report["curve"]["verify_lengths"], report["curve"]["target_ms"][str(context)]))
         found.update(step_1=steps[1], step_block=steps[report["block_size"]])
     return found
+
+
+def peer_rows(reports: list[dict], loaded: bool) -> list[list[str]]:
+    """Each peer's tokens/s (median over rounds), whether its tokens were ours, and our greedy (DFlash for a
+    speculative peer) over it; quiet, then loaded."""
+    rows = []
+    for kind in ("quiet", "loaded") if loaded else ("quiet",):
+        runs = [(r["loaded"] if kind == "loaded" else r)["peers"] for r in reports]
+        for index, first in enumerate(runs[0]["rows"]):
+            theirs = statistics.median(run["rows"][index]["tokens_per_second"] for run in runs)
+            same = all(run["rows"][index]["identical_to_ours"] for run in runs)
+            ours_key = "dflash" if "speculative" in first["name"] else "greedy"
+            ours = statistics.median((r["loaded"]["aggregate"] if kind == "loaded" else r["aggregate"])[ours_key]
+                                     ["tokens_per_second"] for r in reports)
+            rows.append([f"{first['name']}{', loaded' if kind == 'loaded' else ''}", f"{theirs:.1f}",
+                         str(same), f"{ours_key} {ours / theirs:.2f}x"])
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--linear-head-dim", type=int, default=128)
     parser.add_argument("--context", type=int, default=256, help="context of the target steps timed")
     parser.add_argument("--load", type=int, default=1, help="also measure beside N busy processes (0: quiet only)")
+    parser.add_argument("--peers", default="", help="bench's --peers for the family's target, e.g. ort-genai "
+                        "(hybrid: the target is then saved in Qwen3.5's published multimodal layout, which "
+                        "onnxruntime-genai's builder takes)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     directories = {name: prepare(name, spec, args.work, args.precision) for name, spec in specs(args).items()}
@@ -124,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     for round_ in range(args.rounds):
         for name, directory in directories.items():  # interleaved: both in every round
             print(f"round {round_ + 1}: bench {name}", file=sys.stderr)
-            results[name].append(bench(directory, args.load, args.context, args.work / f"bench_{name}_{round_}.json"))
+            results[name].append(bench(directory, args.load, args.context, args.work / f"bench_{name}_{round_}.json",
+                                       args.peers if name != "dense" else ""))
     family = next(name for name in directories if name != "dense")
     rows = []
     speeds = [("greedy", "greedy tok/s"), ("dflash", "DFlash tok/s")]
@@ -146,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
                   "hybrid time / dense time"]
     print(markdown_table(header, rows))
     print()
+    if args.peers:
+        print(markdown_table([f"{family} target's peers", "tok/s", "tokens identical to ours", "ours / theirs"],
+                             peer_rows(results[family], args.load > 0)))
+        print()
     print(provenance())
     if args.json:
         args.json.write_text(json.dumps({"results": results, "rows": rows}, indent=2))

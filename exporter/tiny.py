@@ -69,6 +69,10 @@ class TinySpec:
     seed: int = 0
     # written tensor by tensor from meta-device shapes (shaped.py), never holding the model: published sizes
     streamed: bool = False
+    # Qwen3.5 (qwen3_5_text, qwen3_5_moe_text): saved in the published multimodal layout
+    # (Qwen3_5ForConditionalGeneration: model.language_model.*, a one-block vision tower), which onnxruntime-genai's
+    # model builder takes
+    multimodal: bool = False
     dtype: str = "float32"  # the checkpoint's dtype (streamed pairs)
     shard_bytes: int = 2 * 1024**3
 
@@ -198,9 +202,31 @@ def build_target(spec: TinySpec, directory: Path):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     if spec.agree:
         _bias_towards(model, spec)
-    model.save_pretrained(str(directory))
+    (_multimodal(model, spec) if spec.multimodal else model).save_pretrained(str(directory))
     write_char_tokenizer(directory, spec.vocab_size)
     return model
+
+
+# the smallest vision tower Qwen3.5's multimodal classes build (the text model never reads it)
+TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+               "patch_size": 8, "temporal_patch_size": 2, "spatial_merge_size": 2}
+
+
+def _multimodal(model, spec: TinySpec):
+    """The text model `model` inside Qwen3.5's published multimodal class, its text weights the same tensors."""
+    import transformers
+
+    names = {"qwen3_5_text": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+             "qwen3_5_moe_text": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
+    if spec.model_type not in names:
+        raise ValueError(f"multimodal=True is for Qwen3.5 targets ({', '.join(names)}), not {spec.model_type}")
+    config_class, model_class = (getattr(transformers, name) for name in names[spec.model_type])
+    text = {k: v for k, v in model.config.to_dict().items() if k not in ("architectures", "model_type")}
+    composite = model_class(config_class(text_config=text, vision_config=TINY_VISION,
+                                         tie_word_embeddings=spec.tie_embeddings)).eval()
+    composite.model.language_model.load_state_dict(model.model.state_dict())
+    composite.lm_head.load_state_dict(model.lm_head.state_dict())
+    return composite
 
 
 def _bias_towards(model, spec: TinySpec) -> None:

@@ -17,6 +17,7 @@ from dflash_onnx.cli import main
 from exporter.models.hybrid import HybridTarget
 from exporter.models.target import hf_greedy
 from exporter.pair import load_target
+from exporter.tiny import build_pair
 from runtime.manifest import load_manifest
 from runtime.recurrent import input_names, output_names
 from targets import LowerRequest, open_decoder
@@ -226,22 +227,17 @@ def test_the_gated_deltanet_families_pass_the_architecture_check():
 def test_a_published_multimodal_checkpoint_exports_its_text_model_streamed(tmp_path):
     """Qwen3.5 ships as Qwen3_5ForConditionalGeneration (model.language_model.*, model.visual.*): the streamed
     export reads the text weights through transformers' own renaming and decodes HF greedy's tokens."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import Qwen3_5ForConditionalGeneration
 
     from exporter.export import export_pair
-    from exporter.tiny import TinySpec, _target_config, build_draft, write_char_tokenizer
+    from exporter.tiny import TinySpec
 
     spec = TinySpec(model_type="qwen3_5_text", full_attention_interval=2, tie_embeddings=False, block_size=4,
-                    target_layer_ids=[1, 2], seed=17)
-    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-              "patch_size": 8, "temporal_patch_size": 2, "spatial_merge_size": 2}
-    torch.manual_seed(0)
-    composite = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=_target_config(spec), vision_config=vision,
-                                                              tie_word_embeddings=False)).eval()
-    composite.save_pretrained(str(tmp_path / "target"))
-    write_char_tokenizer(tmp_path / "target", spec.vocab_size)
+                    target_layer_ids=[1, 2], seed=17, multimodal=True)
+    build_pair(spec, tmp_path)
+    composite = Qwen3_5ForConditionalGeneration.from_pretrained(str(tmp_path / "target")).eval()
+    assert any(name.startswith("model.visual.") for name, _ in composite.named_parameters())
     lm = load_target(tmp_path / "target")
-    build_draft(spec, tmp_path / "draft", lm)
     ids = torch.tensor([PROMPTS[1]])
     with torch.no_grad():
         assert torch.equal(lm(input_ids=ids).logits, composite(input_ids=ids).logits)  # the oracle is the text model

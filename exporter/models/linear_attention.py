@@ -24,23 +24,47 @@ from transformers.activations import ACT2FN
 
 
 def _token_step(state: torch.Tensor, xs: tuple[torch.Tensor, ...]):
-    """One token of the gated delta rule: state [B, H, Dk, Dv]; decay [B, H], key and query [B, H, Dk], value
-    [B, H, Dv], beta [B, H]. Returns the new state, the token's output and its delta."""
-    decay, key, value, beta, query = xs
-    state = state * decay[..., None, None]
-    remembered = (state * key[..., None]).sum(dim=-2)
-    delta = (value - remembered) * beta[..., None]
-    state = state + key[..., None] * delta[..., None, :]
-    return state, ((state * query[..., None]).sum(dim=-2), delta)
+    """One token of the gated delta rule on state [B, H, Dk, Dv], its operands shaped outside the Scan (see
+    `_token_operands`) so the loop body is nine operations. Returns the new state, the token's output and its
+    delta, both [B, H, 1, Dv].
+
+    The state is read once, by one matmul of the key and the query against the decayed state; the output then
+    follows from the update without reading the new state again (q.(S + k x delta) = q.S + (q.k) delta): the state
+    is [H, Dk, Dv] floats per token and layer, so each pass over it is what a verify's tokens pay."""
+    decay, key_and_query, key, value, beta, query_dot_key = xs
+    state = state * decay
+    remembered, read = (key_and_query @ state).split(1, dim=-2)
+    delta = (value - remembered) * beta
+    return _add_update(state, key, delta), (read + query_dot_key * delta, delta)
+
+
+def _token_operands(decay, key, value, beta, query) -> tuple[torch.Tensor, ...]:
+    """Per-token operands of _token_step for all of a call's tokens at once, time first: decay and beta [.., H, 1,
+    1], the key and the query stacked [.., H, 2, Dk], the key as a column [.., H, Dk, 1], the value as a row [.., H,
+    1, Dv], q.k [.., H, 1, 1]."""
+    operands = (decay[..., None, None], torch.stack([key, query], dim=-2), key[..., None], value[..., None, :],
+                beta[..., None, None], (query * key).sum(dim=-1)[..., None, None])
+    return _time_first(*operands)
+
+
+def _add_update(state: torch.Tensor, key: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """state + key x delta (a column [.., Dk, 1] times a row [.., 1, Dv]): a matmul with an inner size of one, each
+    element one product as a broadcast Mul would round it, without that kernel's cost."""
+    return state + key @ delta
 
 
 def _commit_step(state: torch.Tensor, xs: tuple[torch.Tensor, ...]):
-    """A committed token's update replayed from its decay, key and delta: the same operations as _token_step. The
-    per-row output is an unused scalar: torch.onnx writes a Scan without outputs with an untyped attribute."""
+    """A committed token's update replayed from its decay, key and delta (shaped as _token_step's): the same
+    operations as _token_step. The per-row output is an unused scalar: torch.onnx writes a Scan without outputs
+    with an untyped attribute."""
     decay, key, delta = xs
-    state = state * decay[..., None, None]
-    state = state + key[..., None] * delta[..., None, :]
-    return state, decay.sum(dim=-1)
+    return _add_update(state * decay, key, delta), decay.sum(dim=(-2, -1))
+
+
+def _commit_operands(decay, key, delta) -> tuple[torch.Tensor, ...]:
+    """Committed rows shaped as _token_step's operands, time first: decay [.., H, 1, 1], key [.., H, Dk, 1], delta
+    [.., H, 1, Dv]."""
+    return _time_first(decay[..., None, None], key[..., None], delta[..., None, :])
 
 
 def _time_first(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -111,9 +135,9 @@ class GatedDeltaLayer:
         # a neutral first row (decay 1, key and delta 0: the state unchanged, exactly), as scan needs one row
         pending = [torch.cat([p.new_full((p.shape[0], 1, *p.shape[2:]), float(i == 0)), p], dim=1)
                    for i, p in enumerate((pending_decay, pending_key, pending_delta))]
-        base, _ = scan(_commit_step, recurrent, _time_first(*pending))
-        end, (out, delta) = scan(_token_step, base, _time_first(decay, key, value, beta, query))
-        out, delta = out.transpose(0, 1).to(x.dtype), delta.transpose(0, 1)
+        base, _ = scan(_commit_step, recurrent, _commit_operands(*pending))
+        end, (out, delta) = scan(_token_step, base, _token_operands(decay, key, value, beta, query))
+        out, delta = out.squeeze(-2).transpose(0, 1).to(x.dtype), delta.squeeze(-2).transpose(0, 1)
         out = m.norm(out.reshape(-1, self.value_dim), gate.reshape(-1, self.value_dim))
         output = m.out_proj(out.reshape(batch, steps, -1))
         return output, rows, base, end, decay, key, delta
