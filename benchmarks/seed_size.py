@@ -1,5 +1,6 @@
-"""The seeds' models at their real size (issue 19): every stage of a Qwen3-4B-, LLaMA-3.1-8B- or Qwen3.5-4B-shaped
-pair (the Gated-DeltaNet hybrid, issue 32), with its wall time, peak memory and output size, in one table.
+"""The seeds' models at their real size (issue 19): every stage of a Qwen3-4B-, LLaMA-3.1-8B-, Qwen3.5-4B- or
+gpt-oss-20b-shaped pair (the Gated-DeltaNet hybrid and the MXFP4 mixture of experts, issue 32), with its wall time,
+peak memory and output size, in one table.
 
 Stages, each a child process whose peak resident memory comes from `os.wait4` in a small launcher (the same
 figure as `/usr/bin/time`'s "Maximum resident set size"):
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-4b-shaped",
                         help="a exporter.tiny preset: qwen3-4b-shaped, llama3.1-8b-shaped, qwen3.5-4b-shaped, "
-                             "qwen3-0.6b-shaped")
+                             "gpt-oss-20b-shaped, qwen3-0.6b-shaped")
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--lean", action="store_true", help="delete the pair and the float16 export once read")
     parser.add_argument("--ai100", action="store_true", help="also lower --target ai100 --dry-run (ctx 4096)")
@@ -139,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(pair)  # the AI 100 and CoreML lowerings re-export from the checkpoints
         if bench.stage("optimize-int4", [*CLI, "optimize", onnx, "--passes", "int4", "--pass-option",
                                          "int4.lm_head=true", "--out", int4], int4, None, writes=True)["exit"] == 0:
+            if args.lean and not extra:  # nothing reads the float16 export again: its disk goes to the lowering
+                shutil.rmtree(onnx, ignore_errors=True)
             if bench.stage("lower-ort", [*CLI, "lower", int4, "--target", "ort", "--out", ort], ort, int4,
                            writes=False)["exit"] == 0:
                 decoded = _decode(bench, ort)

@@ -45,12 +45,44 @@ def _tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) ->
     return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
-def _shards(shapes: dict[str, tuple[int, ...]], itemsize: int, shard_bytes: int) -> list[list[str]]:
+# MXFP4 (gpt-oss's experts): 32 values per group, each a 4-bit FP4 code, two codes a byte, and one power-of-two
+# exponent per group stored with a bias of 127. Random codes over all 16 values have a spread of ~2.6; an exponent
+# of -7 scales that to ~0.02, the HF initialisation's.
+MXFP4_GROUP, MXFP4_SCALE = 32, 127 - 7
+
+
+def mxfp4_names(name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors a checkpoint stores for parameter `name` [experts, inputs, outputs] in MXFP4: `{name}_blocks`
+    [experts, outputs, groups, 16] packed codes and `{name}_scales` [experts, outputs, groups] exponents."""
+    experts, inputs, outputs = shape
+    groups = inputs // MXFP4_GROUP
+    return {f"{name}_blocks": ((experts, outputs, groups, MXFP4_GROUP // 2), torch.uint8),
+            f"{name}_scales": ((experts, outputs, groups), torch.uint8)}
+
+
+def _stored(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+            mxfp4: set[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor the checkpoint holds, in order, with its stored shape and dtype."""
+    stored = {}
+    for name, shape in shapes.items():
+        stored.update(mxfp4_names(name, shape) if name in mxfp4 else {name: (shape, dtype)})
+    return stored
+
+
+def _packed(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """MXFP4 blocks (random codes) or scales (the fixed exponent) for one parameter."""
+    if name.endswith("_scales"):
+        return torch.full(shape, MXFP4_SCALE, dtype=torch.uint8)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+
+
+def _shards(stored: dict[str, tuple[tuple[int, ...], torch.dtype]], shard_bytes: int) -> list[list[str]]:
     """Names grouped in order into shards of at most `shard_bytes` (a larger tensor gets a shard alone)."""
     shards: list[list[str]] = [[]]
     size = 0
-    for name, shape in shapes.items():
-        nbytes = itemsize * int(torch.Size(shape).numel())
+    for name, (shape, dtype) in stored.items():
+        nbytes = torch.empty((), dtype=dtype).element_size() * int(torch.Size(shape).numel())
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -60,17 +92,18 @@ def _shards(shapes: dict[str, tuple[int, ...]], itemsize: int, shard_bytes: int)
 
 
 def write_checkpoint(directory: Path, shapes: dict[str, tuple[int, ...]], dtype: str, seed: int,
-                     shard_bytes: int, progress: bool = False) -> Iterator[str]:
+                     shard_bytes: int, progress: bool = False, mxfp4: set[str] = frozenset()) -> Iterator[str]:
     """Write the tensors of `shapes` as safetensors shards (plus model.safetensors.index.json when there
-    are several), one shard in memory at a time; yields each file written."""
-    torch_dtype = DTYPES[dtype]
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    groups = _shards(shapes, itemsize, shard_bytes)
+    are several), one shard in memory at a time; yields each file written. Parameters named in `mxfp4` are stored
+    as MXFP4 blocks and scales, as gpt-oss checkpoints store their experts."""
+    stored = _stored(shapes, DTYPES[dtype], set(mxfp4))
+    groups = _shards(stored, shard_bytes)
     weight_map, total = {}, 0
     for index, names in enumerate(groups, 1):
         file = "model.safetensors" if len(groups) == 1 else f"model-{index:05d}-of-{len(groups):05d}.safetensors"
-        shard = {name: _tensor(name, shapes[name], torch_dtype, seed) for name in names}
-        total += sum(t.numel() * itemsize for t in shard.values())
+        shard = {name: _packed(name, shape, seed) if kind == torch.uint8 else _tensor(name, shape, kind, seed)
+                 for name in names for shape, kind in [stored[name]]}
+        total += sum(t.numel() * t.element_size() for t in shard.values())
         save_file(shard, str(directory / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
         del shard

@@ -73,6 +73,9 @@ class TinySpec:
     # (Qwen3_5ForConditionalGeneration: model.language_model.*, a one-block vision tower), which onnxruntime-genai's
     # model builder takes
     multimodal: bool = False
+    # gpt-oss, streamed: the experts stored as MXFP4 blocks and scales with the checkpoint's quantization_config, as
+    # published
+    mxfp4: bool = False
     dtype: str = "float32"  # the checkpoint's dtype (streamed pairs)
     shard_bytes: int = 2 * 1024**3
 
@@ -101,6 +104,14 @@ PRESETS["qwen3.5-4b-shaped"] = TinySpec(
     intermediate_size=9216, full_attention_interval=4, linear_heads=(16, 32), linear_head_dim=128, conv_kernel=4,
     target_layers=32, draft_layers=5, target_layer_ids=[1, 8, 15, 22, 29], block_size=16, max_positions=262144,
     rope_theta=10_000_000.0, tie_embeddings=True, streamed=True, dtype="bfloat16")
+# gpt-oss-20b (24 layers alternating 128-token sliding windows and full attention, 64 heads of 64 with sinks, 32
+# experts of 2880 with 4 per token, stored as MXFP4 as published) with a 5-layer draft tapping layers 1, 6, 11, 16,
+# 21 (the reference package's build_target_layer_ids for 24 layers), block 16
+PRESETS["gpt-oss-20b-shaped"] = TinySpec(
+    model_type="gpt_oss", vocab_size=201088, hidden_size=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+    intermediate_size=2880, num_experts=32, experts_per_token=4, target_layers=24, draft_layers=5,
+    target_layer_ids=[1, 6, 11, 16, 21], block_size=16, target_sliding_window=128, max_positions=131072,
+    rope_theta=150_000.0, tie_embeddings=False, streamed=True, dtype="bfloat16", mxfp4=True)
 PRESETS["llama3.1-8b-shaped"] = TinySpec(
     model_type="llama", vocab_size=128256, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
     intermediate_size=14336, target_layers=32, draft_layers=5, target_layer_ids=[1, 8, 15, 22, 29], block_size=16,
@@ -146,7 +157,8 @@ def _target_config(spec: TinySpec) -> dict:
                       linear_conv_kernel_dim=spec.conv_kernel,
                       layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention"
                                    for i in range(spec.target_layers)])
-    if spec.model_type in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text"):
+    if spec.model_type in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text",
+                           "gpt_oss"):
         config["head_dim"] = spec.head_dim
     else:
         config["head_dim"] = spec.hidden_size // spec.num_heads
@@ -281,6 +293,12 @@ def build_pair(spec: TinySpec, root: Path, progress: bool = False) -> tuple[Path
     return target_dir, draft_dir
 
 
+# gpt-oss's MXFP4 experts and the quantization_config its checkpoints carry (the rest stays bfloat16)
+MXFP4_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
 def _write_streamed(spec: TinySpec, target_dir: Path, draft_dir: Path, progress: bool) -> None:
     """A published-size pair, one safetensors shard in memory at a time (shaped.py)."""
     import sys
@@ -293,10 +311,14 @@ def _write_streamed(spec: TinySpec, target_dir: Path, draft_dir: Path, progress:
         raise ValueError("streamed pairs are plain random weights: agree=True needs the whole model (build_target)")
     config = AutoConfig.for_model(spec.model_type, **_target_config(spec), torch_dtype=spec.dtype)
     draft_config = {**_draft_config(spec), "torch_dtype": spec.dtype}
-    for directory, shapes, seed in ((target_dir, target_shapes(config), spec.seed),
-                                    (draft_dir, draft_shapes(draft_config), spec.seed + 1)):
+    target_tensors = target_shapes(config)
+    packed = {name for name in target_tensors if name.endswith(MXFP4_EXPERTS)} if spec.mxfp4 else set()
+    if packed:
+        config.quantization_config = MXFP4_CONFIG
+    for directory, shapes, seed, mxfp4 in ((target_dir, target_tensors, spec.seed, packed),
+                                           (draft_dir, draft_shapes(draft_config), spec.seed + 1, set())):
         directory.mkdir(parents=True, exist_ok=True)
-        for file in write_checkpoint(directory, shapes, spec.dtype, seed, spec.shard_bytes):
+        for file in write_checkpoint(directory, shapes, spec.dtype, seed, spec.shard_bytes, mxfp4=mxfp4):
             if progress:
                 print(f"wrote {directory / file}", file=sys.stderr, flush=True)
     config.save_pretrained(str(target_dir))

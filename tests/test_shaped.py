@@ -17,6 +17,8 @@ from exporter.shaped import draft_shapes, write_checkpoint
 from exporter.tiny import PRESETS, TinySpec, _draft_config, build_pair
 from targets import open_decoder
 
+GPT_OSS_20B = 20_914_757_184  # 24 layers of 32 experts: 19.11 B of it in experts
+
 SMALL = TinySpec(vocab_size=96, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, target_layers=4,
                  draft_layers=2, target_layer_ids=[1, 2], block_size=4, tie_embeddings=True, streamed=True,
                  dtype="bfloat16", shard_bytes=64 * 1024)
@@ -69,9 +71,10 @@ def test_a_streamed_pair_exports_and_decodes_hf_greedy(streamed_pair, tmp_path):
         assert decoder.generate(prompt, 12, "dflash", stop_token_ids=[]).tokens == want
 
 
-@pytest.mark.parametrize("name", ["qwen3-4b-shaped", "llama3.1-8b-shaped"])
+@pytest.mark.parametrize("name", ["qwen3-4b-shaped", "llama3.1-8b-shaped", "gpt-oss-20b-shaped"])
 def test_published_presets_have_the_published_shapes(name):
-    """Parameter counts from the meta-device shapes (nothing allocated): Qwen3-4B 4.02 B, LLaMA-3.1-8B 8.03 B."""
+    """Parameter counts from the meta-device shapes (nothing allocated): Qwen3-4B 4.02 B, LLaMA-3.1-8B 8.03 B,
+    gpt-oss-20b 20.91 B (OpenAI's model card: 21 B)."""
     from transformers import AutoConfig
 
     from exporter.shaped import target_shapes
@@ -80,7 +83,8 @@ def test_published_presets_have_the_published_shapes(name):
     spec = PRESETS[name]
     config = AutoConfig.for_model(spec.model_type, **_target_config(spec))
     count = sum(int(np.prod(s)) for s in target_shapes(config).values())
-    assert count == {"qwen3-4b-shaped": 4_022_468_096, "llama3.1-8b-shaped": 8_030_261_248}[name]
+    assert count == {"qwen3-4b-shaped": 4_022_468_096, "llama3.1-8b-shaped": 8_030_261_248,
+                     "gpt-oss-20b-shaped": GPT_OSS_20B}[name]
     draft = draft_shapes(_draft_config(spec))
     assert draft["fc.weight"] == (spec.hidden_size, 5 * spec.hidden_size)
     assert sum(k.endswith("q_proj.weight") for k in draft) == 5
@@ -89,3 +93,29 @@ def test_published_presets_have_the_published_shapes(name):
 def test_streamed_pairs_refuse_agree():
     with pytest.raises(ValueError, match="agree"):
         build_pair(replace(SMALL, agree=True), "/nonexistent")
+
+
+def test_a_streamed_gpt_oss_pair_stores_its_experts_as_mxfp4_and_decodes_hf_greedy(tmp_path):
+    """The gpt-oss-20b-shaped preset's layout at a tiny shape: experts written as MXFP4 blocks and scales with the
+    checkpoint's quantization_config (never as bfloat16), which transformers dequantizes when it loads them and our
+    streamed export dequantizes tensor by tensor; DFlash gives HF greedy's tokens."""
+    spec = replace(PRESETS["gpt-oss-20b-shaped"], vocab_size=96, hidden_size=64, num_heads=4, num_kv_heads=2,
+                   head_dim=16, intermediate_size=64, num_experts=4, experts_per_token=2, target_layers=4,
+                   draft_layers=1, target_layer_ids=[1, 2], block_size=4, target_sliding_window=5,
+                   shard_bytes=64 * 1024)
+    target_dir, draft_dir = build_pair(spec, tmp_path)
+    index = json.loads((target_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in index
+    assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in index)
+    scales = load_file(str(target_dir / index["model.layers.0.mlp.experts.down_proj_scales"]))
+    assert scales["model.layers.0.mlp.experts.down_proj_scales"].dtype == torch.uint8
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    experts = target.model.layers[0].mlp.experts.gate_up_proj
+    assert experts.shape == (4, 64, 128) and 0.005 < float(experts.std()) < 0.05  # dequantized on load
+    export_pair(target_dir, draft_dir, tmp_path / "out", progress=False)
+    decoder = open_decoder(tmp_path / "out")
+    for prompt in ([5, 9, 12, 40], [3, 3, 70]):
+        ids = torch.tensor(prompt)[None]
+        want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert decoder.generate(prompt, 12, "dflash", stop_token_ids=[], verify="full").tokens == want
