@@ -271,8 +271,10 @@ def test_the_family_benchmark_compares_the_hybrid_with_the_same_shape_all_full_a
 
     script = benchmark_script("family_decode")
     args = script.argparse.Namespace(family="hybrid", vocab=512, hidden=256, layers=8, linear_heads=(2, 4),
-                                     linear_head_dim=32)
+                                     linear_head_dim=32, peers="")
     pair = script.specs(args)
+    with_peers = script.specs(script.argparse.Namespace(**{**vars(args), "peers": "ort-genai"}))
+    assert with_peers["hybrid"].multimodal and not pair["hybrid"].multimodal  # the layout onnxruntime-genai builds
     types = {name: AutoConfig.for_model(spec.model_type, **_target_config(spec)).layer_types
              for name, spec in pair.items()}
     assert types["hybrid"].count("linear_attention") == 6 and set(types["dense"]) == {"full_attention"}
