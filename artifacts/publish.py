@@ -31,8 +31,9 @@ _HELD: set[Path] = set()  # outputs this process holds the lock of (a writer ins
 
 
 def check_out_dir(out: Path, sources: tuple[Path, ...], overwrite: bool) -> None:
-    """Refuse an --out that exists (unless `overwrite`), is a file, sits below a file, or would replace one
-    of `sources`. Cheap: writers call it before any work, and again under the lock."""
+    """Refuse an --out that exists (unless `overwrite`), is a file, sits below a file, would replace one of
+    `sources`, or whose directory cannot be written in. Cheap: writers call it before any work, and again under
+    the lock."""
     out = Path(out)
     resolved = out.resolve()
     for source in sources:
@@ -47,6 +48,15 @@ def check_out_dir(out: Path, sources: tuple[Path, ...], overwrite: bool) -> None
             if not ancestor.is_dir():
                 raise DFlashError(f"--out {out}: {ancestor} is a file, not a directory: choose another --out")
             break
+    if out.parent.is_dir():  # a place the writer may not write in fails now, not after minutes of work
+        probe = out.parent / f".{out.name}.probe-{os.getpid()}"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            return
+        except OSError as exc:
+            raise DFlashError(f"--out {out}: cannot write in {out.parent} ({exc.strerror})") from None
+        probe.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

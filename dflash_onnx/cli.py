@@ -33,7 +33,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 def run_export(args) -> int:
     from exporter.export_request import check_export_request
 
-    check_export_request(Path(args.target), Path(args.draft), Path(args.out), args.opset, args.overwrite)
+    check_export_request(Path(args.target), Path(args.draft), Path(args.out), args.opset, args.overwrite,
+                         args.block_size)
     from artifacts.publish import lock_out, scratch_directory
     from exporter.export import export_pair
 

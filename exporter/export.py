@@ -190,7 +190,7 @@ def export_pair(
     (the default) traces the graphs without weights and writes each weight from the checkpoints as the graph
     files are saved (lazy_weights.py): peak memory about one tensor. Without it the pair is loaded whole."""
     target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out)
-    check_export_request(target_dir, draft_dir, out, opset, overwrite)
+    check_export_request(target_dir, draft_dir, out, opset, overwrite, block_size)
     info = TargetInfo.from_dir(target_dir)
     spec = DraftSpec.from_dir(draft_dir)
     block = validate_pair(info, spec, block_size, allow_longer_block, dtype)

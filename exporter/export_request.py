@@ -14,13 +14,17 @@ DEFAULT_OPSET = 18
 OPSETS = range(18, 24)  # torch's exporter emits 18 and newer
 
 
-def check_export_request(target_dir: Path, draft_dir: Path, out: Path, opset: int, overwrite: bool) -> None:
-    """Refuse the --out, the opset, or a checkpoint directory that is missing, ships code, holds only pickle
-    weights, or has damaged safetensors; the architecture checks need transformers and come later."""
+def check_export_request(target_dir: Path, draft_dir: Path, out: Path, opset: int, overwrite: bool,
+                         block_size: int | None = None) -> None:
+    """Refuse the --out, the opset, a block size below 2, or a checkpoint directory that is missing, ships code,
+    holds only pickle weights, or has damaged safetensors; the architecture checks need transformers and come
+    later."""
     check_out_dir(Path(out), (Path(target_dir), Path(draft_dir)), overwrite)
     if opset not in OPSETS:
         raise DFlashError(f"opset {opset} is not supported: choose {OPSETS.start}..{OPSETS.stop - 1} "
                           "(torch's exporter emits 18 and newer)")
+    if block_size is not None and int(block_size) < 2:
+        raise DFlashError(f"block size {block_size} is too small: DFlash needs at least 2 (use --mode greedy for 1)")
     for directory, kind in ((target_dir, "target"), (draft_dir, "draft")):
         read_config(Path(directory), kind)
         weight_files(Path(directory), kind)

@@ -42,6 +42,14 @@ class LowerRequest:
     draft_dir: Path | None = None
 
 
+def validate_before_import(source: Path, options: Any) -> None:
+    """Check a lowering's options against the export before importing a lowering whose imports take seconds
+    (torch, for AI 100 and CoreML): a bad flag fails at once. The lowering checks them again."""
+    from runtime.manifest import load_export
+
+    options.validate(load_export(source, "lower").block_size)
+
+
 def recorded_options(options_type: type, manifest: Manifest) -> Any:
     """The options record a lowering wrote into the manifest, as `options_type` (refused in one line when this
     dflash-onnx's backend does not know them: a directory from another version)."""

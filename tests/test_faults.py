@@ -30,9 +30,12 @@ from dflash_onnx.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 KILL_AT = "import artifacts.publish as p, os; p.{0} = lambda *a, **k: os.kill(os.getpid(), 9)"
-FULL_DISK = ("import shutil, errno\n"
-             "def full(*a, **k): raise OSError(errno.ENOSPC, 'No space left on device', str(a[1]))\n"
-             "shutil.copy2 = full")
+# the disk fills up while the first graph's weights are written: part of the file is on disk, then ENOSPC
+FULL_DISK = ("import errno, onnx_ir\n"
+             "def full(model, path, **k):\n"
+             "    open(path + '.data', 'wb').write(b'partial')\n"
+             "    raise OSError(errno.ENOSPC, 'No space left on device', path + '.data')\n"
+             "onnx_ir.save = full")
 NO_SPACE = ("import shutil, collections\n"
             "shutil.disk_usage = lambda p: collections.namedtuple('u', 'total used free')(10**6, 10**6, 1000)")
 # a directory the user may not write in (the tests run as root, whom chmod does not stop): creating anything for
@@ -310,8 +313,8 @@ def test_bad_input_gets_one_line_and_changes_nothing(case_id, outcomes):
 
 def test_flags_and_checkpoints_are_refused_before_torch_or_onnx_loads(world, tmp_path):
     """The checks that need no model run before the imports that take seconds (torch, transformers, onnx): with
-    those made unimportable, a wrong path, a pickle-only checkpoint, a bad opset and bad generate flags still get
-    their one-line error."""
+    those made unimportable, a wrong path, a pickle-only checkpoint, a bad opset or block size, a lowering's bad
+    flags and bad generate flags still get their one-line error."""
     blocked = "import sys; sys.modules.update(dict.fromkeys(('torch', 'transformers', 'onnx', 'onnx_ir'), None))"
     pickled = world.copy("target", "t_pickle_early")
     (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
@@ -321,6 +324,10 @@ def test_flags_and_checkpoints_are_refused_before_torch_or_onnx_loads(world, tmp
             (["export", "--target", pickled, "--draft", world.draft, "--out", out], "has only pickle weights"),
             (["export", "--target", world.target, "--draft", world.draft, "--out", out, "--opset", "17"],
              "opset 17 is not supported"),
+            (["export", "--target", world.target, "--draft", world.draft, "--out", out, "--block-size", "1"],
+             "block size 1 is too small"),
+            (["lower", world.export, "--target", "ai100", "--target-cores", "0", "--dry-run", "--out", out],
+             "--target-cores 0 must be in"),
             (["generate", world.export, "--prompt-ids", "3,x"], "must be comma-separated integers"),
             (["generate", world.export, "--prompt-ids", "3", "--max-new-tokens", "0"], "at least 1"),
             (["generate", world.export, "--prompt-ids", "3", "--temperature", "-1"], "--temperature must be")):

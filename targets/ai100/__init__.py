@@ -7,12 +7,13 @@ from pathlib import Path
 
 from runtime.manifest import Manifest
 
-from ..backend import Backend, LowerRequest, own_lowerings_only, recorded_options
+from ..backend import Backend, LowerRequest, own_lowerings_only, recorded_options, validate_before_import
 from .options import FLAGS, Ai100Options
 from .session import open_session
 
 
 def _lower(source: Path, out: Path, options: Ai100Options, request: LowerRequest) -> Manifest:
+    validate_before_import(source, options)
     from .lower import lower_ai100
 
     return lower_ai100(source, out, options, request)

@@ -7,12 +7,13 @@ from pathlib import Path
 
 from runtime.manifest import Manifest
 
-from ..backend import Backend, LowerRequest, own_lowerings_only, recorded_options
+from ..backend import Backend, LowerRequest, own_lowerings_only, recorded_options, validate_before_import
 from .options import FLAGS, CoremlOptions
 from .session import open_session
 
 
 def _lower(source: Path, out: Path, options: CoremlOptions, request: LowerRequest) -> Manifest:
+    validate_before_import(source, options)
     from .lower import lower_coreml
 
     return lower_coreml(source, out, options, request)
