@@ -304,6 +304,7 @@ def _write_streamed(spec: TinySpec, target_dir: Path, draft_dir: Path, progress:
     import sys
 
     from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from .shaped import draft_shapes, target_shapes, write_checkpoint
 
@@ -315,6 +316,7 @@ def _write_streamed(spec: TinySpec, target_dir: Path, draft_dir: Path, progress:
     packed = {name for name in target_tensors if name.endswith(MXFP4_EXPERTS)} if spec.mxfp4 else set()
     if packed:
         config.quantization_config = MXFP4_CONFIG
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[spec.model_type]]  # as published configs name it
     for directory, shapes, seed, mxfp4 in ((target_dir, target_tensors, spec.seed, packed),
                                            (draft_dir, draft_shapes(draft_config), spec.seed + 1, set())):
         directory.mkdir(parents=True, exist_ok=True)

@@ -105,6 +105,7 @@ def test_a_streamed_gpt_oss_pair_stores_its_experts_as_mxfp4_and_decodes_hf_gree
                    shard_bytes=64 * 1024)
     target_dir, draft_dir = build_pair(spec, tmp_path)
     index = json.loads((target_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert json.loads((target_dir / "config.json").read_text())["architectures"] == ["GptOssForCausalLM"]
     assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in index
     assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in index)
     scales = load_file(str(target_dir / index["model.layers.0.mlp.experts.down_proj_scales"]))
