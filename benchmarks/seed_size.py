@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
             out = work / target
             bench.stage(f"lower-{target}", [*CLI, "lower", onnx, "--target", target, *options, "--out", out], out,
                         onnx, writes=False)
-        if args.lean:
+        if args.lean and all(row["exit"] == 0 for row in bench.rows):  # a failed stage keeps what it read
             shutil.rmtree(onnx, ignore_errors=True)
             shutil.rmtree(pair, ignore_errors=True)
     text = bench.table() + "\n\n" + provenance()

@@ -120,6 +120,7 @@ def genai_model_dir(target_dir: Path, precision: str, provider: str, block_size:
         last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         raise DFlashError(f"onnxruntime-genai's model builder cannot build {target_dir}: {last[0]}")
     _drop_out_of_vocab_eos(out / "genai_config.json")
+    _keep_rewinds_resident(out / "genai_config.json")
     return out
 
 
@@ -134,6 +135,22 @@ def _drop_out_of_vocab_eos(path: Path) -> None:
     valid = [i for i in eos if 0 <= i < model["vocab_size"]] or [0]
     if valid != eos:
         model["eos_token_id"] = valid if len(valid) > 1 else valid[0]
+        path.write_text(json.dumps(config, indent=4))
+
+
+# positions a sliding-window cache keeps beyond its window, so that the n-gram speculative run can rewind over
+# the drafted tokens it rejects (the builder writes 0; the runtime then refuses to rewind past evicted positions
+# and names this setting)
+REWIND_SLACK = 64
+
+
+def _keep_rewinds_resident(path: Path) -> None:
+    import json
+
+    config = json.loads(path.read_text())
+    window = config["model"]["decoder"].get("sliding_window")
+    if window is not None and int(window.get("cache_slack", 0)) < REWIND_SLACK:
+        window["cache_slack"] = REWIND_SLACK
         path.write_text(json.dumps(config, indent=4))
 
 

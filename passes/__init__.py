@@ -46,15 +46,15 @@ def registry() -> dict[str, GraphPass]:
                   "ONNX Runtime contrib fusions (onnxscript): SimplifiedLayerNormalization, "
                   "SkipSimplifiedLayerNormalization, RotaryEmbedding, MultiHeadAttention; ORT only"),
         GraphPass("int8", quantize.int8, 0.15, True, "block-wise int8 weight-only MatMulNBits",
-                  recorded_defaults={"block_size": str(quantize.BLOCK_SIZE)}),
+                  recorded_defaults={"block_size": str(quantize.BLOCK_SIZE)}, written_ratio=0.75),
         GraphPass("int4", quantize.int4, 0.75, True, "block-wise int4 weight-only MatMulNBits",
-                  recorded_defaults={"block_size": str(quantize.BLOCK_SIZE)}),
+                  recorded_defaults={"block_size": str(quantize.BLOCK_SIZE)}, written_ratio=0.5),
         GraphPass("fp16", fp16.run, 1e-2, True,
                   "float16 weights and activations, fp32 norm/softmax islands, draft fc pre-scaled, overflow check",
                   calibrated=True, loads_weights=True),
         GraphPass("fp32", fp32.run, 1e-5, False,
                   "bfloat16 (or float16) graphs widened to float32, exactly: for ONNX Runtime's CPU provider, "
-                  "which has no bfloat16 kernels"),
+                  "which has no bfloat16 kernels", written_ratio=2.0),
         GraphPass("draft-attention", draft_attention.run, 1e-5, False,
                   "draft: grouped-query MultiHeadAttention over per-head repeated K/V -> one ONNX Attention",
                   lowerings=LOWERINGS),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -97,7 +98,8 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
     # a pass that loads the weights peaked at 1.4x (int4, Qwen3-4B shape, float16, measured) to 1.6x (Qwen3-0.6B,
     # issue 19's figure) the source
     memory = int(1.3 * source_bytes) if any(p.loads_weights for p in chosen) else 0
-    with staged_directory(out, (Path(source),), overwrite, int(1.1 * source_bytes), memory) as tmp:
+    written = source_bytes * math.prod(p.written_ratio for p in chosen)
+    with staged_directory(out, (Path(source),), overwrite, int(1.1 * written), memory) as tmp:
         feeds = {}
         if any(p.calibrated for p in chosen):
             if progress:
