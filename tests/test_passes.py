@@ -429,3 +429,20 @@ def _ort_quantized(model, bits, block, options, vocab, quantizer_class):
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept)
     return out
+
+
+def test_the_free_space_check_expects_what_the_passes_write(exported, tmp_path, monkeypatch):
+    """int4 writes 4-bit weights: a disk with 0.6x the export's bytes free takes it, and a pass that rewrites the
+    graphs at their size is refused (the int4 of the 40 GiB gpt-oss-20b-shaped export was refused for 43 GiB)."""
+    import collections
+    import shutil
+
+    source = exported("agree_b8").out
+    source_bytes = sum(p.stat().st_size for p in source.glob("*.onnx*"))
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * source_bytes, 0, int(0.6 * source_bytes)))
+    apply_pipeline(source, ["int4"], tmp_path / "int4", progress=False)
+    assert sum(p.stat().st_size for p in (tmp_path / "int4").glob("*.onnx*")) < 0.6 * source_bytes
+    with pytest.raises(DFlashError, match="free some space"):
+        apply_pipeline(source, ["cleanup"], tmp_path / "cleanup", progress=False)
+    assert not (tmp_path / "cleanup").exists()
