@@ -138,19 +138,17 @@ def _drop_out_of_vocab_eos(path: Path) -> None:
         path.write_text(json.dumps(config, indent=4))
 
 
-# positions a sliding-window cache keeps beyond its window, so that the n-gram speculative run can rewind over
-# the drafted tokens it rejects (the builder writes 0; the runtime then refuses to rewind past evicted positions
-# and names this setting)
-REWIND_SLACK = 64
-
-
 def _keep_rewinds_resident(path: Path) -> None:
+    """A sliding-window cache that keeps every position of the context resident (the window still masks), so the
+    n-gram speculative run can rewind over the drafted tokens it rejects: the builder writes a slack of 0, with
+    which the runtime refuses those rewinds once the cache has slid (it names this setting)."""
     import json
 
     config = json.loads(path.read_text())
     window = config["model"]["decoder"].get("sliding_window")
-    if window is not None and int(window.get("cache_slack", 0)) < REWIND_SLACK:
-        window["cache_slack"] = REWIND_SLACK
+    context = int(config["model"].get("context_length") or config["search"].get("max_length") or 0)
+    if window is not None and int(window.get("cache_slack", 0)) < context:
+        window["cache_slack"] = context
         path.write_text(json.dumps(config, indent=4))
 
 
