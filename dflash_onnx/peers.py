@@ -146,7 +146,7 @@ def _keep_rewinds_resident(path: Path) -> None:
 
     config = json.loads(path.read_text())
     window = config["model"]["decoder"].get("sliding_window")
-    context = int(config["model"].get("context_length") or config["search"].get("max_length") or 0)
+    context = int(config["model"].get("context_length") or config.get("search", {}).get("max_length") or 0)
     if window is not None and int(window.get("cache_slack", 0)) < context:
         window["cache_slack"] = context
         path.write_text(json.dumps(config, indent=4))

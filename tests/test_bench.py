@@ -263,3 +263,22 @@ def test_bench_times_greedy_without_padding_beside_the_batch_invariant_runs(ort_
         assert "greedy without the batch-invariance padding" in format_report(report)
     off = run_bench(directory, None, None, replace(options, batch_invariant=False), [], (None, None), progress=False)
     assert off["row_multiple"] == 1 and "greedy_unpadded" not in off["aggregate"]
+
+
+def test_ort_genai_sliding_window_cache_keeps_the_context_for_its_rewinds(tmp_path):
+    """The builder writes a sliding-window cache_slack of 0, with which genai's runtime refuses the n-gram run's
+    rewinds once the cache has slid ("Cannot rewind ... evicted", measured on gpt-oss): the built config keeps the
+    context resident; a config without a sliding window is left as it is."""
+    import json
+
+    from dflash_onnx.peers import _keep_rewinds_resident
+
+    sliding, dense = tmp_path / "sliding.json", tmp_path / "dense.json"
+    window = {"window_size": 128, "cache_slack": 0}
+    sliding.write_text(json.dumps({"model": {"context_length": 4096, "decoder": {"sliding_window": window}}}))
+    dense.write_text(json.dumps({"model": {"context_length": 4096, "decoder": {}}}))
+    before = dense.read_text()
+    _keep_rewinds_resident(sliding)
+    _keep_rewinds_resident(dense)
+    assert json.loads(sliding.read_text())["model"]["decoder"]["sliding_window"]["cache_slack"] == 4096
+    assert dense.read_text() == before
