@@ -285,6 +285,8 @@ def build_pair(spec: TinySpec, root: Path, progress: bool = False) -> tuple[Path
     """Write ROOT/target and ROOT/draft; return both paths."""
     root = Path(root)
     target_dir, draft_dir = root / "target", root / "draft"
+    if spec.mxfp4 and not spec.streamed:
+        raise ValueError("mxfp4=True is written by the streamed writer: set streamed=True")
     if spec.streamed:
         _write_streamed(spec, target_dir, draft_dir, progress)
         return target_dir, draft_dir
@@ -310,6 +312,8 @@ def _write_streamed(spec: TinySpec, target_dir: Path, draft_dir: Path, progress:
 
     if spec.agree:
         raise ValueError("streamed pairs are plain random weights: agree=True needs the whole model (build_target)")
+    if spec.mxfp4 and spec.model_type != "gpt_oss":
+        raise ValueError(f"mxfp4=True stores gpt-oss's experts, not {spec.model_type}'s")
     config = AutoConfig.for_model(spec.model_type, **_target_config(spec), torch_dtype=spec.dtype)
     draft_config = {**_draft_config(spec), "torch_dtype": spec.dtype}
     target_tensors = target_shapes(config)

@@ -90,9 +90,13 @@ def test_published_presets_have_the_published_shapes(name):
     assert sum(k.endswith("q_proj.weight") for k in draft) == 5
 
 
-def test_streamed_pairs_refuse_agree():
+def test_streamed_pairs_refuse_agree_and_mxfp4_outside_gpt_oss():
     with pytest.raises(ValueError, match="agree"):
         build_pair(replace(SMALL, agree=True), "/nonexistent")
+    with pytest.raises(ValueError, match="gpt-oss"):
+        build_pair(replace(SMALL, mxfp4=True), "/nonexistent")
+    with pytest.raises(ValueError, match="streamed=True"):
+        build_pair(replace(SMALL, mxfp4=True, streamed=False), "/nonexistent")
 
 
 def test_a_streamed_gpt_oss_pair_stores_its_experts_as_mxfp4_and_decodes_hf_greedy(tmp_path):
