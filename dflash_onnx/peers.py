@@ -108,6 +108,7 @@ def genai_model_dir(target_dir: Path, precision: str, provider: str, block_size:
     blocks = f"-b{block_size}" if block_size else ""
     out = cache_root() / "ort-genai" / f"{digest.hexdigest()[:12]}-{precision}-{provider}{blocks}"
     if (out / "genai_config.json").is_file():
+        _keep_rewinds_resident(out / "genai_config.json")  # builds cached by an earlier version
         return out
     read_config(target_dir, "target")  # the builder loads the checkpoint: no custom code, no pickle
     weight_files(target_dir, "target")

@@ -14,6 +14,11 @@ DEFAULT_OPSET = 18
 OPSETS = range(18, 24)  # torch's exporter emits 18 and newer
 
 
+def refuse_small_block(size: int) -> None:
+    if size < 2:
+        raise DFlashError(f"block size {size} is too small: DFlash needs at least 2 (use --mode greedy for 1)")
+
+
 def check_export_request(target_dir: Path, draft_dir: Path, out: Path, opset: int, overwrite: bool,
                          block_size: int | None = None) -> None:
     """Refuse the --out, the opset, a block size below 2, or a checkpoint directory that is missing, ships code,
@@ -23,8 +28,8 @@ def check_export_request(target_dir: Path, draft_dir: Path, out: Path, opset: in
     if opset not in OPSETS:
         raise DFlashError(f"opset {opset} is not supported: choose {OPSETS.start}..{OPSETS.stop - 1} "
                           "(torch's exporter emits 18 and newer)")
-    if block_size is not None and int(block_size) < 2:
-        raise DFlashError(f"block size {block_size} is too small: DFlash needs at least 2 (use --mode greedy for 1)")
+    if block_size is not None:
+        refuse_small_block(int(block_size))
     for directory, kind in ((target_dir, "target"), (draft_dir, "draft")):
         read_config(Path(directory), kind)
         weight_files(Path(directory), kind)

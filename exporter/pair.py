@@ -17,6 +17,7 @@ from artifacts.model_dirs import read_config, weight_files
 from runtime.errors import DFlashError
 
 from .architectures import PER_LAYER_SHAPES, check_architecture
+from .export_request import refuse_small_block
 from .models.draft import DFlashDraft, DraftSpec
 from .models.hybrid import wrap_target
 from .models.target import TappedTarget, kv_layer_shapes
@@ -123,8 +124,7 @@ def validate_pair(
     if dtype not in DTYPES:
         raise DFlashError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     size = draft.block_size if block_size is None else int(block_size)
-    if size < 2:
-        raise DFlashError(f"block size {size} is too small: DFlash needs at least 2 (use --mode greedy for 1)")
+    refuse_small_block(size)  # the draft's own block size (a flag's was refused before torch loaded)
     if size > draft.block_size and not allow_longer_block:
         raise DFlashError(
             f"block size {size} is above the draft's trained block size {draft.block_size}; "
