@@ -54,44 +54,95 @@ def _int64(values: list[int] | int) -> ir.Value:
     return ir.node("Constant", [], {"value": ir.tensor(values, dtype=ir.DataType.INT64)}).outputs[0]
 
 
-def _paired(model: ir.Model, before: ir.Node, value: ir.Value, width: int) -> ir.Value:
-    """`value` [rows, width] with each row twice ([2 * rows, width]: a, a, b, b, ...)."""
-    nodes = [ir.node("Unsqueeze", [value, _int64([1])])]
-    nodes.append(ir.node("Expand", [nodes[-1].outputs[0], _int64([1, 2, 1])]))
-    nodes.append(ir.node("Reshape", [nodes[-1].outputs[0], _int64([-1, width])]))
+def _new_constants(nodes: list[ir.Node]) -> list[ir.Node]:
+    """`nodes`, each after the Constant nodes made for its inputs that no graph holds yet."""
+    ordered = []
     for node in nodes:
-        for constant in node.inputs[1:]:
-            model.graph.insert_before(before, constant.producer())
-        model.graph.insert_before(before, node)
+        ordered += [value.producer() for value in node.inputs if value is not None and value.producer() is not None
+                    and value.producer().op_type == "Constant" and value.producer().graph is None]
+        ordered.append(node)
+    return ordered
+
+
+def _insert(model: ir.Model, before: ir.Node, nodes: list[ir.Node]) -> ir.Value:
+    """`nodes` (with their new constants) before `before`; the last node's output."""
+    model.graph.insert_before(before, _new_constants(nodes))
     return nodes[-1].outputs[0]
 
 
-def _unpaired(model: ir.Model, after: ir.Node, value: ir.Value, width: int) -> ir.Value:
-    """Every other row of `value` [2 * rows, width]: the rows _paired doubled."""
-    shape, first = _int64([-1, 2, width]), _int64(0)
-    reshape = ir.node("Reshape", [value, shape])
-    gather = ir.node("Gather", [reshape.outputs[0], first], {"axis": 1})
-    model.graph.insert_after(after, [shape.producer(), reshape, first.producer(), gather])
-    return gather.outputs[0]
+def _routing_weights(logits: ir.Value, indices: ir.Value, values: ir.Value, normalize: bool) -> list[ir.Node]:
+    """Each token's k routing weights in float32, as the kernel computes them: a softmax over the k chosen logits
+    (normalize_routing_weights=1), or over all of them, read at the chosen experts."""
+    if normalize:
+        cast = ir.node("Cast", [values], {"to": ir.DataType.FLOAT})
+        return [cast, ir.node("Softmax", [cast.outputs[0]], {"axis": -1})]
+    cast = ir.node("Cast", [logits], {"to": ir.DataType.FLOAT})
+    softmax = ir.node("Softmax", [cast.outputs[0]], {"axis": -1})
+    return [cast, softmax, ir.node("GatherElements", [softmax.outputs[0], indices], {"axis": 1})]
+
+
+def _expanded_inputs(model: ir.Model, node: ir.Node, x: ir.Value, logits: ir.Value, k: int, hidden: int,
+                     experts: int, normalize: bool) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """Rows [2kT, H] (each token once per chosen expert, twice), their one-hot routes [2kT, E], and the tokens'
+    routing weights [T, k] (float32), ranked as TopK ranks the experts."""
+    topk = ir.node("TopK", [logits, _int64([k])], {"axis": -1}, num_outputs=2)
+    values, indices = topk.outputs
+    weights = _insert(model, node, [topk, *_routing_weights(logits, indices, values, normalize)])
+    on_off = ir.node("Constant", [], {"value": ir.tensor(np.array([0, 1], np.float32))}).outputs[0]
+    onehot = ir.node("OneHot", [indices, _int64(experts), on_off], {"axis": -1})  # [T, k, E]
+    routes = [onehot, ir.node("CastLike", [onehot.outputs[0], logits])]
+    routes.append(ir.node("Unsqueeze", [routes[-1].outputs[0], _int64([2])]))
+    routes.append(ir.node("Expand", [routes[-1].outputs[0], _int64([1, 1, 2, 1])]))
+    routes.append(ir.node("Reshape", [routes[-1].outputs[0], _int64([-1, experts])]))
+    rows = [ir.node("Unsqueeze", [x, _int64([1, 2])])]  # [T, 1, 1, H] -> [T, k, 2, H] -> [2kT, H]
+    rows.append(ir.node("Expand", [rows[-1].outputs[0], _int64([1, k, 2, 1])]))
+    rows.append(ir.node("Reshape", [rows[-1].outputs[0], _int64([-1, hidden])]))
+    return _insert(model, node, rows), _insert(model, node, routes), weights
+
+
+def _weighted_sum(model: ir.Model, after: ir.Node, result: ir.Value, weights: ir.Value, k: int, hidden: int,
+                  like: ir.Value) -> ir.Value:
+    """The kernel's [2kT, H] results -> [T, H]: one copy of each row, weighted, the k added in rank order (in
+    float32, as the kernel accumulates), in `like`'s dtype."""
+    nodes = [ir.node("Reshape", [result, _int64([-1, k, 2, hidden])])]
+    nodes.append(ir.node("Gather", [nodes[-1].outputs[0], _int64(0)], {"axis": 2}))  # [T, k, H]
+    nodes.append(ir.node("Cast", [nodes[-1].outputs[0]], {"to": ir.DataType.FLOAT}))
+    scale = ir.node("Unsqueeze", [weights, _int64([2])])
+    nodes += [scale, ir.node("Mul", [nodes[-1].outputs[0], scale.outputs[0]])]
+    parts = ir.node("Split", [nodes[-1].outputs[0]], {"axis": 1, "num_outputs": k}, num_outputs=k)
+    nodes.append(parts)
+    total = parts.outputs[0]
+    for part in parts.outputs[1:]:
+        nodes.append(ir.node("Add", [total, part]))
+        total = nodes[-1].outputs[0]
+    nodes.append(ir.node("Squeeze", [total, _int64([1])]))
+    nodes.append(ir.node("CastLike", [nodes[-1].outputs[0], like]))
+    model.graph.insert_after(after, _new_constants(nodes))
+    return nodes[-1].outputs[0]
 
 
 def _replace(model: ir.Model, node: ir.Node, op: str, inputs: list[ir.Value | None], attributes: dict,
-             pair: bool) -> None:
-    """`node` -> com.microsoft's `op` on `inputs`. `pair`: each token's row enters the kernel twice and one copy
-    leaves it, so every expert multiplies an even number of rows: ONNX Runtime's CPU kernels round a lone row
-    differently from a pair (as its matmuls do), and an expert's rows would depend on the other tokens of the
-    call; paired, a token's result is the same whether its call has 1 token or 16 (measured bit for bit)."""
-    attributes = {"k": node.attributes.get_int("k", 1),
-                  "normalize_routing_weights": node.attributes.get_int("normalize_routing_weights", 1),
-                  **SWIGLU, **attributes}
+             expand: bool) -> None:
+    """`node` -> com.microsoft's `op` on `inputs`. `expand`: the kernel sees one row per token and chosen expert,
+    twice, routed to that expert alone (k=1), and the graph weights the k results and adds them in rank order.
+    ONNX Runtime's CPU kernels round a lone row differently from a pair (as its matmuls do), and add a token's k
+    expert results in an order that depends on which experts the call's other tokens chose: a token's result
+    would move with the rest of its call by a last bit, which int8 activations amplify, layer after layer, to
+    percents of the logits. Expanded, a token's result is the same whether its call has 1 token or 16 (measured
+    bit for bit), and each expert still multiplies all its rows in one matmul."""
+    k = node.attributes.get_int("k", 1)
+    normalize = bool(node.attributes.get_int("normalize_routing_weights", 1))
+    attributes = {"k": k, "normalize_routing_weights": int(normalize), **SWIGLU, **attributes}
     hidden, experts = inputs[2].shape[2] if op == "MoE" else inputs[5].shape[1], inputs[2].shape[0]
-    if pair:
-        inputs = [_paired(model, node, inputs[0], hidden), _paired(model, node, inputs[1], experts), *inputs[2:]]
+    output, x = node.outputs[0], inputs[0]
+    if expand:
+        rows, routes, weights = _expanded_inputs(model, node, x, inputs[1], k, hidden, experts, normalize)
+        inputs = [rows, routes, *inputs[2:]]
+        attributes.update(k=1, normalize_routing_weights=1)  # one expert per row, its weight exactly 1
     replacement = ir.node(op, inputs, attributes, domain="com.microsoft", name=node.name, num_outputs=1)
-    output, result = node.outputs[0], replacement.outputs[0]
-    model.graph.insert_before(node, replacement)
-    if pair:
-        result = _unpaired(model, replacement, result, hidden)
+    result = _insert(model, node, [replacement])
+    if expand:
+        result = _weighted_sum(model, replacement, result, weights, k, hidden, x)
     result.type, result.shape, result.name, output.name = output.type, output.shape, output.name, None
     output.replace_all_uses_with(result, replace_graph_outputs=True)
     model.graph.remove(node, safe=True)
@@ -126,11 +177,11 @@ def fuse(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
         source = gate_up.const_value
         fc1 = _lazy(model, f"{gate_up.name}.interleaved", source.dtype, list(source.shape),
                     lambda source=source: _interleaved(source.numpy()))
-        _replace(model, node, "MoE", [node.inputs[0], node.inputs[1], fc1, None, down], {}, pair=True)
+        _replace(model, node, "MoE", [node.inputs[0], node.inputs[1], fc1, None, down], {}, expand=True)
     swiglu = moe_nodes(model, MOE_DOMAIN, SWIGLU_MOE_OP)
     for node in swiglu:
         _replace(model, node, "MoE", list(node.inputs), {"normalize_routing_weights": 1, **swiglu_attributes(node)},
-                 pair=True)
+                 expand=True)
     _drop_function(model)
     _drop_unused_weights(model)
     if nodes or swiglu:
@@ -221,7 +272,7 @@ def quantize(model: ir.Model, bits: int, block_size: int, quantizer,
         _replace(model, node, "QMoE", [node.inputs[0], node.inputs[1], w1, s1, fc1_bias, w2, s2, fc2_bias],
                  {"expert_weight_bits": bits, "block_size": block_size, **swiglu,
                   **({"accuracy_level": accuracy_level} if accuracy_level else {})},
-                 pair=node.domain == MOE_DOMAIN)
+                 expand=node.domain == MOE_DOMAIN)
         done += 1
     _drop_function(model)  # the float weights left unread are the caller's to drop (quantize's _drop_unused)
     return done, kept

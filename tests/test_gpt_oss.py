@@ -102,6 +102,15 @@ def test_int4_quantizes_its_experts_into_qmoe_with_their_biases_and_activation(g
     for prompt in PROMPTS:
         greedy = decoder.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens
         assert decoder.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == greedy
+    # the check finds each layer's router in the export, in the int4 export (QMoE fed by its TopK) and in the
+    # lowering (ONNX Runtime may keep a float32 copy under its own name)
+    from runtime.manifest import load_manifest
+    from targets.ort.check import lowered_routers, routers
+
+    for exported in ("out", "int4"):
+        found = routers(gpt_oss / exported / "target.onnx", load_manifest(gpt_oss / exported))
+        assert len(found.names) == SPEC.target_layers and (found.per_row, found.experts) == (2, SPEC.num_experts)
+        assert lowered_routers(found, gpt_oss / "ort4" / "target.onnx") is not None
 
 
 def _ops(path) -> list[tuple[str, str]]:

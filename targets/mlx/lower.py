@@ -226,7 +226,8 @@ def _check(source: Path, exported: Manifest, directory: Path, lowered: Manifest,
             n: rounded[n].astype(onnx.helper.tensor_dtype_to_np_dtype(exported_as[n].data_type), copy=False)
             for n in fits})
 
-    differences = compare_lowering(exported, reference, lambda g: open_session(directory, lowered, g), lowered)
+    differences = compare_lowering(exported, reference, lambda g: open_session(directory, lowered, g),
+                                   lowered).differences
     allowed = UNROUNDED_TOLERANCE[bits] if mixed else TOLERANCE[lowered.dtype]
     for name, difference in differences:
         if difference > allowed:
