@@ -479,6 +479,6 @@ def test_the_check_holds_one_graph_session_at_a_time(exported, ort_lowered):
 
     differences = compare_lowering(
         exported_manifest, tracked(lambda g: OrtSession(source / getattr(exported_manifest, g).file)),
-        tracked(lambda g: open_session(directory, manifest, g)), manifest)
+        tracked(lambda g: open_session(directory, manifest, g)), manifest).differences
     assert [graph for graph, _ in opened] == ["draft", "target", "draft", "target"]
     assert overlaps == [[], [], [], []] and max(d for _, d in differences) < 1e-4
