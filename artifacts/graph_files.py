@@ -68,6 +68,11 @@ def _transposed(payload: bytes, tensor: onnx.TensorProto) -> bytes:
     return np.frombuffer(payload, dtype=dtype).reshape(tuple(tensor.dims)).T.tobytes()
 
 
+# the draft's own vocabulary-sized weights (DFlash2's selector codebooks, DSpark's Markov factors): never a copy of
+# the target's embedding or head, so never looked for in the target's graph
+DRAFT_OWN_VOCAB_TENSORS = ("candidate_selector.", "markov_head.")
+
+
 def share_initializers(
     out: Path, draft_file: str, target_file: str, vocab_size: int
 ) -> tuple[dict[str, str], list[str]]:
@@ -84,7 +89,8 @@ def share_initializers(
     draft = onnx.load(str(out / draft_file), load_external_data=False)
 
     def vocab_sized(t: onnx.TensorProto) -> bool:
-        return t.data_location == onnx.TensorProto.EXTERNAL and vocab_size in t.dims
+        own = t.name.startswith(DRAFT_OWN_VOCAB_TENSORS)
+        return t.data_location == onnx.TensorProto.EXTERNAL and vocab_size in t.dims and not own
 
     def key(dims, data_type, payload: bytes):
         return tuple(dims), data_type, hashlib.sha256(payload).hexdigest()

@@ -1,9 +1,11 @@
 """Model directories are data, never code: configs are read as JSON, weights only from safetensors.
 
-A config with `auto_map` asks transformers to import Python files shipped in the directory; pickle weights
-(`pytorch_model.bin`, `*.pt`) run code when they are loaded. dflash-onnx refuses both up front, before any
-library sees the directory, and checks each safetensors file's header against its size so a truncated
-download is named instead of failing deep inside a loader. torch-free.
+A target config with `auto_map` asks transformers to import Python files shipped in the directory; pickle
+weights (`pytorch_model.bin`, `*.pt`) run code when they are loaded. dflash-onnx refuses both up front, before
+any library sees the directory, and checks each safetensors file's header against its size so a truncated
+download is named instead of failing deep inside a loader. A draft's `auto_map` (published DFlash, DFlash2 and
+DSpark drafts carry one) is ignored: a draft's config is only ever read here, as data, and its directory is
+never handed to an auto class. torch-free.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def read_config(directory: Path, kind: str) -> dict:
         raise DFlashError(f"{kind} {path} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise DFlashError(f"{kind} {path} is not a JSON object")
-    for key in ("auto_map", "custom_pipelines"):
+    for key in ("auto_map", "custom_pipelines") if kind == "target" else ():  # a draft's is read as data
         if key in config or key in config.get("text_config", {}):
             raise DFlashError(f"{kind} {path} has '{key}': the model needs Python code shipped in its directory, "
                               "and dflash-onnx never runs a model directory's code (use a transformers architecture)")

@@ -164,7 +164,7 @@ def measure_generation(decoder: Decoder, prompts: list[dict], options: BenchOpti
     """Greedy and DFlash per prompt, in rotating order, `repeats` times; medians of the timings."""
     clocks = [ClockedSession(decoder.target), ClockedSession(decoder.draft)]
     decoder.target, decoder.draft = clocks
-    block = decoder.manifest.block_size
+    block = decoder.manifest.verify_rows  # the most tokens a step commits
     modes = bench_modes(decoder, options)
     rows = []
     try:

@@ -75,7 +75,7 @@ def _cost_model(args, manifest):
         return None
     from runtime.costs import read_costs
 
-    return read_costs(args.cost_model, manifest.block_size)
+    return read_costs(args.cost_model, manifest.verify_rows)
 
 
 def _generate(args) -> int:
@@ -112,7 +112,7 @@ def _generate(args) -> int:
             print(stream.delta(chunk), end="", flush=True)
 
     result = decoder.generate(prompt, args.max_new_tokens, args.mode, sampling, on_tokens=show, verify=verify)
-    block = decoder.manifest.block_size if args.mode == "dflash" else 1
+    block = decoder.manifest.verify_rows if args.mode == "dflash" else 1
     if args.json:
         payload = {
             "tokens": result.tokens, "prompt_tokens": result.prompt_tokens, "mode": args.mode,
@@ -208,7 +208,7 @@ def _calibrate(args) -> int:
     with lock_out(args.dir):
         manifest = load_manifest(args.dir)
         if args.from_file is not None:
-            costs = read_costs(args.from_file, manifest.block_size)
+            costs = read_costs(args.from_file, manifest.verify_rows)
         else:
             backend = backend_for(args.dir, manifest, args.backend).name
             if manifest.lowering is not None and manifest.lowering.backend == backend in ("ort", "mlx"):

@@ -138,7 +138,7 @@ def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dty
     program = export_program(
         draft, (ids, hidden, positions, *past_kv),
         ["input_ids", "target_hidden", "position_ids", *kv_names("past_key_values", n)],
-        ["logits", "draft_ids", "draft_confidence", *kv_names("present", n)],
+        ["logits", "draft_ids", "draft_confidence", *draft.extra_outputs(), *kv_names("present", n)],
         ({0: batch}, {0: batch, 1: ctx_new}, {0: batch, 1: ctx_new + block_size},
          tuple({0: batch, 1: ctx_past} for _ in range(2 * n))),
         opset, weights,
@@ -259,6 +259,8 @@ def export_pair(
                 attention_sinks=has_sinks(tapped.lm),
                 kv_shared_layers=tapped.num_layers - len(tapped.kv_shapes) - len(getattr(tapped, "linear", ())),
                 logit_softcapping=tapped.softcap,
+                draft_kind=spec.kind,
+                draft_proposals=spec.proposals(block) if spec.sample_from_anchor else None,
             )
             manifest.save(tmp)
     return manifest

@@ -103,7 +103,7 @@ def validate_pair(
          f"draft hidden_size {cfg.hidden_size} != target hidden_size {target.hidden_size}"),
         (cfg.vocab_size == target.vocab_size,
          f"draft vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size}"),
-        (draft.num_target_layers == target.num_layers,
+        (draft.num_target_layers in (None, target.num_layers),  # None: the speculators format names none
          f"draft num_target_layers {draft.num_target_layers} != target num_hidden_layers {target.num_layers}"),
     ]
     for ok, message in checks:
@@ -111,10 +111,12 @@ def validate_pair(
             raise DFlashError(f"target and draft do not match: {message}")
     for layer_id in draft.target_layer_ids:
         if not 0 <= layer_id < target.num_layers:
-            raise DFlashError(
-                f"draft target_layer_ids {draft.target_layer_ids} has {layer_id}, outside the target's "
-                f"layers 0..{target.num_layers - 1}"
-            )
+            named = (f"aux_hidden_state_layer_ids {[i + 1 for i in draft.target_layer_ids]} has {layer_id + 1}"
+                     if draft.num_target_layers is None else
+                     f"target_layer_ids {draft.target_layer_ids} has {layer_id}")
+            raise DFlashError(f"draft {named}, outside the target's layers 0..{target.num_layers - 1}"
+                              + (" (1.." + str(target.num_layers) + " counted from the embeddings)"
+                                 if draft.num_target_layers is None else ""))
     if draft.mask_token_id is None:
         raise DFlashError("draft dflash_config has no mask_token_id")
     if not 0 <= draft.mask_token_id < target.vocab_size:

@@ -58,6 +58,20 @@ class TinySpec:
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
     tie_embeddings: bool = True
+    # the draft's kind (dflash, dflash2, dspark) and config.json layout: z-lab's (a Qwen3 config with
+    # dflash_config; not for dspark) or the speculators format; what DFlash2 and DSpark add, with their sizes
+    draft_kind: str = "dflash"
+    draft_format: str = "zlab"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 8
+    selector_top_k: int = 4
+    markov_rank: int = 8
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    sample_from_anchor: bool | None = None  # None: the kind's default (DSpark's anchor slot proposes)
+    sliding_window_non_causal: bool | None = None  # speculators format; None: the kind's default
     agree: bool = False
     # Scale of every target and draft layer's output projections (o_proj, down_proj) under `agree`: deep random
     # stacks swamp the embedding's bias otherwise (the compute is unchanged, only the values are damped).
@@ -165,7 +179,58 @@ def _target_config(spec: TinySpec) -> dict:
     return config
 
 
+def _speculators_config(spec: TinySpec) -> dict:
+    """The draft's config.json in the speculators format (as its save_pretrained writes it, minus bookkeeping)."""
+    layer = {key: value for key, value in _zlab_config(spec).items()
+             if key not in ("architectures", "num_target_layers", "dflash_config", "is_causal")}
+    if spec.sliding_window is not None:
+        layer["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                for i in range(spec.draft_layers)]
+    else:
+        layer["layer_types"] = ["full_attention"] * spec.draft_layers
+    layer["rope_parameters"] = {"rope_theta": layer.pop("rope_theta"), "rope_type": "default"}
+    kind = spec.draft_kind
+    config = {
+        "architectures": [{"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel",
+                           "dspark": "DSparkDraftModel"}[kind]],
+        "auto_map": {"": f"config.{ {'dflash': 'DFlash', 'dflash2': 'DFlash2', 'dspark': 'DSpark'}[kind]}"
+                         "SpeculatorConfig"},
+        "speculators_model_type": kind, "transformer_layer_config": layer, "draft_vocab_size": spec.vocab_size,
+        "block_size": spec.block_size, "aux_hidden_state_layer_ids": [i + 1 for i in spec.target_layer_ids],
+        "mask_token_id": spec.vocab_size - 1, "target_hidden_size": None, "tie_word_embeddings": False,
+        "sample_from_anchor": kind == "dspark" if spec.sample_from_anchor is None else spec.sample_from_anchor,
+        "sliding_window_non_causal": (kind == "dflash2" if spec.sliding_window_non_causal is None
+                                      else spec.sliding_window_non_causal),
+    }
+    config["speculators_config"] = {
+        "algorithm": kind, "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "verifier_accept_k": 1, "accept_tolerance": 0.0,
+                              "speculative_tokens": spec.block_size - 1 + config["sample_from_anchor"]}],
+        "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": None}}
+    if kind == "dflash2":
+        config.update(conv_kernel_size=spec.conv_kernel_size, conv_group_size=spec.conv_group_size,
+                      selector_rank=spec.selector_rank, selector_top_k=spec.selector_top_k)
+    if kind == "dspark":
+        config.update(markov_rank=spec.markov_rank, markov_head_type=spec.markov_head_type,
+                      enable_confidence_head=spec.confidence_head,
+                      confidence_head_with_markov=spec.confidence_with_markov)
+    return config
+
+
 def _draft_config(spec: TinySpec) -> dict:
+    if spec.draft_format == "speculators":
+        return _speculators_config(spec)
+    if spec.draft_kind == "dspark":
+        raise ValueError("DSpark drafts are written in the speculators format: draft_format='speculators'")
+    config = _zlab_config(spec)
+    if spec.draft_kind == "dflash2":
+        config["architectures"] = ["DFlash2DraftModel"]
+        config["dflash_config"].update(conv_kernel_size=spec.conv_kernel_size, conv_group_size=spec.conv_group_size,
+                                       selector_rank=spec.selector_rank, selector_top_k=spec.selector_top_k)
+    return config
+
+
+def _zlab_config(spec: TinySpec) -> dict:
     config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size or 2 * spec.hidden_size,
@@ -256,7 +321,7 @@ def _bias_towards(model, spec: TinySpec) -> None:
 
 
 def build_draft(spec: TinySpec, directory: Path, target) -> None:
-    """Random draft body in the published layout (config.json with dflash_config + model.safetensors)."""
+    """Random draft body in a published layout (config.json, z-lab's or speculators', + model.safetensors)."""
     directory.mkdir(parents=True, exist_ok=True)
     raw = _draft_config(spec)
     draft = DFlashDraft(
@@ -271,8 +336,15 @@ def build_draft(spec: TinySpec, directory: Path, target) -> None:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.05)
+            if name.endswith("base_kernel"):  # DFlash2's convolutions: near the identity they start from
+                param[:, 0] += 1.0
+            if name.endswith(("predecessor_codebook", "successor_codebook", "markov_w1.weight")) and not spec.agree:
+                param.normal_(0.0, 1.0)  # large enough to reorder the candidates now and then
         if spec.agree:
             draft.norm.weight[0] = 8.0
+            if spec.markov_rank and spec.draft_kind == "dspark":  # the Markov bias leans to the favourite too
+                draft.markov_head.markov_w1.weight[:, 0] = 1.0
+                draft.markov_head.markov_w2.weight[spec.favourite_token, 0] = 4.0
             for name, param in draft.named_parameters():
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     param.mul_(spec.damp_layers)

@@ -49,7 +49,7 @@ def measure_costs(manifest: Manifest, open_graph: Callable[[str], Session], cont
         raise DFlashError(reason)
     target = open_graph("target")
     verify = [call_ms(target, target_feeds(manifest, context, t), TARGET_OUTPUTS, repeats)
-              for t in range(1, manifest.block_size + 1)]
+              for t in range(1, manifest.verify_rows + 1)]
     del target
     drafting = call_ms(open_graph("draft"), draft_feeds(manifest, context), DRAFT_OUTPUTS, repeats)
     # verifying more tokens never costs less: timing noise that says so is averaged away

@@ -2,7 +2,8 @@
 
 It talks to two Sessions (target, draft) through the manifest's input/output names and never imports
 torch or a backend (`targets.open_decoder` opens one on a directory). One DFlash step: block = [last
-token, mask x (B-1)]; the draft proposes positions 1..B-1; the target verifies the block in one call;
+token, mask x (B-1)]; the draft proposes positions 1..B-1 (DSpark's anchor slot too: B proposals); the target
+verifies [last token, proposals] in one call;
 the longest agreeing prefix plus the target's bonus token is committed (truncated at a stop token);
 KV rollback is a length change.
 """
@@ -131,15 +132,16 @@ class Decoder:
                               f"{target.capacity} positions this lowering holds{padding}: lower with a larger "
                               "--ctx-len")
         stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
-        block_size = self.manifest.block_size if mode == "dflash" else 1
+        most_rows = self.manifest.verify_rows if mode == "dflash" else 1
         costs = self.costs.padded_to(self.row_multiple) if self.costs and self.row_multiple > 1 else self.costs
-        policy = VerifyPolicy(verify, costs, self.manifest.block_size)
-        return self._steps(target, draft, prompt, max_new_tokens, block_size, sampling or SamplingParams(), stops,
+        policy = VerifyPolicy(verify, costs, self.manifest.verify_rows)
+        return self._steps(target, draft, prompt, max_new_tokens, most_rows, sampling or SamplingParams(), stops,
                            policy)
 
-    def _steps(self, target, draft, prompt: np.ndarray, max_new_tokens: int, block_size: int,
+    def _steps(self, target, draft, prompt: np.ndarray, max_new_tokens: int, most_rows: int,
                sampling: SamplingParams, stops: frozenset[int], policy: VerifyPolicy) -> Iterator[list[int]]:
-        """The decoding itself: prefill, then one draft + verify round per step."""
+        """The decoding itself: prefill, then one draft + verify round per step. `most_rows`: the most tokens a
+        verify takes (the anchor and every proposal; 1 for greedy)."""
         rng = np.random.default_rng(sampling.seed)
         mask_id = self.manifest.mask_token_id
         result = GenerationResult(prompt_tokens=int(prompt.size))
@@ -161,14 +163,17 @@ class Decoder:
         max_length = len(prompt) + max_new_tokens
         stopped = first in stops
         greedy = sampling.greedy
-        block = np.empty(block_size, dtype=np.int64)  # refilled each step: read only while a step runs
+        # refilled each step, read only while a step runs: the draft's block [anchor, mask...] and the verified
+        # tokens [anchor, proposals...]
+        block = np.empty(self.manifest.block_size, dtype=np.int64)
+        chain = np.empty(most_rows, dtype=np.int64)
         pending = out.context  # the target's features of committed tokens the draft has not seen yet
         while start + 1 < max_length and not stopped:
-            # drafted tokens a step could keep: up to block_size - 1, and no more than the tokens still wanted
-            # besides the target's bonus token
-            most = min(block_size, max_length - start - 1) - 1
+            # drafted tokens a step could keep: up to a draft call's proposals, and no more than the tokens still
+            # wanted besides the target's bonus token
+            most = min(most_rows, max_length - start - 1) - 1
             block.fill(mask_id)
-            block[0] = result.tokens[-1]
+            block[0] = chain[0] = result.tokens[-1]
             drafted, confidence = 0, None
             if policy.wants_draft(most):
                 proposal = draft.propose(block, pending, want_logits=not greedy)
@@ -179,22 +184,22 @@ class Decoder:
                     draft_probs = sampling_probs(proposal.logits[:most], sampling)
                     proposed, confidence = sample_rows(draft_probs, rng), draft_probs.max(axis=-1)
                 drafted = policy.choose(confidence, most)
-                block[1 : drafted + 1] = proposed[:drafted]
+                chain[1 : drafted + 1] = proposed[:drafted]
             verify = drafted + 1
-            out = target.forward(block[:verify], logits_rows=0 if greedy else verify)
+            out = target.forward(chain[:verify], logits_rows=0 if greedy else verify)
             if greedy:
                 posterior = out.greedy_ids.tolist()
-                accepted = _agreeing_prefix(block[1:verify].tolist(), posterior) if drafted else 0
+                accepted = _agreeing_prefix(chain[1:verify].tolist(), posterior) if drafted else 0
                 bonus = posterior[accepted]
             else:
                 target_probs = sampling_probs(out.logits, sampling)
                 if drafted:
-                    accepted, bonus = rejection_sample(block[1:verify], target_probs, draft_probs[:drafted], rng)
+                    accepted, bonus = rejection_sample(chain[1:verify], target_probs, draft_probs[:drafted], rng)
                 else:
                     accepted, bonus = 0, int(sample_rows(target_probs[-1], rng))
             if confidence is not None:
                 policy.observe(drafted, accepted)
-            new = [*block[1 : accepted + 1].tolist(), bonus] if accepted else [bonus]
+            new = [*chain[1 : accepted + 1].tolist(), bonus] if accepted else [bonus]
             for index, token in enumerate(new):
                 if token in stops:
                     new, stopped = new[: index + 1], True

@@ -175,7 +175,16 @@ class Manifest:
     # has K/V inputs for the others only
     kv_shared_layers: int = 0
     logit_softcapping: float | None = None  # the target's logits are tanh(x / c) * c (Gemma), inside its graph
+    draft_kind: str = "dflash"  # dflash, dflash2 (its selector in the graph) or dspark (its Markov chain)
+    # tokens one draft call proposes: None is block_size - 1; block_size where the anchor's slot proposes too
+    # (DSpark's sample_from_anchor), so a verify takes up to block_size + 1 tokens
+    draft_proposals: int | None = None
     format_version: int = FORMAT_VERSION
+
+    @property
+    def verify_rows(self) -> int:
+        """The most tokens one verify call takes: the anchor and every proposal of a draft call."""
+        return (self.block_size - 1 if self.draft_proposals is None else self.draft_proposals) + 1
 
     @property
     def num_taps(self) -> int:

@@ -7,8 +7,10 @@ nearly tie, float16's rounding (the lowering's fused kernels round differently f
 another expert for that row, which moves the row by percents of the logits' scale while every other row agrees
 to the last bits (measured: 2 of 20 rows on a 24-layer float16 gpt-oss). Given the routers, the check records
 each call's router logits on both sides and leaves out of the comparison the rows whose chosen experts differ
-where the reference's logits nearly tie (ROUTER_TIE); it leaves out none when that would be more than half a
-call's rows, and none where the experts differ without a near tie (a wrong router)."""
+where the reference's logits nearly tie (ROUTER_TIE) at the first router where they differ (the row's later
+routers follow from that flip: on a 24-layer gpt-oss one row first flipped at a gap of 4e-4 of its logits'
+scale, then at gaps up to 0.11 further on); it leaves out none when that would be more than half a call's rows,
+and none where a row's experts first differ without a near tie (a wrong router)."""
 
 from __future__ import annotations
 
@@ -65,11 +67,13 @@ class _RoutingRecorder:
 
 
 def _near_tie_flips(reference: list[np.ndarray], lowered: list[np.ndarray], k: int) -> set[int]:
-    """The rows of one run whose experts differ between the sides at some router where the reference's logits
-    nearly tie; every row when some differ without a near tie, or when they are more than half the rows."""
+    """The rows of one run whose experts first differ between the sides (routers in layer order) where the
+    reference's logits nearly tie; every row when a row's first difference is not at a near tie, or when they are
+    more than half the rows. A flipped row's later routers see hidden states that already differ by percents:
+    their choices are its consequences, not new evidence."""
     flipped, rows = set(), min(min(len(r), len(w)) for r, w in zip(reference, lowered))
     for want, got in zip(reference, lowered):
-        for row in range(rows):
+        for row in sorted(set(range(rows)) - flipped):
             chosen, other = np.argsort(-want[row], kind="stable")[:k], np.argsort(-got[row], kind="stable")[:k]
             if set(chosen) == set(other):
                 continue

@@ -283,16 +283,17 @@ class _Proposer:
 
     def _setup_proposer(self, manifest: Manifest, script, confident: bool = False):
         self.block_size, self.mask_id = manifest.block_size, manifest.mask_token_id
+        self.proposing = manifest.verify_rows - 1  # block_size - 1, or block_size where the anchor slot proposes
         self.confident = confident
         self.script = list(script)
-        assert all(0 <= k < self.block_size for k in self.script), self.script
+        assert all(0 <= k <= self.proposing for k in self.script), self.script
         self.steps = 0
         self.proposals: list[list[int]] = []
 
     def _propose(self, sequence: list[int]):
         correct = self.script[self.steps % len(self.script)]
         prefix, ids, logits = list(sequence), [], []
-        for index in range(self.block_size - 1):
+        for index in range(self.proposing):
             if index < correct:
                 token, row = self.model.greedy(prefix), np.array(self.model.logits(prefix), np.float32)
             else:

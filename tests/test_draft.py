@@ -70,9 +70,9 @@ def test_attention_mask_is_none_for_full_bidirectional_attention():
     assert draft_attention_mask(3, 7, is_causal=False, sliding_window=None) is None
 
 
-def test_dflash2_checkpoint_is_refused(tmp_path):
+def test_a_dflash2_config_missing_its_sizes_is_refused_in_one_line(tmp_path):
     raw = {"num_target_layers": 4, "dflash_config": {"selector_rank": 8, "mask_token_id": 3}}
-    with pytest.raises(DFlashError, match="DFlash2.*not supported yet"):
+    with pytest.raises(DFlashError, match="DFlash2 draft's config.json lacks \\['conv_kernel_size'"):
         DraftSpec.from_dict(raw)
 
 

@@ -347,6 +347,12 @@ def test_the_check_leaves_out_only_rows_whose_experts_flip_at_a_near_tie():
         ranked = np.argsort(-ties[row])
         swapped[row, ranked[1]], swapped[row, ranked[2]] = ties[row, ranked[2]], ties[row, ranked[1]]
     assert _near_tie_flips([ties], [swapped], 2) == set(range(6))  # 4 of 6 rows: more than half
+    later = wrong.copy()  # a later router: row 2, already flipped, now differs without a tie (a consequence)
+    later[[0, 1, 3, 4, 5]] = reference[[0, 1, 3, 4, 5]]
+    assert _near_tie_flips([reference, reference], [lowered, later], 2) == {2}
+    later[2] = -reference[2]
+    assert _near_tie_flips([reference, reference], [lowered, later], 2) == {2}
+    assert _near_tie_flips([reference, reference], [reference, wrong], 2) == set(range(6))  # row 4's first: no tie
     logits, kv = np.ones((1, 3, 5)), np.ones((1, 2, 7, 4))  # a call of 3 rows after 4 past positions
     assert _without_rows(logits, {1}, 3)[0, :, 0].tolist() == [1, 0, 1]
     assert _without_rows(kv, {0, 2}, 3)[0, 0, :, 0].tolist() == [1, 1, 1, 1, 0, 1, 0]

@@ -50,14 +50,17 @@ def scripts(block: int) -> dict[str, list[int]]:
 
 
 def build(form: str = "concat", block: int = 4, model=None, script=None, prefill_chunk: int = 256,
-          stops=(), ctx_len: int = 96, prefill_len: int = 8, confident: bool = False, costs=None):
+          stops=(), ctx_len: int = 96, prefill_len: int = 8, confident: bool = False, costs=None,
+          proposals: int | None = None):
     """A Decoder over fresh fakes of the form `form` (a FORMS id), and the fakes. With `costs`, the draft graph
-    has `draft_confidence` and the manifest that cost curve (the auto verify policy's inputs)."""
+    has `draft_confidence` and the manifest that cost curve (the auto verify policy's inputs); `proposals`: a
+    draft call's tokens (block_size where the anchor's slot proposes too)."""
     setup = dict(FORMS[form])
     kind = setup.pop("form", "concat")
     on_device = setup.pop("on_device", True)
     kept_rows = setup.pop("kept_rows", False)
-    common = {"block_size": block, "stop_token_ids": tuple(stops), "confidence": costs is not None, "costs": costs}
+    common = {"block_size": block, "stop_token_ids": tuple(stops), "confidence": costs is not None, "costs": costs,
+              "proposals": proposals}
     if kind == "concat":
         manifest = make_manifest(**common)
     elif kind == "buffer":
@@ -144,6 +147,24 @@ def test_greedy_dflash_equals_plain_greedy(block, script_name):
     plain = Decoder(pair.manifest, ConcatTargetSession(pair.manifest, TokenModel(VOCAB)), None).generate(
         PROMPT, budget, "greedy")
     assert plain.tokens == want and plain.acceptance_lengths == [1] * (budget - 1)
+
+
+@pytest.mark.parametrize("form", ["concat", "buffer-rows", "buffer-rows-kept"])
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.7, seed=5)])
+def test_a_draft_proposing_from_its_anchor_slot_verifies_block_size_plus_one(form, sampling):
+    """DSpark's anchor slot proposes too: block_size proposals, verified with the anchor in calls of up to
+    block_size + 1 tokens, committing up to block_size + 1 per step; the tokens stay greedy's (sampled: the
+    sharp model's greedy ones)."""
+    block, script = 4, [4, 0, 2, 4, 1, 3]
+    lengths = [correct + 1 for correct in script * 2]
+    budget = 1 + sum(lengths)
+    decoder, pair = build(form, block=block, script=script, proposals=block)
+    assert decoder.manifest.verify_rows == block + 1
+    result = decoder.generate(PROMPT, budget, "dflash", sampling)
+    assert result.tokens == reference(TokenModel(VOCAB), PROMPT, budget)
+    assert result.acceptance_lengths == lengths and max(lengths) == block + 1
+    assert max(len(call.ids) for call in decode_calls(pair, PROMPT)) == block + 1
+    assert all(len(call.block) == block for call in pair.draft.calls)  # the draft's block stays block_size
 
 
 def test_streamed_chunks_are_the_committed_steps():

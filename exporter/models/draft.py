@@ -24,7 +24,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from artifacts.model_dirs import read_config, weight_files
 from runtime.errors import DFlashError
 
-DFLASH2_KEYS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
+from .draft_formats import DFLASH2_KEYS, speculators_fields
+from .draft_heads import CandidateSelector, ConfidenceHead, GroupedDynamicCausalConv, MarkovHead
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -38,26 +39,42 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 @dataclass(frozen=True)
 class DraftSpec:
-    """The DFlash-specific facts of a draft checkpoint, read from its config.json."""
+    """The facts of a draft checkpoint, read from its config.json: z-lab's layout (a Qwen3 config with a
+    `dflash_config`: DFlash and DFlash2) or the speculators format (`speculators_model_type` dflash, dflash2 or
+    dspark: draft_formats.py)."""
 
     config: Qwen3Config
-    target_layer_ids: list[int]
+    target_layer_ids: list[int]  # decoder layers whose outputs the draft reads (z-lab's numbering)
     block_size: int
     mask_token_id: int | None
-    num_target_layers: int
+    num_target_layers: int | None  # None: the checkpoint does not say (speculators: the target's, at pairing)
     input_embedding_scale: float
     output_multiplier: float
     final_logit_softcapping: float | None
+    kind: str = "dflash"  # dflash, dflash2 or dspark
+    conv_kernel_size: int = 0  # DFlash2's convolutions and candidate selector
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    markov_rank: int = 0  # DSpark's Markov head (0: none) and confidence head
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+    confidence_with_markov: bool = False
+    sample_from_anchor: bool = False  # the anchor's slot proposes too: block_size proposals, not block_size - 1
+    sliding_causal: bool = True  # a sliding layer's block queries see only the slots up to their own
+    window_from_anchor: bool = False  # a sliding layer's window counts back from the anchor, not from each query
+
+    def proposals(self, block_size: int) -> int:
+        """Tokens one draft call proposes with a block of `block_size` slots."""
+        return block_size if self.sample_from_anchor else block_size - 1
 
     @classmethod
     def from_dict(cls, raw: dict) -> DraftSpec:
+        if "speculators_model_type" in raw:
+            return cls(**speculators_fields(raw))
         dflash = dict(raw.get("dflash_config") or {})
         architectures = raw.get("architectures") or []
-        if any("DFlash2" in a for a in architectures) or any(k in dflash or k in raw for k in DFLASH2_KEYS):
-            raise DFlashError(
-                "this is a DFlash2 draft (candidate selector / dynamic convolutions): not supported yet; "
-                "use a DFlash (v1) draft such as z-lab's *-DFlash-b16 checkpoints"
-            )
+        dflash2 = any("DFlash2" in a for a in architectures) or any(k in dflash or k in raw for k in DFLASH2_KEYS)
         if "num_target_layers" not in raw:
             raise DFlashError("draft config.json has no 'num_target_layers': is this a DFlash draft directory?")
         try:
@@ -66,6 +83,9 @@ class DraftSpec:
             def value(name, default=None):
                 return dflash.get(name, raw.get(name, default))
 
+            if dflash2 and any(value(k) is None for k in DFLASH2_KEYS):
+                missing = [k for k in DFLASH2_KEYS if value(k) is None]
+                raise DFlashError(f"this DFlash2 draft's config.json lacks {missing}")
             layer_ids = value("target_layer_ids") or build_target_layer_ids(
                 int(raw["num_target_layers"]), config.num_hidden_layers
             )
@@ -80,6 +100,8 @@ class DraftSpec:
                 input_embedding_scale=float(value("input_embedding_scale", 1.0)),
                 output_multiplier=float(value("output_multiplier", 1.0)),
                 final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+                kind="dflash2" if dflash2 else "dflash",
+                **({k: int(value(k)) for k in DFLASH2_KEYS} if dflash2 else {}),
             )
         except (TypeError, ValueError) as exc:  # a field of the wrong type or shape
             raise DFlashError(f"draft config.json cannot describe a DFlash draft: {exc}") from None
@@ -105,12 +127,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, :, None, :] + _rotate_half(x) * sin[:, :, None, :]
 
 
-def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, is_causal: bool, window: int | None) -> torch.Tensor:
+def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, is_causal: bool, window: int | None,
+            anchor_pos: torch.Tensor | None = None) -> torch.Tensor:
     """DFlash's attention rule on absolute positions (broadcasting query_pos [..., Q, 1] against key_pos
-    [..., 1, K]): causal layers see keys up to the query, sliding layers keys less than `window` away."""
+    [..., 1, K]): causal layers see keys up to the query, sliding layers keys less than `window` away; with
+    `anchor_pos` (the speculators convention) the window counts back from the block's anchor instead, reaching
+    the `window` keys before it."""
     distance = query_pos - key_pos
     conditions = [distance >= 0] if is_causal else []
-    if window is not None:
+    if window is not None and anchor_pos is not None:
+        conditions.append(anchor_pos - key_pos <= window)
+    elif window is not None:
         conditions.append(distance < window)
         if not is_causal:
             conditions.append(-distance < window)
@@ -121,19 +148,24 @@ def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, is_causal: bool, win
 
 
 def draft_attention_mask(
-    num_queries: int, num_keys: int, is_causal: bool, sliding_window: int | None, device=None
+    num_queries: int, num_keys: int, is_causal: bool, sliding_window: int | None, device=None,
+    window_from_anchor: bool = False,
 ) -> torch.Tensor | None:
-    """Which keys each block query sees; the queries are the last `num_queries` key positions."""
+    """Which keys each block query sees; the queries are the last `num_queries` key positions, the first of
+    them the anchor."""
     if not is_causal and sliding_window is None:
         return None
-    query_pos = num_keys - num_queries + torch.arange(num_queries, device=device)[:, None]
-    return visible(query_pos, torch.arange(num_keys, device=device)[None, :], is_causal, sliding_window)
+    anchor = num_keys - num_queries
+    query_pos = anchor + torch.arange(num_queries, device=device)[:, None]
+    return visible(query_pos, torch.arange(num_keys, device=device)[None, :], is_causal, sliding_window,
+                   torch.tensor(anchor, device=device) if window_from_anchor else None)
 
 
 class DraftAttention(nn.Module):
     """Queries from the block; keys/values from [past context ; new context ; block]."""
 
-    def __init__(self, config: Qwen3Config, layer_idx: int):
+    def __init__(self, config: Qwen3Config, layer_idx: int, sliding_causal: bool = True,
+                 window_from_anchor: bool = False):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads
@@ -148,8 +180,10 @@ class DraftAttention(nn.Module):
         layer_types = getattr(config, "layer_types", None)
         layer_type = layer_types[layer_idx] if layer_types else "full_attention"
         is_causal = getattr(config, "is_causal", None)
-        self.is_causal = layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
-        self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
+        sliding = layer_type == "sliding_attention"
+        self.is_causal = sliding and sliding_causal if is_causal is None else bool(is_causal)
+        self.sliding_window = config.sliding_window if sliding else None
+        self.window_from_anchor = window_from_anchor
 
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], heads, self.head_dim)
@@ -169,7 +203,8 @@ class DraftAttention(nn.Module):
         keys = torch.cat([present_key, k_blk], dim=1).transpose(1, 2)
         values = torch.cat([present_value, v_blk], dim=1).transpose(1, 2)
         if mask is None:
-            mask = draft_attention_mask(q.shape[1], keys.shape[2], self.is_causal, self.sliding_window, q.device)
+            mask = draft_attention_mask(q.shape[1], keys.shape[2], self.is_causal, self.sliding_window, q.device,
+                                        self.window_from_anchor)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
             enable_gqa=self.num_heads != self.num_kv_heads,
@@ -179,19 +214,32 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, layer_idx: int):
+    def __init__(self, config: Qwen3Config, layer_idx: int, spec: DraftSpec | None = None):
         super().__init__()
-        self.self_attn = DraftAttention(config, layer_idx)
+        self.self_attn = DraftAttention(config, layer_idx, *((spec.sliding_causal, spec.window_from_anchor)
+                                                             if spec else ()))
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if spec is not None and spec.kind == "dflash2":  # DFlash2: both sublayers inside a dynamic convolution
+            self.attention_conv = GroupedDynamicCausalConv(config.hidden_size, spec.conv_kernel_size,
+                                                           spec.conv_group_size)
+            self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, spec.conv_kernel_size,
+                                                     spec.conv_group_size)
 
     def forward(self, hidden, context, cos, sin, past_key, past_value, mask: torch.Tensor | None = None):
-        attn, present_key, present_value = self.self_attn(
-            self.input_layernorm(hidden), context, cos, sin, past_key, past_value, mask
-        )
-        hidden = hidden + attn
-        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        """The block's hidden states; only the block's rows pass the convolutions, never the context's."""
+        convolved = hasattr(self, "attention_conv")
+        normed = self.input_layernorm(hidden)
+        if convolved:
+            normed, delta = self.attention_conv.prepare(normed)
+        attn, present_key, present_value = self.self_attn(normed, context, cos, sin, past_key, past_value, mask)
+        hidden = hidden + (self.attention_conv.finish(attn, delta) if convolved else attn)
+        normed = self.post_attention_layernorm(hidden)
+        if convolved:
+            normed, delta = self.mlp_conv.prepare(normed)
+        out = self.mlp(normed)
+        hidden = hidden + (self.mlp_conv.finish(out, delta) if convolved else out)
         return hidden, present_key, present_value
 
 
@@ -202,13 +250,20 @@ class DFlashDraft(nn.Module):
         super().__init__()
         config = spec.config
         self.spec = spec
-        self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DraftLayer(config, i, spec) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.fc = nn.Linear(len(spec.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.embed_tokens = nn.Parameter(embed_weight, requires_grad=False)
         self.lm_head = nn.Parameter(lm_head_weight, requires_grad=False)
+        vocab, width = config.vocab_size, config.hidden_size
+        if spec.kind == "dflash2":
+            self.candidate_selector = CandidateSelector(vocab, width, spec.selector_rank, spec.selector_top_k)
+        if spec.markov_rank:
+            self.markov_head = MarkovHead(vocab, width, spec.markov_rank, spec.markov_head_type)
+        if spec.confidence_head:
+            self.confidence_head = ConfidenceHead(width + (spec.markov_rank if spec.confidence_with_markov else 0))
 
     @property
     def num_kv_heads(self) -> int:
@@ -267,9 +322,52 @@ class DFlashDraft(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def extra_outputs(self) -> list[str]:
+        """Graph outputs besides logits, ids, confidence and K/V: DFlash2's candidates and their scores after each
+        possible previous candidate, which sampling walks (runtime/sampling.py)."""
+        return ["candidates", "candidate_scores"] if self.spec.kind == "dflash2" else []
+
+    def _markov_chain(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, skipped: int):
+        """DSpark's greedy chain: each proposal's logits plus the Markov bias of the token before it (the anchor,
+        then the previous proposal), and the confidence head's prediction for it. `skipped`: leading slots that
+        propose nothing but still advance an rnn head's state (their previous token is the anchor)."""
+        head, previous, state = getattr(self, "markov_head", None), anchor, None
+        biased, ids, confident = [], [], []
+        for slot in range(hidden.shape[1]):
+            code = None
+            row = logits[:, slot]
+            if head is not None:
+                bias, code, state = head.step(previous, hidden[:, slot], state)
+                row = row + bias.to(row.dtype)
+            if slot >= skipped:
+                if hasattr(self, "confidence_head"):
+                    features = hidden[:, slot] if code is None or not self.spec.confidence_with_markov else \
+                        torch.cat([hidden[:, slot], code.to(hidden.dtype)], dim=-1)
+                    confident.append(self.confidence_head(features))
+                previous = torch.argmax(row, dim=-1)
+                biased.append(row)
+                ids.append(previous)
+        logits = torch.stack(biased, 1)
+        return logits, torch.stack(ids, 1), torch.stack(confident, 1) if confident else confidence(logits)
+
     def forward(self, input_ids, target_hidden, position_ids, *past_kv):
-        """Graph signature: logits, their argmax and its probability (the draft's confidence) for block positions
-        1.., then present context K/V."""
+        """Graph signature: logits, the greedy proposals and their confidence for the proposing slots (1.., or
+        from the anchor's with sample_from_anchor), extra_outputs(), then present context K/V. DFlash proposes
+        each slot's argmax; DFlash2 the selector's chain over each slot's top-k; DSpark the argmax of its
+        Markov-biased logits, chained, its confidence the head's predicted acceptance."""
         hidden, present = self.hidden(input_ids, target_hidden, position_ids, list(past_kv))
-        logits = self.logits(hidden[:, 1:])
+        first = 0 if self.spec.sample_from_anchor else 1
+        anchor = input_ids[:, 0]
+        if self.spec.kind == "dspark":
+            body = hidden if self.spec.markov_head_type == "rnn" else hidden[:, first:]
+            skipped = first if self.spec.markov_head_type == "rnn" else 0
+            logits, ids, sure = self._markov_chain(self.logits(body), body, anchor, skipped)
+            return (logits, ids, sure, *present)
+        logits = self.logits(hidden[:, first:])
+        if self.spec.kind == "dflash2":
+            candidates, scores, ids, chosen = self.candidate_selector.lattice(logits, hidden[:, first:], anchor)
+            rows = torch.cat([torch.zeros_like(chosen[:, :1]), chosen[:, :-1]], dim=1)  # each slot's previous pick
+            picked = scores.gather(2, rows[:, :, None, None].expand(-1, -1, 1, scores.shape[-1]))[:, :, 0]
+            sure = torch.softmax(picked, dim=-1).gather(2, chosen[:, :, None])[..., 0]
+            return (logits, ids, sure, candidates, scores, *present)
         return (logits, torch.argmax(logits, dim=-1), confidence(logits), *present)

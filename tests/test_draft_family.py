@@ -1,0 +1,229 @@
+"""DFlash2 and DSpark drafts (and DFlash in the speculators format) against their oracles on the same random
+weights: speculators' own model classes (its training forward for one anchor, its selector and Markov/confidence
+heads for the greedy chains) and, for z-lab's DFlash2 layout, the reference `dflash` package."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from speculators_reference import MODELS, SpeculatorModelConfig  # skips the module when the oracle is missing
+from transformers import AutoModelForCausalLM
+
+from exporter.models.draft import DraftSpec
+from exporter.pair import load_draft
+from exporter.tiny import TinySpec, build_pair
+from runtime.errors import DFlashError
+
+TAPS = [0, 1, 2]
+CASES = {
+    "dflash": TinySpec(draft_kind="dflash", draft_format="speculators"),
+    "dflash_sliding_causal": TinySpec(draft_kind="dflash", draft_format="speculators", draft_layers=2,
+                                      sliding_window=3),
+    "dflash2_k2_g16_top4": TinySpec(draft_kind="dflash2", draft_format="speculators"),
+    "dflash2_k3_g8_top8_sliding": TinySpec(draft_kind="dflash2", draft_format="speculators", draft_layers=2,
+                                           sliding_window=3, conv_kernel_size=3, conv_group_size=8,
+                                           selector_top_k=8, selector_rank=4),
+    "dflash2_k1_g64_b8": TinySpec(draft_kind="dflash2", draft_format="speculators", conv_kernel_size=1,
+                                  conv_group_size=64, block_size=8),
+    "dspark_vanilla": TinySpec(draft_kind="dspark", draft_format="speculators"),
+    "dspark_gated_sliding": TinySpec(draft_kind="dspark", draft_format="speculators", markov_head_type="gated",
+                                     draft_layers=2, sliding_window=3),
+    "dspark_rnn_not_from_anchor": TinySpec(draft_kind="dspark", draft_format="speculators",
+                                           markov_head_type="rnn", sample_from_anchor=False),
+    "dspark_confidence_alone": TinySpec(draft_kind="dspark", draft_format="speculators",
+                                        confidence_with_markov=False, markov_rank=4),
+}
+
+
+def _pair(name: str, tmp_path: Path):
+    spec = TinySpec(**{**CASES[name].__dict__, "target_layer_ids": TAPS})
+    target_dir, draft_dir = build_pair(spec, tmp_path)
+    return spec, AutoModelForCausalLM.from_pretrained(str(target_dir)).eval(), draft_dir
+
+
+def _oracle(draft_dir: Path, target):
+    """speculators' model class from the draft's config.json, with its weights and the target's embedding and
+    head."""
+    raw = json.loads((draft_dir / "config.json").read_text())
+    config = SpeculatorModelConfig.from_dict(raw)
+    config.transformer_layer_config._attn_implementation = "eager"
+    model = MODELS[raw["speculators_model_type"]](config)
+    head = target.get_output_embeddings().weight
+    state = {**load_file(str(draft_dir / "model.safetensors")),
+             "embed_tokens.weight": target.get_input_embeddings().weight, "lm_head.weight": head,
+             "verifier_lm_head.weight": head, "verifier_norm.weight": torch.ones(head.shape[1])}
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def _oracle_block(model, features, ids, anchor):
+    """The oracle's hidden states and logits of the block anchored at `anchor`, by its own training forward."""
+    length = features.shape[1]
+    loss_mask = torch.zeros(1, length, dtype=torch.long)
+    loss_mask[0, anchor] = 1
+    last_hidden = torch.zeros(1, length, features.shape[2] // len(TAPS))  # the training targets' input: unused here
+    hidden, logits, *_ = model._backbone_forward(features, ids, loss_mask, last_hidden,
+                                                 torch.zeros(1, length, dtype=torch.long), None, max_anchors=1)
+    return hidden, logits
+
+
+def _oracle_chain(model, kind, hidden, logits, anchor_id, first):
+    """The oracle's greedy proposals (and, for DSpark, their biased logits and confidences) from one block."""
+    anchor = torch.tensor([anchor_id])
+    if kind == "dflash":
+        return logits[:, first:], logits[0, first:].argmax(-1), None
+    if kind == "dflash2":
+        previous, ids = anchor, []
+        for slot in range(first, logits.shape[1]):
+            candidates, scores = model.candidate_selector.select(logits[:, slot], hidden[:, slot], previous)
+            previous = candidates.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+            ids.append(int(previous))
+        return logits[:, first:], torch.tensor(ids), None
+    head, config = model.markov_head, model.config
+    previous = [anchor_id] * (1 if config.sample_from_anchor else 2)  # slot 0 (and slot 1) follow the anchor
+    biased, ids, sure = [], [], []
+    for slot in range(first, logits.shape[1]):
+        prev = torch.tensor([previous[: slot + 1]])
+        row = logits[:, slot]
+        code = None
+        if head is not None:
+            row = row + head.block_bias(prev_token_ids=prev, hidden_states=hidden[:, : slot + 1])[:, -1]
+            code = head.prev_embeddings(prev[:, -1])
+        if model.confidence_head is not None:
+            features = torch.cat([hidden[:, slot], code], -1) if config.confidence_head_with_markov else hidden[:, slot]
+            sure.append(torch.sigmoid(model.confidence_head(features)))
+        ids.append(int(row.argmax(-1)))
+        previous.append(ids[-1])
+        biased.append(row)
+    return torch.stack(biased, 1), torch.tensor(ids), torch.cat(sure) if sure else None
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_draft_matches_speculators_on_a_first_and_a_cached_call(name, tmp_path):
+    spec, target, draft_dir = _pair(name, tmp_path)
+    ours, oracle = load_draft(draft_dir, target), _oracle(draft_dir, target)
+    kind, block = spec.draft_kind, spec.block_size
+    first = 0 if ours.spec.sample_from_anchor else 1
+    assert ours.spec.proposals(block) == block - first
+    torch.manual_seed(3)
+    length = 20
+    features = torch.randn(1, length, len(TAPS) * spec.hidden_size)
+    ids = torch.randint(0, spec.vocab_size - 1, (1, length))
+    past, seen = ours.empty_cache(), 0
+    for anchor in (6, 11):  # a first call reads a prompt's features; the later one a step's, over its cache
+        block_ids = torch.full((1, block), spec.vocab_size - 1)
+        block_ids[0, 0] = ids[0, anchor]
+        with torch.no_grad():
+            positions = torch.arange(seen, anchor + block)[None]
+            logits, got, sure, *rest = ours(block_ids, features[:, seen:anchor], positions, *past)
+            past = rest[2:] if kind == "dflash2" else rest
+            hidden, unary = _oracle_block(oracle, features, ids, anchor)
+            want_logits, want, want_sure = _oracle_chain(oracle, kind, hidden, unary, int(ids[0, anchor]), first)
+        seen = anchor
+        torch.testing.assert_close(logits, want_logits, atol=5e-5, rtol=1e-4)
+        assert got[0].tolist() == want.tolist()
+        if want_sure is not None:
+            torch.testing.assert_close(sure[0], want_sure, atol=1e-6, rtol=1e-5)
+        assert past[0].shape[1] == anchor
+
+
+def test_zlab_dflash2_matches_the_reference_package(tmp_path):
+    """z-lab's layout (a Qwen3 config with dflash_config; the selector's codebooks stored without `.weight`, as
+    published) against the reference package's own DFlash2 model and its propose()."""
+    from reference import dflash_model
+
+    spec = TinySpec(draft_kind="dflash2", target_layer_ids=TAPS, block_size=6, conv_kernel_size=3, conv_group_size=8)
+    target_dir, draft_dir = build_pair(spec, tmp_path)
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
+    ours = load_draft(draft_dir, target)
+    reference = dflash_model.DFlash2DraftModel.from_pretrained(str(draft_dir)).eval()
+    cache, past, start = dflash_model._make_cache(reference.config), ours.empty_cache(), 0
+    torch.manual_seed(2)
+    for context in (5, 3):
+        features = torch.randn(1, context, len(TAPS) * spec.hidden_size)
+        block = torch.full((1, spec.block_size), spec.vocab_size - 1)
+        block[0, 0] = int(torch.randint(0, 90, ()))
+        positions = torch.arange(start, start + context + spec.block_size)[None]
+        with torch.no_grad():
+            logits, got, _, _, _, *past = ours(block, features, positions, *past)
+            embed = dflash_model._raw_input_embeddings(target, block, 1.0)
+            hidden = reference(target_hidden=features, noise_embedding=embed, position_ids=positions,
+                               past_key_values=cache, use_cache=True)[:, 1:]
+            want, _, _ = reference.propose(hidden, block[:, 0], dflash_model._output_head(target), 0.0)
+        start += context
+        dflash_model._crop_to(cache, start)
+        torch.testing.assert_close(logits, reference.compute_logits(hidden, dflash_model._output_head(target)),
+                                   atol=5e-5, rtol=1e-4)
+        assert got.tolist() == want.tolist()
+
+
+def _config(**changes) -> dict:
+    raw = json.loads(json.dumps(TinySpec(draft_kind="dspark", draft_format="speculators").__dict__))
+    from exporter.tiny import _draft_config
+
+    config = _draft_config(TinySpec(**raw))
+    config.update(changes)
+    return config
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"draft_vocab_size": 32}, "reduced vocabulary"),
+    ({"aux_hidden_state_layer_ids": [0, 2]}, "taps the target's embeddings"),
+    ({"aux_hidden_state_layer_ids": None}, "needs aux_hidden_state_layer_ids"),
+    ({"speculators_model_type": "eagle3"}, "not a DFlash-family draft"),
+    ({"markov_head_type": "lstm"}, "markov_head_type 'lstm'"),
+    ({"block_size": 1}, "block_size must be an integer >= 2"),
+    ({"markov_rank": 0}, "confidence_head_with_markov needs markov_rank > 0"),
+])
+def test_speculators_configs_we_cannot_run_get_one_line(changes, message):
+    with pytest.raises(DFlashError, match=message):
+        DraftSpec.from_dict(_config(**changes))
+
+
+def test_speculators_taps_count_hidden_states_from_the_embeddings():
+    spec = DraftSpec.from_dict(_config(aux_hidden_state_layer_ids=[1, 3]))
+    assert spec.target_layer_ids == [0, 2] and spec.num_target_layers is None
+    assert spec.kind == "dspark" and spec.sample_from_anchor and spec.proposals(8) == 8
+
+
+def test_a_drafts_auto_map_is_data_its_code_never_runs(tmp_path):
+    """Published speculators drafts carry `auto_map` and the config class beside it: the config is read as JSON
+    and the shipped file is never imported (it would leave a mark)."""
+    spec, target, draft_dir = _pair("dspark_vanilla", tmp_path)
+    mark = tmp_path / "ran"
+    (draft_dir / "config.py").write_text(f"open({str(mark)!r}, 'w').write('ran')\n")
+    assert "auto_map" in json.loads((draft_dir / "config.json").read_text())
+    load_draft(draft_dir, target)
+    assert not mark.exists()
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+def test_exported_and_ort_lowered_drafts_decode_the_targets_greedy_tokens(kind, tmp_path):
+    """A speculators-format DFlash2 / DSpark draft exported (its selector or Markov chain inside the draft graph)
+    and lowered to ONNX Runtime: DFlash's tokens are the target's greedy tokens, HF's own greedy generate the
+    oracle; DSpark verifies block_size + 1 tokens a step (its anchor slot proposes too)."""
+    from exporter.export import export_pair
+    from exporter.models.target import hf_greedy
+    from targets import LowerRequest, open_decoder
+    from targets.ort.lower import lower_ort
+    from targets.ort.options import OrtOptions
+
+    spec = TinySpec(draft_kind=kind, draft_format="speculators", target_layer_ids=TAPS, block_size=6, agree=True,
+                    tie_embeddings=False)
+    target_dir, draft_dir = build_pair(spec, tmp_path)
+    manifest = export_pair(target_dir, draft_dir, tmp_path / "out", progress=False)
+    assert manifest.draft_kind == kind
+    assert manifest.verify_rows == (spec.block_size + 1 if kind == "dspark" else spec.block_size)
+    lower_ort(tmp_path / "out", tmp_path / "ort", OrtOptions(ctx_len=128), LowerRequest(progress=False))
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
+    for directory in ("out", "ort"):
+        decoder = open_decoder(tmp_path / directory)
+        for prompt in ([11, 22, 33, 44], [5, 9, 3]):
+            want = hf_greedy(target, prompt, 20, None)
+            assert decoder.generate(prompt, 20, "greedy", stop_token_ids=[]).tokens == want
+            result = decoder.generate(prompt, 20, "dflash", stop_token_ids=[], verify="full")
+            assert result.tokens == want
