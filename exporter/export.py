@@ -259,7 +259,7 @@ def export_pair(
                 attention_sinks=has_sinks(tapped.lm),
                 kv_shared_layers=tapped.num_layers - len(tapped.kv_shapes) - len(getattr(tapped, "linear", ())),
                 logit_softcapping=tapped.softcap,
-                draft_kind=spec.kind,
+                draft_kind=spec.kind, draft_layout=spec.layout,
                 draft_proposals=spec.proposals(block) if spec.sample_from_anchor else None,
             )
             manifest.save(tmp)

@@ -176,6 +176,7 @@ class Manifest:
     kv_shared_layers: int = 0
     logit_softcapping: float | None = None  # the target's logits are tanh(x / c) * c (Gemma), inside its graph
     draft_kind: str = "dflash"  # dflash, dflash2 (its selector in the graph) or dspark (its Markov chain)
+    draft_layout: str = "zlab"  # the draft checkpoint's config.json layout: zlab or speculators
     # tokens one draft call proposes: None is block_size - 1; block_size where the anchor's slot proposes too
     # (DSpark's sample_from_anchor), so a verify takes up to block_size + 1 tokens
     draft_proposals: int | None = None

@@ -59,6 +59,16 @@ def refuse_unbuilt(manifest: Manifest, target: str, title: str) -> None:
                           "lowering does not build yet; lower it with --target ort")
 
 
+def refuse_unbuilt_draft(manifest: Manifest, target: str, title: str) -> None:
+    """One line for a draft a re-exporting lowering (AI 100, CoreML: their own draft wrappers, built from z-lab's
+    config layout) has no form for yet: DFlash2, DSpark, or any draft in the speculators layout."""
+    if manifest.draft_kind != "dflash" or manifest.draft_layout != "zlab":
+        what = f"a {manifest.draft_kind} draft" if manifest.draft_kind != "dflash" else "a speculators-format draft"
+        others = "ort" if manifest.draft_kind == "dflash2" else "ort or mlx"  # MLX lacks the selector's TopK
+        raise DFlashError(f"lower --target {target}: this export has {what}, which the {title} lowering does not "
+                          f"re-export yet; lower it with --target {others}")
+
+
 def decode_seconds(manifest: Manifest, target: Session) -> float:
     """One decode call's wall time on the lowered `target`; a first call over a second (compiling included) is
     timed again."""

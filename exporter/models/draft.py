@@ -63,6 +63,7 @@ class DraftSpec:
     sample_from_anchor: bool = False  # the anchor's slot proposes too: block_size proposals, not block_size - 1
     sliding_causal: bool = True  # a sliding layer's block queries see only the slots up to their own
     window_from_anchor: bool = False  # a sliding layer's window counts back from the anchor, not from each query
+    layout: str = "zlab"  # the config.json's layout: zlab or speculators
 
     def proposals(self, block_size: int) -> int:
         """Tokens one draft call proposes with a block of `block_size` slots."""
@@ -331,24 +332,24 @@ class DFlashDraft(nn.Module):
         """DSpark's greedy chain: each proposal's logits plus the Markov bias of the token before it (the anchor,
         then the previous proposal), and the confidence head's prediction for it. `skipped`: leading slots that
         propose nothing but still advance an rnn head's state (their previous token is the anchor)."""
-        head, previous, state = getattr(self, "markov_head", None), anchor, None
+        head, previous, state = getattr(self, "markov_head", None), anchor[:, None], None
         biased, ids, confident = [], [], []
-        for slot in range(hidden.shape[1]):
-            code = None
-            row = logits[:, slot]
+        for slot in range(hidden.shape[1]):  # each slot kept as a [batch, 1, ...] slice: MatMul, never Gemm
+            code, here = None, hidden[:, slot : slot + 1]
+            row = logits[:, slot : slot + 1]
             if head is not None:
-                bias, code, state = head.step(previous, hidden[:, slot], state)
+                bias, code, state = head.step(previous, here, state)
                 row = row + bias.to(row.dtype)
             if slot >= skipped:
                 if hasattr(self, "confidence_head"):
-                    features = hidden[:, slot] if code is None or not self.spec.confidence_with_markov else \
-                        torch.cat([hidden[:, slot], code.to(hidden.dtype)], dim=-1)
+                    features = here if code is None or not self.spec.confidence_with_markov else \
+                        torch.cat([here, code.to(hidden.dtype)], dim=-1)
                     confident.append(self.confidence_head(features))
                 previous = torch.argmax(row, dim=-1)
                 biased.append(row)
                 ids.append(previous)
-        logits = torch.stack(biased, 1)
-        return logits, torch.stack(ids, 1), torch.stack(confident, 1) if confident else confidence(logits)
+        logits = torch.cat(biased, 1)
+        return logits, torch.cat(ids, 1), torch.cat(confident, 1) if confident else confidence(logits)
 
     def forward(self, input_ids, target_hidden, position_ids, *past_kv):
         """Graph signature: logits, the greedy proposals and their confidence for the proposing slots (1.., or

@@ -61,6 +61,7 @@ def speculators_fields(raw: dict) -> dict:
         input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=None, kind=kind,
         sample_from_anchor=bool(raw.get("sample_from_anchor", kind == "dspark")),
         sliding_causal=not bool(raw.get("sliding_window_non_causal", kind == "dflash2")), window_from_anchor=True,
+        layout="speculators",
     )
     if kind == "dflash2":
         fields.update({name: _integer(raw, name) for name in DFLASH2_KEYS})

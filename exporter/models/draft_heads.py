@@ -92,7 +92,7 @@ class MarkovHead(nn.Module):
             self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
     def step(self, previous: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None):
-        """previous [b] ids, hidden [b, H]: (bias [b, V], the previous token's code [b, r], the rnn state)."""
+        """previous [..] ids, hidden [.., H]: (bias [.., V], the previous token's code [.., r], the rnn state)."""
         code = self.markov_w1(previous)
         if self.kind == "gated":
             mixed = torch.sigmoid(self.gate_proj(torch.cat([hidden, code], dim=-1))) * code

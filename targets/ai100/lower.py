@@ -36,7 +36,7 @@ from runtime.manifest import Lowering, Manifest
 from targets.fp16_calibration import calibrate_for_fp16
 
 from ..backend import LowerRequest
-from ..lowering import lowered_output, refuse_unbuilt, start_lowering
+from ..lowering import lowered_output, refuse_unbuilt, refuse_unbuilt_draft, start_lowering
 from .compiler import (
     check_graph,
     compile_commands,
@@ -186,6 +186,7 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options | None = None,
     options, request = options or Ai100Options(), request or LowerRequest()
     manifest, (target_dir, draft_dir) = start_lowering(source, out, options, request, reexport=True)
     refuse_unbuilt(manifest, "ai100", "Cloud AI 100")
+    refuse_unbuilt_draft(manifest, "ai100", "Cloud AI 100")
     out = Path(out)
     stages = Stages(6, enabled=request.progress)
     compiler = find_compiler()

@@ -40,7 +40,7 @@ from runtime.manifest import GraphSpec, Lowering, Manifest, TensorSpec
 from targets.fp16_calibration import calibrate_for_fp16
 
 from ..backend import LowerRequest
-from ..lowering import lowered_output, refuse_unbuilt, start_lowering
+from ..lowering import lowered_output, refuse_unbuilt, refuse_unbuilt_draft, start_lowering
 from .check import PART_OUTPUTS, check_packages
 from .options import CoremlOptions
 from .session import import_coremltools, part_functions, target_parts
@@ -166,6 +166,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     ct = import_coremltools()
     manifest, (target_dir, draft_dir) = start_lowering(source, out, options, request, reexport=True)
     refuse_unbuilt(manifest, "coreml", "CoreML")
+    refuse_unbuilt_draft(manifest, "coreml", "CoreML")
     block, chunk = manifest.block_size, options.prefill_len
     parts = target_parts(manifest.target.num_layers, options.layers_per_part)
     prefill = {"prefill": chunk} if chunk != block else {}  # --prefill-len equal to the block: verify's function
