@@ -20,7 +20,7 @@ from .errors import DFlashError
 from .manifest import CostModel, Manifest
 from .policy import VerifyPolicy
 from .runners import open_runners
-from .sampling import SamplingParams, rejection_sample, sample_rows, sampling_probs
+from .sampling import SamplingParams, rejection_sample, sample_rows, sample_selector_chain, sampling_probs
 from .session import Session
 
 MODES = ("dflash", "greedy")
@@ -180,6 +180,11 @@ class Decoder:
                 pending = None
                 if greedy:
                     proposed, confidence = proposal.ids[:most], proposal.confidence
+                elif proposal.candidate_scores is not None:  # DFlash2: along its selector, each draw the next row
+                    proposed, draft_probs = sample_selector_chain(proposal.candidates[:most],
+                                                                  proposal.candidate_scores[:most],
+                                                                  self.manifest.vocab_size, sampling, rng)
+                    confidence = proposal.confidence  # the greedy chain's: the policy never reads the draws
                 else:  # the policy reads the distributions, never the draws: rejection sampling stays exact
                     draft_probs = sampling_probs(proposal.logits[:most], sampling)
                     proposed, confidence = sample_rows(draft_probs, rng), draft_probs.max(axis=-1)

@@ -46,23 +46,32 @@ class TargetStep:
 
 @dataclass
 class Proposal:
-    """The draft's block: its argmax ids, the probability of each (None when the graph predates
-    `draft_confidence`), and its logits when asked for."""
+    """The draft's block: its greedy ids, the confidence in each (None when the graph predates
+    `draft_confidence`), and its logits when asked for; a DFlash2 draft's selector lattice with them (each
+    proposal's candidates [P, k] and their scores after each previous candidate [P, k, k])."""
 
     ids: np.ndarray
     confidence: np.ndarray | None
     logits: np.ndarray | None
+    candidates: np.ndarray | None = None
+    candidate_scores: np.ndarray | None = None
+
+
+SELECTOR_OUTPUTS = ["candidates", "candidate_scores"]
 
 
 def _draft_names(graph: GraphSpec, want_logits: bool) -> list[str]:
-    confidence = ["draft_confidence"] if "draft_confidence" in graph.output_names() else []
-    return ["draft_ids", *confidence, *(["logits"] if want_logits else [])]
+    names = graph.output_names()
+    confidence = ["draft_confidence"] if "draft_confidence" in names else []
+    selector = SELECTOR_OUTPUTS if want_logits and SELECTOR_OUTPUTS[-1] in names else []
+    return ["draft_ids", *confidence, *(["logits", *selector] if want_logits else [])]
 
 
 def _proposal(out: dict[str, np.ndarray]) -> Proposal:
     confidence = out.get("draft_confidence")
+    lattice = [out[name][0] if name in out else None for name in SELECTOR_OUTPUTS]
     return Proposal(out["draft_ids"][0], None if confidence is None else confidence[0].astype(np.float64),
-                    out["logits"][0] if "logits" in out else None)
+                    out["logits"][0] if "logits" in out else None, *lattice)
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray | None:

@@ -65,6 +65,25 @@ def sample_rows(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return picks.reshape(probs.shape[:-1])
 
 
+def sample_selector_chain(candidates: np.ndarray, scores: np.ndarray, vocab: int, params: SamplingParams,
+                          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """DFlash2's proposals sampled along its selector: position j's distribution is over its candidates
+    [P, k], scored after the candidate sampled at j - 1 (`scores` [P, k, k]: row i follows candidate i of the
+    position before; position 0's rows all follow the anchor), through temperature, top-k and top-p. Returns the
+    tokens [P] and each position's distribution over the vocabulary [P, V] (zero outside its candidates), which
+    rejection sampling needs."""
+    tokens, rows, row = [], [], 0
+    for position in range(len(candidates)):
+        logits = np.full(vocab, -np.inf)
+        logits[candidates[position]] = scores[position, row]
+        probs = sampling_probs(logits, params)
+        token = int(sample_rows(probs, rng))
+        row = int(np.flatnonzero(candidates[position] == token)[0])
+        tokens.append(token)
+        rows.append(probs)
+    return np.asarray(tokens, np.int64), np.asarray(rows)
+
+
 def rejection_sample(
     draft_tokens: np.ndarray, target_probs: np.ndarray, draft_probs: np.ndarray, rng: np.random.Generator
 ) -> tuple[int, int]:

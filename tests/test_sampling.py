@@ -14,6 +14,7 @@ from runtime.sampling import (
     SamplingParams,
     rejection_sample,
     sample_rows,
+    sample_selector_chain,
     sampling_probs,
 )
 
@@ -58,6 +59,36 @@ def test_rejection_sampling_output_follows_target_distribution():
         accepted_counts.append(accepted)
     assert _chi_square_p(np.array(firsts), target[0]) > 1e-3
     assert 0 < np.mean(accepted_counts) < 2  # both acceptance and rejection paths ran
+
+
+def test_dflash2_selector_chain_samples_each_position_after_the_drawn_one():
+    """Position 1's distribution is the lattice row of the candidate drawn at position 0 (z-lab's selector
+    sampling), zero outside its candidates; the pairs drawn follow the chained distribution, and the second
+    token through rejection sampling still has the target's distribution."""
+    rng = np.random.default_rng(4)
+    vocab, params = 8, SamplingParams(temperature=0.9)
+    candidates = np.array([[1, 4, 6], [2, 4, 7]])
+    scores = rng.normal(size=(2, 3, 3)) * 1.5
+    scores[0] = scores[0, 0]  # position 0's rows all follow the anchor
+    first = sampling_probs(np.where(np.isin(np.arange(vocab), candidates[0]), 0.0, -np.inf) +
+                           np.bincount(candidates[0], scores[0, 0], vocab), params)
+    pairs, seconds = [], []
+    target = rng.dirichlet(np.ones(vocab), size=3)
+    for _ in range(6000):
+        tokens, probs = sample_selector_chain(candidates, scores, vocab, params, rng)
+        row = int(np.flatnonzero(candidates[0] == tokens[0])[0])
+        want = np.zeros(vocab)
+        want[candidates[1]] = np.exp(scores[1, row] / 0.9) / np.exp(scores[1, row] / 0.9).sum()
+        np.testing.assert_allclose(probs[1], want, atol=1e-12)
+        np.testing.assert_allclose(probs[0], first, atol=1e-12)
+        pairs.append(3 * row + int(np.flatnonzero(candidates[1] == tokens[1])[0]))
+        accepted, bonus = rejection_sample(tokens, target, probs, rng)
+        if accepted >= 1:
+            seconds.append(tokens[1] if accepted >= 2 else bonus)
+    chained = np.concatenate([first[candidates[0][i]] * np.exp(scores[1, i] / 0.9) / np.exp(scores[1, i] / 0.9).sum()
+                              for i in range(3)])
+    assert _chi_square_p(np.array(pairs), chained) > 1e-3
+    assert _chi_square_p(np.array(seconds), target[1]) > 1e-3
 
 
 def test_dflash_ort_sampling_matches_target_distribution(exported, decoders):
