@@ -283,7 +283,10 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
     if "reference" in names:
         draft = load_reference_draft(draft_dir, dtype)
         if draft is None:
-            raise DFlashError("peer 'reference' needs the reference package: pip install --no-deps dflash==0.1.0")
+            why = (f"this is a {manifest.draft_kind} draft in the speculators format" if
+                   manifest.draft_layout != "zlab" else "it is not installed")
+            raise DFlashError("peer 'reference' runs z-lab's DFlash and DFlash2 drafts with the reference package "
+                              f"(pip install --no-deps dflash==0.1.0): {why}")
         for block in (1, manifest.block_size):
             if progress:
                 print(f"peers: reference block {block} ...", file=sys.stderr, flush=True)

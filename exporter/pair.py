@@ -264,13 +264,17 @@ def load_tapped_pair(target_dir: Path, draft_dir: Path, target_layer_ids: list[i
 
 def load_reference_draft(draft_dir: Path, dtype: str = "float32") -> nn.Module | None:
     """The reference `dflash` package's draft on the same checkpoint (an oracle: parity, bench peers), from
-    safetensors only; None when the package is not installed."""
+    safetensors only; None when the package is not installed or does not run this draft (it runs z-lab's DFlash
+    and DFlash2 layouts: not the speculators format, not DSpark)."""
     try:
-        from dflash import DFlashDraftModel
+        from dflash.model import DFlash2DraftModel, DFlashDraftModel
     except ImportError:
         return None
-    read_config(draft_dir, "draft")
+    spec = DraftSpec.from_dir(Path(draft_dir))
+    if spec.layout != "zlab":
+        return None
     weight_files(draft_dir, "draft")
-    model = DFlashDraftModel.from_pretrained(str(draft_dir), dtype=DTYPES[dtype], local_files_only=True,
-                                             use_safetensors=True, trust_remote_code=False)
+    model_class = DFlash2DraftModel if spec.kind == "dflash2" else DFlashDraftModel
+    model = model_class.from_pretrained(str(draft_dir), dtype=DTYPES[dtype], local_files_only=True,
+                                        use_safetensors=True, trust_remote_code=False)
     return model.eval()

@@ -241,3 +241,17 @@ def test_exported_and_ort_lowered_drafts_decode_the_targets_greedy_tokens(kind, 
             assert decoder.generate(prompt, 20, "greedy", stop_token_ids=[]).tokens == want
             result = decoder.generate(prompt, 20, "dflash", stop_token_ids=[], verify="full")
             assert result.tokens == want
+
+
+def test_the_reference_peer_runs_zlab_layouts_only(tmp_path):
+    """parity and `bench --peers reference` load the reference package's class for z-lab's DFlash2 layout, and
+    have no reference for a speculators-format draft (the package cannot read it)."""
+    from reference import dflash_model
+
+    from exporter.pair import load_reference_draft
+
+    _, zlab = build_pair(TinySpec(draft_kind="dflash2", target_layer_ids=TAPS), tmp_path / "zlab")
+    assert isinstance(load_reference_draft(zlab), dflash_model.DFlash2DraftModel)
+    _, speculators = build_pair(TinySpec(draft_kind="dflash2", draft_format="speculators", target_layer_ids=TAPS),
+                                tmp_path / "speculators")
+    assert load_reference_draft(speculators) is None
