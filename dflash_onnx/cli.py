@@ -15,7 +15,9 @@ from runtime.errors import DFlashError
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `dflash-onnx export`, shared with `optimum-cli export dflash`."""
     parser.add_argument("--target", type=Path, required=True, help="Hugging Face target model directory")
-    parser.add_argument("--draft", type=Path, required=True, help="DFlash draft directory (config.json + safetensors)")
+    parser.add_argument("--draft", type=Path, required=True,
+                        help="DFlash, DFlash2 or DSpark draft directory (config.json in z-lab's or the speculators "
+                             "layout + safetensors)")
     parser.add_argument("--out", type=Path, required=True, help="output directory (created atomically)")
     parser.add_argument("--block-size", type=int, help="draft block size (default: the draft's trained one)")
     parser.add_argument("--allow-longer-block", action="store_true", help="allow a block above the trained size")
