@@ -64,9 +64,8 @@ def refuse_unbuilt_draft(manifest: Manifest, target: str, title: str) -> None:
     config layout) has no form for yet: DFlash2, DSpark, or any draft in the speculators layout."""
     if manifest.draft_kind != "dflash" or manifest.draft_layout != "zlab":
         what = f"a {manifest.draft_kind} draft" if manifest.draft_kind != "dflash" else "a speculators-format draft"
-        others = "ort" if manifest.draft_kind == "dflash2" else "ort or mlx"  # MLX lacks the selector's TopK
         raise DFlashError(f"lower --target {target}: this export has {what}, which the {title} lowering does not "
-                          f"re-export yet; lower it with --target {others}")
+                          "re-export yet; lower it with --target ort or mlx")
 
 
 def decode_seconds(manifest: Manifest, target: Session) -> float:

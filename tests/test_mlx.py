@@ -201,6 +201,43 @@ def test_half_precision_quantized_matmuls_keep_float_accuracy_on_the_cpu(dtype):
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-2
 
 
+def test_the_selector_ops_match_onnx_runtime():
+    """TopK, GatherElements, Einsum and Pad (DFlash2's candidate selector and convolutions), on the device and on
+    the host, against ONNX Runtime running the same one-node graphs."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from targets.mlx.ops import OPS
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 40)).astype(np.float32)
+    index = rng.integers(0, 40, size=(2, 5, 3)).astype(np.int64)
+    a, b = rng.normal(size=(2, 5, 3, 4)).astype(np.float32), rng.normal(size=(2, 5, 4)).astype(np.float32)
+    cases = [
+        ("TopK", [x, np.array([6], np.int64)], {"axis": -1}, 2),
+        ("GatherElements", [x, index], {"axis": 2}, 1),
+        ("Einsum", [a, b], {"equation": "bpir,bpr->bpi"}, 1),
+        ("Pad", [x, np.array([0, 2, 0, 0, 0, 0], np.int64)], {"mode": "constant"}, 1),
+        ("Pad", [x, np.array([1, 3], np.int64), np.array(0.5, np.float32), np.array([1], np.int64)], {}, 1),
+    ]
+    for op, inputs, attrs, outputs in cases:
+        names, results = [f"i{n}" for n in range(len(inputs))], [f"o{n}" for n in range(outputs)]
+        node = helper.make_node(op, names, results, **attrs)
+        typed = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                 for n, v in zip(names, inputs)]
+        kinds = [TensorProto.FLOAT, TensorProto.INT64][:outputs]
+        graph = helper.make_graph([node], "g", typed, [helper.make_tensor_value_info(n, kind, None)
+                                                       for n, kind in zip(results, kinds)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, dict(zip(names, inputs)))
+        decoded = {k: v.encode() if isinstance(v, str) else v for k, v in attrs.items()}
+        for world in (lambda v: v, lambda v: mx.array(v) if v.ndim > 1 else v):  # host, then device
+            got = OPS[("", op)]([world(v) for v in inputs], decoded)
+            for have, expected in zip(got, want):
+                np.testing.assert_allclose(np.array(have), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_new_call_shapes_do_not_copy_the_weights(mlx_lowered):
     """Compiled runs capture the weights as constants: loaded lazily (mx.load), each call shape's trace loaded its
     own copy (+1.5 GB per new verify size at the Qwen3-4B shape); the session loads them once when it opens."""

@@ -230,6 +230,48 @@ def _argmax(inputs, attrs):
     return [np.argmax(x, axis=axis, keepdims=keep).astype(np.int64)]
 
 
+def _top_k(inputs, attrs):
+    """TopK along the last axis, largest first, sorted (DFlash2's candidates): values and int64 indices."""
+    x, k = inputs
+    k, axis = int(host(k).reshape(-1)[0]), attrs.get("axis", -1)
+    if axis not in (-1, x.ndim - 1) or not attrs.get("largest", 1):
+        raise NotImplementedError("TopK other than the largest along the last axis")
+    if isinstance(x, mx.array):
+        order = mx.argsort(-x, axis=-1)[..., :k]
+        return [mx.take_along_axis(x, order, axis=-1), order.astype(mx.int64)]
+    order = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+    return [np.take_along_axis(x, order, axis=-1), order.astype(np.int64)]
+
+
+def _gather_elements(inputs, attrs):
+    data, indices = _both(*inputs)
+    xp = _xp(data)
+    return [xp.take_along_axis(data, indices.astype(mx.int32 if xp is mx else np.int64), axis=attrs.get("axis", 0))]
+
+
+def _einsum(inputs, attrs):
+    equation = attrs["equation"]
+    equation = equation.decode() if isinstance(equation, bytes) else equation
+    values = _both(*inputs)
+    return [_xp(*values).einsum(equation, *values)]
+
+
+def _pad(inputs, attrs):
+    """Pad, constant mode, pads as an input (opset 18), optionally with axes."""
+    x, pads, value, axes = (inputs + [None] * 3)[:4]
+    if attrs.get("mode", b"constant") not in (b"constant", "constant"):
+        raise NotImplementedError("Pad other than constant")
+    pads = host(pads).astype(np.int64).tolist()
+    axes = list(range(x.ndim)) if axes is None else [a % x.ndim for a in host(axes).tolist()]
+    width = [(0, 0)] * x.ndim
+    for index, axis in enumerate(axes):
+        width[axis] = (pads[index], pads[index + len(axes)])
+    fill = 0 if value is None else host(value).reshape(-1)[0].item()
+    if isinstance(x, mx.array):
+        return [mx.pad(x, width, constant_values=fill)]
+    return [np.pad(x, width, constant_values=fill)]
+
+
 def _rotate(x, cos, sin, interleaved: bool):
     """Rotate the last axis of x (its first 2*cos.shape[-1] entries) by cos/sin broadcast to x."""
     half = cos.shape[-1]
@@ -493,6 +535,10 @@ OPS: dict[tuple[str, str], Callable] = {
     ("", "Where"): _where,
     ("", "Range"): _range,
     ("", "ArgMax"): _argmax,
+    ("", "TopK"): _top_k,
+    ("", "GatherElements"): _gather_elements,
+    ("", "Einsum"): _einsum,
+    ("", "Pad"): _pad,
     ("", "RotaryEmbedding"): lambda inputs, attrs: _rotary(inputs, attrs, contrib=False),
     ("com.microsoft", "RotaryEmbedding"): lambda inputs, attrs: _rotary(inputs, attrs, contrib=True),
     ("", "SimplifiedLayerNormalization"): _rms_norm,
