@@ -96,6 +96,12 @@ def share_initializers(
         return tuple(dims), data_type, hashlib.sha256(payload).hexdigest()
 
     by_content = {key(t.dims, t.data_type, _read(out, t)): t for t in target.graph.initializer if vocab_sized(t)}
+    shapes = {dims for dims, _, _ in by_content}
+
+    def shareable(t: onnx.TensorProto) -> bool:
+        """Vocab-sized and shaped like a target tensor (or its transpose): not one of the draft's own, such as
+        DSpark's Markov factors [vocab, rank], which the exporter may rename when it transposes them."""
+        return vocab_sized(t) and (tuple(t.dims) in shapes or tuple(t.dims)[::-1] in shapes)
     old_data, new_data = out / f"{draft_file}.data", out / f"{draft_file}.data.tmp"
     shared: dict[str, str] = {}
     unshared, transposes = [], []
@@ -106,7 +112,7 @@ def share_initializers(
             if tensor.data_location != onnx.TensorProto.EXTERNAL:
                 continue
             payload = _read(out, tensor)
-            if vocab_sized(tensor):
+            if shareable(tensor):
                 same = by_content.get(key(tensor.dims, tensor.data_type, payload))
                 flipped = None
                 if same is None and len(tensor.dims) == 2:

@@ -104,7 +104,9 @@ def test_share_initializers_reads_a_pre_transposed_copy_through_transpose(tmp_pa
         [numpy_helper.from_array(weight, "W")]), opset_imports=[helper.make_opsetid("", 18)])
     draft = helper.make_model(helper.make_graph(
         [helper.make_node("MatMul", ["x", "WT"], ["y"])], "d", [x], [y],
-        [numpy_helper.from_array(weight.T.copy(), "WT"), numpy_helper.from_array(np.ones(7, np.float32), "own")]),
+        [numpy_helper.from_array(weight.T.copy(), "WT"), numpy_helper.from_array(np.ones(7, np.float32), "own"),
+         numpy_helper.from_array(np.ones((vocab, 3), np.float32), "val_9"),  # vocab-sized, the draft's own shape
+         numpy_helper.from_array(weight + 1, "stale")]),  # the target's shape, other bytes: stored twice, said
         opset_imports=[helper.make_opsetid("", 18)])
     _save_external(target, tmp_path / "target.onnx")
     _save_external(draft, tmp_path / "draft.onnx")
@@ -113,8 +115,9 @@ def test_share_initializers_reads_a_pre_transposed_copy_through_transpose(tmp_pa
 
     shared, unshared = share_initializers(tmp_path, "draft.onnx", "target.onnx", vocab)
 
-    assert shared == {"WT": "W"} and unshared == []
-    assert (tmp_path / "draft.onnx.data").stat().st_size < weight.nbytes  # only `own` is left
+    assert shared == {"WT": "W"} and unshared == ["stale"]
+    kept = 7 * 4 + vocab * 3 * 4 + weight.nbytes  # `own`, `val_9` and `stale` (aligned), not a copy of W
+    assert (tmp_path / "draft.onnx.data").stat().st_size < kept + weight.nbytes
     rewritten = onnx.load(str(tmp_path / "draft.onnx"), load_external_data=False)
     assert rewritten.graph.node[0].op_type == "Transpose"
     after = ort.InferenceSession(str(tmp_path / "draft.onnx")).run(None, feed)[0]
