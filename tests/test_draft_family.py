@@ -214,7 +214,7 @@ def test_exported_and_ort_lowered_drafts_decode_the_targets_greedy_tokens(kind, 
     from targets.ort.options import OrtOptions
 
     spec = TinySpec(draft_kind=kind, draft_format="speculators", target_layer_ids=TAPS, block_size=8, agree=True,
-                    tie_embeddings=False)
+                    tie_embeddings=False, draft_layers=2, sliding_window=3)  # a window counted from the anchor
     target_dir, draft_dir = build_pair(spec, tmp_path)
     manifest = export_pair(target_dir, draft_dir, tmp_path / "out", progress=False)
     assert manifest.draft_kind == kind
@@ -230,6 +230,7 @@ def test_exported_and_ort_lowered_drafts_decode_the_targets_greedy_tokens(kind, 
     assert main(["lower", str(tmp_path / "out"), "--target", "mlx", "--out", str(tmp_path / "mlx")]) == 0
     directories = ["out", "ort", "mlx"]
     target = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
+    committed = []
     for directory in directories:
         decoder = open_decoder(tmp_path / directory)
         for prompt in ([11, 22, 33, 44], [5, 9, 3]):
@@ -237,6 +238,8 @@ def test_exported_and_ort_lowered_drafts_decode_the_targets_greedy_tokens(kind, 
             assert decoder.generate(prompt, 20, "greedy", stop_token_ids=[]).tokens == want
             result = decoder.generate(prompt, 20, "dflash", stop_token_ids=[], verify="full")
             assert result.tokens == want
+            committed += result.acceptance_lengths
+    assert max(committed) > 1  # proposals were accepted, not only rejected
 
 
 def test_the_reference_peer_runs_zlab_layouts_only(tmp_path):
