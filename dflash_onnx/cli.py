@@ -244,10 +244,13 @@ def _distill(args) -> int:
     options = DistillOptions(block_size=args.block_size, draft_layers=args.draft_layers, target_layer_ids=tapped,
                              steps=args.steps, time_budget_min=args.time_budget, seed=args.seed, lr=args.lr,
                              num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
-                             new_tokens=args.new_tokens)
+                             new_tokens=args.new_tokens, draft_type=args.draft_type,
+                             conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
+                             selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+                             markov_rank=args.markov_rank, markov_head_type=args.markov_head)
     report = distill(args.target, args.out, options, data_paths=args.data, prompts_file=args.prompts,
                      resume=args.resume, progress=not args.quiet)
-    print(f"wrote {args.out}: {report['steps']} steps in {report['seconds']} s; held-out tau "
+    print(f"wrote {args.out} ({args.draft_type}): {report['steps']} steps in {report['seconds']} s; held-out tau "
           f"{report['tau_before']:.2f} -> {report['tau_after']:.2f} (block {args.block_size})")
     return 0
 
@@ -494,13 +497,24 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--json", action="store_true")
     parity.set_defaults(func=_parity)
 
-    distill = commands.add_parser("distill", help="train a DFlash draft for a frozen target")
+    distill = commands.add_parser("distill", help="train a DFlash, DFlash2 or DSpark draft for a frozen target")
     distill.add_argument("--target", type=Path, required=True, help="target checkpoint (HF layout, tokenizer.json)")
     distill.add_argument("--out", type=Path, required=True, help="draft directory to write (published layout)")
     distill.add_argument("--data", type=Path, nargs="+", help="text files or directories: prompts are random windows")
     distill.add_argument("--prompts", type=Path, help="a file with one prompt per line")
     distill.add_argument("--block-size", type=int, default=16)
     distill.add_argument("--draft-layers", type=int, default=1)
+    distill.add_argument("--draft-type", choices=["dflash", "dflash2", "dspark"], default="dflash",
+                         help="dflash (z-lab's layout), dflash2 (its convolutions and candidate selector, z-lab's "
+                              "layout) or dspark (Markov and confidence heads, speculators' format)")
+    heads = distill.add_argument_group("DFlash2 and DSpark sizes (speculators' defaults)")
+    heads.add_argument("--conv-kernel-size", type=int, default=2, help="DFlash2: taps of each convolution")
+    heads.add_argument("--conv-group-size", type=int, default=16, help="DFlash2: channels sharing a per-token delta")
+    heads.add_argument("--selector-rank", type=int, default=256, help="DFlash2: the selector's pairwise rank")
+    heads.add_argument("--selector-top-k", type=int, default=16, help="DFlash2: candidates re-scored per position")
+    heads.add_argument("--markov-rank", type=int, default=256, help="DSpark: the Markov bias's rank (0: none)")
+    heads.add_argument("--markov-head", choices=["vanilla", "gated", "rnn"], default="vanilla",
+                       help="DSpark: the Markov head's kind")
     distill.add_argument("--target-layers-tapped", default="auto", help="auto (the reference's rule) or 1,5,9")
     length = distill.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="optimizer steps (default 1000)")

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from .models.draft import DFlashDraft, DraftSpec
+from .models.draft_formats import speculators_config
 
 
 @dataclass
@@ -180,41 +181,19 @@ def _target_config(spec: TinySpec) -> dict:
 
 
 def _speculators_config(spec: TinySpec) -> dict:
-    """The draft's config.json in the speculators format (as its save_pretrained writes it, minus bookkeeping)."""
-    layer = {key: value for key, value in _zlab_config(spec).items()
-             if key not in ("architectures", "num_target_layers", "dflash_config", "is_causal")}
-    if spec.sliding_window is not None:
-        layer["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                for i in range(spec.draft_layers)]
-    else:
-        layer["layer_types"] = ["full_attention"] * spec.draft_layers
-    layer["rope_parameters"] = {"rope_theta": layer.pop("rope_theta"), "rope_type": "default"}
+    """The draft's config.json in the speculators format."""
     kind = spec.draft_kind
-    config = {
-        "architectures": [{"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel",
-                           "dspark": "DSparkDraftModel"}[kind]],
-        "auto_map": {"": f"config.{ {'dflash': 'DFlash', 'dflash2': 'DFlash2', 'dspark': 'DSpark'}[kind]}"
-                         "SpeculatorConfig"},
-        "speculators_model_type": kind, "transformer_layer_config": layer, "draft_vocab_size": spec.vocab_size,
-        "block_size": spec.block_size, "aux_hidden_state_layer_ids": [i + 1 for i in spec.target_layer_ids],
-        "mask_token_id": spec.vocab_size - 1, "target_hidden_size": None, "tie_word_embeddings": False,
-        "sample_from_anchor": kind == "dspark" if spec.sample_from_anchor is None else spec.sample_from_anchor,
-        "sliding_window_non_causal": (kind == "dflash2" if spec.sliding_window_non_causal is None
-                                      else spec.sliding_window_non_causal),
-    }
-    config["speculators_config"] = {
-        "algorithm": kind, "default_proposal_method": "greedy",
-        "proposal_methods": [{"proposal_type": "greedy", "verifier_accept_k": 1, "accept_tolerance": 0.0,
-                              "speculative_tokens": spec.block_size - 1 + config["sample_from_anchor"]}],
-        "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": None}}
+    heads = {}
     if kind == "dflash2":
-        config.update(conv_kernel_size=spec.conv_kernel_size, conv_group_size=spec.conv_group_size,
-                      selector_rank=spec.selector_rank, selector_top_k=spec.selector_top_k)
+        heads = dict(conv_kernel_size=spec.conv_kernel_size, conv_group_size=spec.conv_group_size,
+                     selector_rank=spec.selector_rank, selector_top_k=spec.selector_top_k)
     if kind == "dspark":
-        config.update(markov_rank=spec.markov_rank, markov_head_type=spec.markov_head_type,
-                      enable_confidence_head=spec.confidence_head,
-                      confidence_head_with_markov=spec.confidence_with_markov)
-    return config
+        heads = dict(markov_rank=spec.markov_rank, markov_head_type=spec.markov_head_type,
+                     enable_confidence_head=spec.confidence_head,
+                     confidence_head_with_markov=spec.confidence_with_markov)
+    from_anchor = kind == "dspark" if spec.sample_from_anchor is None else spec.sample_from_anchor
+    non_causal = kind == "dflash2" if spec.sliding_window_non_causal is None else spec.sliding_window_non_causal
+    return speculators_config(_zlab_config(spec), kind, heads, from_anchor, non_causal)
 
 
 def _draft_config(spec: TinySpec) -> dict:

@@ -71,7 +71,7 @@ def test_resume_continues_an_interrupted_run(tiny_target, tmp_path, monkeypatch)
     root, target_dir = tiny_target
     monkeypatch.setenv("DFLASH_ONNX_CACHE", str(root / "cache"))
     options = {**OPTIONS, "steps": 40, "eval_every": 20}
-    original = distill_module.blocks.weighted_loss
+    original = distill_module.objectives.draft_loss
     calls = {"n": 0}
 
     def interrupt_after_30_steps(*args):
@@ -80,7 +80,7 @@ def test_resume_continues_an_interrupted_run(tiny_target, tmp_path, monkeypatch)
             raise KeyboardInterrupt
         return original(*args)
 
-    monkeypatch.setattr(distill_module.blocks, "weighted_loss", interrupt_after_30_steps)
+    monkeypatch.setattr(distill_module.objectives, "draft_loss", interrupt_after_30_steps)
     with pytest.raises(KeyboardInterrupt):
         distill(target_dir, tmp_path / "draft", DistillOptions(**options, checkpoint_every=25),
                 prompts_file=root / "prompts.txt", progress=False)
@@ -89,7 +89,7 @@ def test_resume_continues_an_interrupted_run(tiny_target, tmp_path, monkeypatch)
     with pytest.raises(DFlashError, match="--resume"):
         distill(target_dir, tmp_path / "draft", DistillOptions(**options), prompts_file=root / "prompts.txt",
                 progress=False)
-    monkeypatch.setattr(distill_module.blocks, "weighted_loss", original)
+    monkeypatch.setattr(distill_module.objectives, "draft_loss", original)
     report = distill(target_dir, tmp_path / "draft", DistillOptions(**options, checkpoint_every=25),
                      prompts_file=root / "prompts.txt", resume=True, progress=False)
     assert report["steps"] == 40 and [h["step"] for h in report["history"]] == [20, 40]

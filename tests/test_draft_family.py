@@ -14,6 +14,7 @@ from speculators_reference import MODELS, SpeculatorModelConfig  # skips the mod
 from transformers import AutoModelForCausalLM
 
 from exporter.models.draft import DraftSpec
+from exporter.models.draft_formats import DFLASH2_KEYS, speculators_config
 from exporter.pair import load_draft
 from exporter.tiny import TinySpec, build_pair
 from runtime.errors import DFlashError
@@ -254,3 +255,49 @@ def test_the_reference_peer_runs_zlab_layouts_only(tmp_path):
     _, speculators = build_pair(TinySpec(draft_kind="dflash2", draft_format="speculators", target_layer_ids=TAPS),
                                 tmp_path / "speculators")
     assert load_reference_draft(speculators) is None
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+def test_distilled_dflash2_and_dspark_drafts_learn_and_load_in_speculators(kind, tmp_path, monkeypatch):
+    """`distill --draft-type dflash2|dspark`: a short run raises held-out tau, the draft is written in its
+    published layout (z-lab's for DFlash2, speculators' for DSpark) and speculators' own class loads it strictly
+    and proposes the same chain from a block as ours."""
+    from dflash_onnx.cli import main
+
+    target_dir, _ = build_pair(TinySpec(seed=21, block_size=8), tmp_path)
+    prompts = ["".join(chr(32 + (i * 7 + j * 3) % 90) for j in range(12)) for i in range(48)]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts))
+    monkeypatch.setenv("DFLASH_ONNX_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / kind
+    assert main(["distill", "--target", str(target_dir), "--out", str(out), "--prompts", str(tmp_path / "prompts.txt"),
+                 "--draft-type", kind, "--block-size", "8", "--steps", "120", "--new-tokens", "40", "--lr", "2e-3",
+                 "--target-layers-tapped", "0,1,2", "--selector-rank", "8", "--selector-top-k", "4",
+                 "--markov-rank", "8", "--quiet"]) == 0
+    report = json.loads((out / "distill.json").read_text())
+    assert report["draft_type"] == kind and report["tau_after"] > report["tau_before"] + 0.25, report
+    raw = json.loads((out / "config.json").read_text())
+    assert (raw.get("speculators_model_type") == "dspark") if kind == "dspark" else \
+        raw["dflash_config"]["selector_top_k"] == 4
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
+    ours = load_draft(out, target)
+    assert ours.spec.kind == kind
+    if kind == "dflash2":  # speculators reads DFlash2 in its own format: the same weights under its config
+        heads = {key: raw["dflash_config"][key] for key in DFLASH2_KEYS}
+        converted = speculators_config(raw, "dflash2", heads, sample_from_anchor=False, sliding_window_non_causal=False)
+        (out / "config.json").write_text(json.dumps(converted))
+        again = load_draft(out, target).spec  # the two layouts describe the same draft
+        fields = ("kind", "target_layer_ids", "block_size", "mask_token_id", "conv_kernel_size", "selector_top_k")
+        assert [getattr(again, f) for f in fields] == [getattr(ours.spec, f) for f in fields]
+    oracle = _oracle(out, target)
+    first = 0 if ours.spec.sample_from_anchor else 1
+    torch.manual_seed(5)
+    features = torch.randn(1, 24, len(TAPS) * 64)
+    ids = torch.randint(0, 95, (1, 24))
+    block_ids = torch.full((1, 8), 95)
+    block_ids[0, 0] = ids[0, 10]
+    with torch.no_grad():
+        logits, got, *_ = ours(block_ids, features[:, :10], torch.arange(18)[None], *ours.empty_cache())
+        hidden, unary = _oracle_block(oracle, features, ids, 10)
+        want_logits, want, _ = _oracle_chain(oracle, kind, hidden, unary, int(ids[0, 10]), first)
+    torch.testing.assert_close(logits, want_logits, atol=5e-5, rtol=1e-4)
+    assert got[0].tolist() == want.tolist()

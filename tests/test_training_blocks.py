@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from exporter.pair import load_draft, load_target
+from exporter.tiny import TinySpec, build_pair
 from training.blocks import (
     acceptance_lengths,
     block_input_ids,
@@ -13,9 +14,11 @@ from training.blocks import (
     block_positions,
     cosine_with_warmup,
     loss_weights,
+    packed_hidden,
     packed_logits,
     structural_mask,
 )
+from training.objectives import proposed_ids
 
 
 def test_mask_rules_on_a_small_case():
@@ -66,3 +69,29 @@ def test_packed_blocks_equal_one_decoding_step_per_anchor(name, exported):
             ids = block_input_ids(tokens, anchors[k : k + 1], block, mask_id)[None]
             step = draft(ids, features[None, :anchor], torch.arange(anchor + block)[None], *draft.empty_cache())[0]
             torch.testing.assert_close(packed[k], step[0], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+def test_packed_dflash2_and_dspark_blocks_equal_one_decoding_step_per_anchor(kind, tmp_path):
+    """DFlash2's convolutions run within each packed block, and DSpark's chain from each block's own anchor:
+    the packed blocks' proposals (logits, ids, confidences) == the draft's decoding call at each anchor."""
+    spec = TinySpec(draft_kind=kind, draft_format="speculators" if kind == "dspark" else "zlab", block_size=6,
+                    target_layer_ids=[0, 2], seed=4)
+    target_dir, draft_dir = build_pair(spec, tmp_path)
+    lm = load_target(target_dir, "float32")
+    draft = load_draft(draft_dir, lm, "float32")
+    block, mask_id = spec.block_size, spec.vocab_size - 1
+    tokens = torch.randint(2, spec.vocab_size - 1, (30,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        states = lm(input_ids=tokens[None], output_hidden_states=True).hidden_states
+        features = torch.cat([states[i + 1][0] for i in draft.spec.target_layer_ids], dim=-1)
+        anchors = torch.tensor([1, 9, 17, 30 - block - 1])
+        hidden = packed_hidden(draft, features, tokens, anchors, block, mask_id)
+        packed = draft.propose(hidden, tokens[anchors])
+        assert torch.equal(proposed_ids(draft, hidden, tokens, anchors), packed[1])
+        for k, anchor in enumerate(anchors.tolist()):
+            ids = block_input_ids(tokens, anchors[k : k + 1], block, mask_id)[None]
+            step = draft(ids, features[None, :anchor], torch.arange(anchor + block)[None], *draft.empty_cache())
+            torch.testing.assert_close(packed[0][k], step[0][0], atol=2e-5, rtol=1e-4)
+            assert packed[1][k].tolist() == step[1][0].tolist()
+            torch.testing.assert_close(packed[2][k], step[2][0], atol=2e-6, rtol=1e-5)

@@ -24,7 +24,8 @@ def default_gamma(block_size: int) -> float:
 
 
 def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """[B-1] weights of offsets 1..B-1."""
+    """[B-1] weights of offsets 1..B-1 (the proposals 1..B-1 a DFlash draft makes; pass proposals + 1 for a
+    draft proposing from its anchor's slot too)."""
     return torch.exp(-(torch.arange(1, block_size, dtype=torch.float32) - 1) / gamma)
 
 
@@ -51,7 +52,7 @@ def block_input_ids(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int
 
 def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """[K, B-1]: the token each offset 1..B-1 must predict."""
-    return tokens[anchors[:, None] + torch.arange(1, block_size)[None, :]]
+    return next_tokens(tokens, anchors, block_size - 1)
 
 
 def structural_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
@@ -62,9 +63,10 @@ def structural_mask(anchors: torch.Tensor, block_size: int, context_len: int) ->
     return torch.cat([sees_context, same_block], dim=1)
 
 
-def packed_logits(draft: DFlashDraft, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+def packed_hidden(draft: DFlashDraft, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
                   block_size: int, mask_token_id: int) -> torch.Tensor:
-    """[K, B-1, vocab] draft logits of every block, from one forward over the packed blocks.
+    """[K, B, H] final hidden states of every block, from one forward over the packed blocks (a DFlash2 layer's
+    convolutions run within each block).
 
     features [L, n_taps*H] are the target's tapped hidden states of `tokens` [L].
     """
@@ -80,9 +82,20 @@ def packed_logits(draft: DFlashDraft, features: torch.Tensor, tokens: torch.Tens
     for index, layer in enumerate(draft.layers):
         attn = layer.self_attn
         mask = structure & visible(positions[:, None], key_positions[None, :], attn.is_causal, attn.sliding_window)
-        hidden, _, _ = layer(hidden, context, cos, sin, empty[2 * index], empty[2 * index + 1], mask[None, None])
-    logits = draft.logits(draft.norm(hidden))[0]
-    return logits.view(len(anchors), block_size, -1)[:, 1:]
+        hidden, _, _ = layer(hidden, context, cos, sin, empty[2 * index], empty[2 * index + 1], mask[None, None],
+                             block_size)
+    return draft.norm(hidden)[0].view(len(anchors), block_size, -1)
+
+
+def packed_logits(draft: DFlashDraft, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                  block_size: int, mask_token_id: int) -> torch.Tensor:
+    """[K, B-1, vocab] draft logits of every block's slots 1..B-1 (a DFlash draft's proposals)."""
+    return draft.logits(packed_hidden(draft, features, tokens, anchors, block_size, mask_token_id)[:, 1:])
+
+
+def next_tokens(tokens: torch.Tensor, anchors: torch.Tensor, count: int) -> torch.Tensor:
+    """[K, count]: the `count` tokens after each anchor (what a draft's proposals must be)."""
+    return tokens[anchors[:, None] + torch.arange(1, count + 1)[None, :]]
 
 
 def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

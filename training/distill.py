@@ -1,12 +1,15 @@
-"""`dflash-onnx distill`: train a DFlash draft for a frozen target.
+"""`dflash-onnx distill`: train a DFlash, DFlash2 or DSpark draft for a frozen target.
 
 The draft shares the target's embedding and lm_head (not trained, not saved). Its layers start from the
 target's last layers, fc from an average of the tapped features. Training text is the target's own greedy
 continuations (training/data.py); blocks are packed per sequence (training/blocks.py). AdamW with linear
 warmup, cosine decay and gradient clipping; checkpoints in OUT.ckpt/ (safetensors + JSON,
 training/checkpoint.py) let `--resume` continue; tau on held-out sequences is measured as decoding would
-(acceptance of the target's greedy continuation).
-The result is a draft directory in the published layout (config.json with dflash_config, model.safetensors).
+(acceptance of the target's greedy continuation, each kind proposing through its own chain).
+`--draft-type` dflash2 adds DFlash2's convolutions (starting as the identity) and candidate selector; dspark adds
+DSpark's Markov head and confidence head (training/objectives.py says what each is trained on).
+The result is a draft directory in a published layout: z-lab's (config.json with dflash_config) for DFlash and
+DFlash2, the speculators format for DSpark; model.safetensors beside it.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ import torch
 from safetensors.torch import save_file
 
 from exporter.models.draft import DFlashDraft, DraftSpec, build_target_layer_ids
+from exporter.models.draft_formats import KINDS, speculators_config
 from runtime.errors import DFlashError
 from runtime.tokenizer import TextCodec
 
-from . import blocks, checkpoint, data
+from . import blocks, checkpoint, data, objectives
 
 SAVED_AWAY = ("embed_tokens", "lm_head")
 
@@ -49,16 +53,28 @@ class DistillOptions:
     checkpoint_every: int = 200
     mask_token_id: int | None = None
     gamma: float | None = None
+    draft_type: str = "dflash"
+    # DFlash2's sizes (speculators' defaults) and DSpark's heads; DSpark proposes from its anchor's slot too
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
 
     def validate(self) -> None:
         if self.steps is None and self.time_budget_min is None:
             self.steps = 1000
         if self.block_size < 2:
             raise DFlashError(f"--block-size {self.block_size}: at least 2")
-        if self.new_tokens < self.block_size + 1:
-            raise DFlashError(f"--new-tokens {self.new_tokens} must exceed the block size {self.block_size}")
+        least = self.block_size + (2 if self.draft_type == "dspark" else 1)  # DSpark proposes block_size tokens
+        if self.new_tokens < least:
+            raise DFlashError(f"--new-tokens {self.new_tokens} must be at least {least} for a {self.draft_type} "
+                              f"draft of block size {self.block_size}")
         if self.draft_layers < 1:
             raise DFlashError("--draft-layers must be at least 1")
+        if self.draft_type not in KINDS:
+            raise DFlashError(f"--draft-type {self.draft_type}: choose one of {', '.join(KINDS)}")
 
 
 def draft_config(target_config, options: DistillOptions, mask_token_id: int) -> dict:
@@ -69,7 +85,7 @@ def draft_config(target_config, options: DistillOptions, mask_token_id: int) -> 
     if any(not 0 <= i < layers for i in tapped):
         raise DFlashError(f"--target-layers-tapped {tapped}: the target has layers 0..{layers - 1}")
     rope = getattr(text, "rope_parameters", None) or {}
-    return {
+    config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": text.vocab_size,
         "hidden_size": text.hidden_size, "intermediate_size": text.intermediate_size,
         "num_hidden_layers": options.draft_layers, "num_attention_heads": text.num_attention_heads,
@@ -82,6 +98,19 @@ def draft_config(target_config, options: DistillOptions, mask_token_id: int) -> 
         "dflash_config": {"target_layer_ids": list(tapped), "block_size": options.block_size,
                           "mask_token_id": mask_token_id},
     }
+    if options.draft_type == "dflash2":
+        if config["hidden_size"] % options.conv_group_size:
+            raise DFlashError(f"--conv-group-size {options.conv_group_size} must divide the hidden size "
+                              f"{config['hidden_size']}")
+        config["architectures"] = ["DFlash2DraftModel"]
+        config["dflash_config"].update(conv_kernel_size=options.conv_kernel_size,
+                                       conv_group_size=options.conv_group_size, selector_rank=options.selector_rank,
+                                       selector_top_k=min(options.selector_top_k, text.vocab_size))
+    if options.draft_type == "dspark":
+        heads = dict(markov_rank=options.markov_rank, markov_head_type=options.markov_head_type,
+                     enable_confidence_head=True, confidence_head_with_markov=options.markov_rank > 0)
+        return speculators_config(config, "dspark", heads, sample_from_anchor=True, sliding_window_non_causal=False)
+    return config
 
 
 def initial_draft(lm, config: dict) -> DFlashDraft:
@@ -98,6 +127,13 @@ def initial_draft(lm, config: dict) -> DFlashDraft:
         draft.norm.weight.copy_(decoder.norm.weight)
         taps, hidden = len(spec.target_layer_ids), spec.config.hidden_size
         draft.fc.weight.copy_(torch.eye(hidden).repeat(1, taps) / taps)
+        for name, parameter in draft.named_parameters():
+            if name.endswith("base_kernel"):  # DFlash2's convolutions start as the identity
+                parameter.zero_()[:, 0] = 1.0
+            elif name.endswith("kernel_projection.weight") or name.endswith("markov_w2.weight"):
+                parameter.zero_()  # no per-token kernel, no Markov bias yet: the draft starts as a DFlash one
+            elif name.endswith(("predecessor_codebook", "successor_codebook")):
+                parameter.normal_(0.0, 0.02)  # both zero would leave the pairwise term without a gradient
     return draft
 
 
@@ -109,13 +145,16 @@ def _features(lm, tapped: list[int], sequence: torch.Tensor) -> torch.Tensor:
 
 def held_out_tau(draft: DFlashDraft, examples: list[tuple[torch.Tensor, torch.Tensor, int]], block: int,
                  mask_id: int, max_anchors: int = 48) -> float:
-    """Mean acceptance length of a DFlash step at every held-out anchor (up to max_anchors per sequence)."""
-    lengths = []
+    """Mean acceptance length of a step at every held-out anchor (up to max_anchors per sequence): 1 + the
+    leading proposals of the kind's own greedy chain that equal the target's continuation."""
+    lengths, count = [], objectives.proposals(draft)
     with torch.no_grad():
         for tokens, features, prompt_len in examples:
-            anchors = torch.arange(prompt_len, len(tokens) - block + 1)[:max_anchors]
-            logits = blocks.packed_logits(draft, features, tokens, anchors, block, mask_id)
-            lengths.append(blocks.acceptance_lengths(logits, blocks.block_labels(tokens, anchors, block)).float())
+            anchors = torch.arange(prompt_len, len(tokens) - count)[:max_anchors]
+            hidden = blocks.packed_hidden(draft, features, tokens, anchors, block, mask_id)
+            proposed = objectives.proposed_ids(draft, hidden, tokens, anchors)
+            correct = (proposed == blocks.next_tokens(tokens, anchors, count)).long()
+            lengths.append(1 + torch.cumprod(correct, dim=1).sum(dim=1).float())
     return float(torch.cat(lengths).mean())
 
 
@@ -163,7 +202,7 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
     sequences = data.continuations(lm, target_dir, prompts, options.new_tokens, progress)
     config = draft_config(lm.config, options, mask_id)
     draft = initial_draft(lm, config)
-    tapped, block = config["dflash_config"]["target_layer_ids"], options.block_size
+    tapped, block = draft.spec.target_layer_ids, options.block_size
     # held-out features are kept; training features are computed when a sequence is drawn (a frozen target's
     # forward is cheap next to keeping [tokens, taps x hidden] floats for every training sequence)
     held_out = [(seq, _features(lm, tapped, seq), len(prompt))
@@ -171,8 +210,10 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
     train = [(seq, len(prompt)) for seq, prompt in zip(sequences[options.held_out:], prompts[options.held_out:])]
     trainable = [p for n, p in draft.named_parameters() if n not in SAVED_AWAY]
     optimizer = torch.optim.AdamW(trainable, lr=options.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    weights = blocks.loss_weights(block, options.gamma or blocks.default_gamma(block))
-    report = {"options": asdict(options), "mask_token_id": mask_id, "target_layer_ids": tapped,
+    count = objectives.proposals(draft)
+    weights = blocks.loss_weights(count + 1, options.gamma or blocks.default_gamma(block))
+    report = {"options": asdict(options), "draft_type": options.draft_type, "mask_token_id": mask_id,
+              "target_layer_ids": tapped,
               "tau_before": held_out_tau(draft, held_out, block, mask_id), "history": []}
     step, total = 0, options.steps or 10**9
     if resume and checkpoint.exists(checkpoint_dir):
@@ -190,9 +231,10 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
         for index in torch.randint(len(train), (options.sequences_per_step,), generator=generator).tolist():
             tokens, prompt_len = train[index]
             features = _features(lm, tapped, tokens)
-            anchors = blocks.sample_anchors(prompt_len, len(tokens) - block, options.anchors_per_sequence, generator)
-            logits = blocks.packed_logits(draft, features, tokens, anchors, block, mask_id)
-            loss = loss + blocks.weighted_loss(logits, blocks.block_labels(tokens, anchors, block), weights)
+            anchors = blocks.sample_anchors(prompt_len, len(tokens) - 1 - count, options.anchors_per_sequence,
+                                            generator)
+            hidden = blocks.packed_hidden(draft, features, tokens, anchors, block, mask_id)
+            loss = loss + objectives.draft_loss(draft, hidden, tokens, anchors, weights)
         loss = loss / options.sequences_per_step
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -214,6 +214,11 @@ class DraftAttention(nn.Module):
         return self.o_proj(out), present_key, present_value
 
 
+def _per_block(x: torch.Tensor, block_size: int | None) -> torch.Tensor:
+    """[1, K*B, H] packed blocks -> [K, B, H] (unchanged without block_size)."""
+    return x.reshape(-1, block_size, x.shape[-1]) if block_size else x
+
+
 class DraftLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int, spec: DraftSpec | None = None):
         super().__init__()
@@ -228,19 +233,27 @@ class DraftLayer(nn.Module):
             self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, spec.conv_kernel_size,
                                                      spec.conv_group_size)
 
-    def forward(self, hidden, context, cos, sin, past_key, past_value, mask: torch.Tensor | None = None):
-        """The block's hidden states; only the block's rows pass the convolutions, never the context's."""
+    def forward(self, hidden, context, cos, sin, past_key, past_value, mask: torch.Tensor | None = None,
+                block_size: int | None = None):
+        """The block's hidden states; only the block's rows pass the convolutions, never the context's.
+        `block_size`: hidden holds many blocks packed in one row (training), each convolved on its own."""
         convolved = hasattr(self, "attention_conv")
         normed = self.input_layernorm(hidden)
         if convolved:
-            normed, delta = self.attention_conv.prepare(normed)
+            normed, delta = self.attention_conv.prepare(_per_block(normed, block_size))
+            normed = normed.reshape(hidden.shape)
         attn, present_key, present_value = self.self_attn(normed, context, cos, sin, past_key, past_value, mask)
-        hidden = hidden + (self.attention_conv.finish(attn, delta) if convolved else attn)
+        if convolved:
+            attn = self.attention_conv.finish(_per_block(attn, block_size), delta).reshape(hidden.shape)
+        hidden = hidden + attn
         normed = self.post_attention_layernorm(hidden)
         if convolved:
-            normed, delta = self.mlp_conv.prepare(normed)
+            normed, delta = self.mlp_conv.prepare(_per_block(normed, block_size))
+            normed = normed.reshape(hidden.shape)
         out = self.mlp(normed)
-        hidden = hidden + (self.mlp_conv.finish(out, delta) if convolved else out)
+        if convolved:
+            out = self.mlp_conv.finish(_per_block(out, block_size), delta).reshape(hidden.shape)
+        hidden = hidden + out
         return hidden, present_key, present_value
 
 
@@ -351,24 +364,27 @@ class DFlashDraft(nn.Module):
         logits = torch.cat(biased, 1)
         return logits, torch.cat(ids, 1), torch.cat(confident, 1) if confident else confidence(logits)
 
-    def forward(self, input_ids, target_hidden, position_ids, *past_kv):
-        """Graph signature: logits, the greedy proposals and their confidence for the proposing slots (1.., or
-        from the anchor's with sample_from_anchor), extra_outputs(), then present context K/V. DFlash proposes
-        each slot's argmax; DFlash2 the selector's chain over each slot's top-k; DSpark the argmax of its
-        Markov-biased logits, chained, its confidence the head's predicted acceptance."""
-        hidden, present = self.hidden(input_ids, target_hidden, position_ids, list(past_kv))
+    def propose(self, hidden: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """From the block's final hidden states [b, B, H] and its anchor ids [b]: logits, the greedy proposals
+        and their confidence for the proposing slots (1.., or from the anchor's with sample_from_anchor), then
+        extra_outputs(). DFlash proposes each slot's argmax; DFlash2 the selector's chain over each slot's
+        top-k; DSpark the argmax of its Markov-biased logits, chained, its confidence the head's predicted
+        acceptance."""
         first = 0 if self.spec.sample_from_anchor else 1
-        anchor = input_ids[:, 0]
         if self.spec.kind == "dspark":
             body = hidden if self.spec.markov_head_type == "rnn" else hidden[:, first:]
             skipped = first if self.spec.markov_head_type == "rnn" else 0
-            logits, ids, sure = self._markov_chain(self.logits(body), body, anchor, skipped)
-            return (logits, ids, sure, *present)
+            return self._markov_chain(self.logits(body), body, anchor, skipped)
         logits = self.logits(hidden[:, first:])
         if self.spec.kind == "dflash2":
             candidates, scores, ids, chosen = self.candidate_selector.lattice(logits, hidden[:, first:], anchor)
             rows = torch.cat([torch.zeros_like(chosen[:, :1]), chosen[:, :-1]], dim=1)  # each slot's previous pick
             picked = scores.gather(2, rows[:, :, None, None].expand(-1, -1, 1, scores.shape[-1]))[:, :, 0]
             sure = torch.softmax(picked, dim=-1).gather(2, chosen[:, :, None])[..., 0]
-            return (logits, ids, sure, candidates, scores, *present)
-        return (logits, torch.argmax(logits, dim=-1), confidence(logits), *present)
+            return logits, ids, sure, candidates, scores
+        return logits, torch.argmax(logits, dim=-1), confidence(logits)
+
+    def forward(self, input_ids, target_hidden, position_ids, *past_kv):
+        """Graph signature: propose()'s outputs, then the present context K/V."""
+        hidden, present = self.hidden(input_ids, target_hidden, position_ids, list(past_kv))
+        return (*self.propose(hidden, input_ids[:, 0]), *present)

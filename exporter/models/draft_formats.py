@@ -82,3 +82,30 @@ def speculators_fields(raw: dict) -> dict:
         fields.update(markov_rank=rank, markov_head_type=head, confidence_head=confidence,
                       confidence_with_markov=with_markov)
     return fields
+
+
+def speculators_config(zlab: dict, kind: str, heads: dict, sample_from_anchor: bool,
+                       sliding_window_non_causal: bool) -> dict:
+    """A speculators-format config.json (as its save_pretrained writes it, minus bookkeeping) for the draft that
+    z-lab's layout `zlab` describes: the inverse of speculators_fields. `heads`: what the kind adds (DFlash2's
+    convolution and selector sizes, DSpark's Markov and confidence heads), under speculators' key names."""
+    layer = {key: value for key, value in zlab.items()
+             if key not in ("architectures", "num_target_layers", "dflash_config", "is_causal", "rope_theta")}
+    layer["layer_types"] = zlab.get("layer_types") or ["full_attention"] * zlab["num_hidden_layers"]
+    layer["rope_parameters"] = {"rope_theta": zlab.get("rope_theta", 10000.0), "rope_type": "default"}
+    names = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}
+    block = zlab["dflash_config"]["block_size"]
+    return {
+        "architectures": [f"{names[kind]}DraftModel"], "auto_map": {"": f"config.{names[kind]}SpeculatorConfig"},
+        "speculators_model_type": kind, "transformer_layer_config": layer, "draft_vocab_size": zlab["vocab_size"],
+        "block_size": block, "aux_hidden_state_layer_ids": [i + 1 for i in zlab["dflash_config"]["target_layer_ids"]],
+        "mask_token_id": zlab["dflash_config"]["mask_token_id"], "target_hidden_size": None,
+        "tie_word_embeddings": False, "sample_from_anchor": sample_from_anchor,
+        "sliding_window_non_causal": sliding_window_non_causal,
+        "speculators_config": {
+            "algorithm": kind, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "verifier_accept_k": 1, "accept_tolerance": 0.0,
+                                  "speculative_tokens": block - 1 + sample_from_anchor}],
+            "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": None}},
+        **heads,
+    }
