@@ -90,6 +90,9 @@ def test_resume_continues_an_interrupted_run(tiny_target, tmp_path, monkeypatch)
         distill(target_dir, tmp_path / "draft", DistillOptions(**options), prompts_file=root / "prompts.txt",
                 progress=False)
     monkeypatch.setattr(distill_module.objectives, "draft_loss", original)
+    with pytest.raises(DFlashError, match="saved for another draft"):  # another kind cannot resume it
+        distill(target_dir, tmp_path / "draft", DistillOptions(**options, draft_type="dflash2"),
+                prompts_file=root / "prompts.txt", resume=True, progress=False)
     report = distill(target_dir, tmp_path / "draft", DistillOptions(**options, checkpoint_every=25),
                      prompts_file=root / "prompts.txt", resume=True, progress=False)
     assert report["steps"] == 40 and [h["step"] for h in report["history"]] == [20, 40]

@@ -44,8 +44,16 @@ def load(directory: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimiz
         meta = json.loads((directory / META).read_text())
     except Exception as exc:  # safetensors and json raise their own types for a damaged file
         raise DFlashError(f"the checkpoint in {directory} is damaged ({exc}): delete it and train again") from None
-    draft.load_state_dict({k.removeprefix("draft."): v for k, v in tensors.items() if k.startswith("draft.")},
-                          strict=False)
+    saved = {k.removeprefix("draft."): v for k, v in tensors.items() if k.startswith("draft.")}
+    own = draft.state_dict()
+    trained = {name for name, parameter in draft.named_parameters() if parameter.requires_grad}
+    differing = {k for k, v in saved.items() if k not in own or own[k].shape != v.shape} | (trained - set(saved))
+    differing = sorted(differing)
+    if differing:
+        raise DFlashError(f"the checkpoint in {directory} was saved for another draft ({len(differing)} tensors "
+                          f"differ, e.g. {differing[0]}): resume with the options it was started with (--draft-type "
+                          "and the sizes), or delete it")
+    draft.load_state_dict(saved, strict=False)
     moments: dict[int, dict] = {}
     for key, value in tensors.items():
         if key.startswith("optimizer."):

@@ -68,9 +68,7 @@ def _dspark_loss(draft: DFlashDraft, hidden: torch.Tensor, tokens: torch.Tensor,
     rnn = head is not None and head.kind == "rnn"
     body, skipped = (hidden, first) if rnn else (hidden[:, first:], 0)  # an rnn head's state starts at slot 0
     previous, state, biases, codes = tokens[anchors], None, [], []
-    for slot in range(body.shape[1]):
-        if head is None:
-            break
+    for slot in range(body.shape[1] if head is not None else 0):
         bias, code, state = head.step(previous[:, None], body[:, slot : slot + 1], state)
         if slot >= skipped:
             biases.append(bias)

@@ -1,0 +1,82 @@
+"""Where a one-token decode step of an ORT lowering spends its time: ONNX Runtime's profiler over `--steps`
+unpadded steps at `--context` tokens of (zero) K/V, each node's kernel time summed per op type, the median step
+reported. For buffer-form target graphs (K/V buffers, seqlens_k, total_sequence_length); several directories
+print side by side.
+
+    python benchmarks/step_profile.py DIR [DIR ...] [--context 256] [--steps 12] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from dflash_onnx.figures import markdown_table, provenance
+
+
+def _feeds(session: ort.InferenceSession, context: int) -> dict[str, np.ndarray]:
+    names = {i.name for i in session.get_inputs()}
+    if not {"seqlens_k", "total_sequence_length"} <= names:
+        raise SystemExit("step_profile reads buffer-form targets (lower --target ort, the default --kv-buffer on)")
+    feeds = {"seqlens_k": np.array([context], np.int32), "total_sequence_length": np.array(context + 1, np.int32),
+             "input_ids": np.array([[5]], np.int64), "position_ids": np.array([[context]], np.int64)}
+    for value in session.get_inputs():
+        if value.name.startswith("past_key_values."):
+            feeds[value.name] = np.zeros((1, value.shape[1], 2 * context, value.shape[3]), np.float32)
+        elif value.name not in feeds:
+            raise SystemExit(f"step_profile does not feed {value.name} (a recurrent target's state)")
+    return feeds
+
+
+def profile(directory: Path, context: int, steps: int, threads: int) -> dict[str, float]:
+    """Median ms per step of each op type's kernels (and 'step': the median run)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.log_severity_level, options.enable_profiling = threads, 3, True
+    with tempfile.TemporaryDirectory() as scratch:
+        options.profile_file_prefix = str(Path(scratch) / "step")
+        session = ort.InferenceSession(str(directory / "target.onnx"), options, providers=["CPUExecutionProvider"])
+        feeds = _feeds(session, context)
+        for _ in range(steps + 2):  # the first two warm up (prepacking, allocations) and are left out
+            session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"),
+                  key=lambda e: e["ts"])[2:]
+    per_run = [collections.Counter() for _ in runs]
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            for run, totals in zip(runs, per_run):
+                if run["ts"] <= event["ts"] <= run["ts"] + run["dur"]:
+                    totals[event["args"]["op_name"]] += event["dur"] / 1000
+    ops = {op for totals in per_run for op in totals}
+    result = {op: statistics.median(totals[op] for totals in per_run) for op in ops}
+    result["step"] = statistics.median(run["dur"] / 1000 for run in runs)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("directories", type=Path, nargs="+")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--top", type=int, default=8, help="op types shown (by the first directory's time)")
+    args = parser.parse_args(argv)
+    results = [profile(d, args.context, args.steps, args.threads) for d in args.directories]
+    ops = sorted({op for r in results for op in r} - {"step"}, key=lambda op: -results[0].get(op, 0))[: args.top]
+    rows = [[op, *(f"{r.get(op, 0):.2f}" for r in results)] for op in ops]
+    rows.append(["whole step (profiled)", *(f"{r['step']:.2f}" for r in results)])
+    print(markdown_table([f"ms per one-token step, context {args.context}", *(str(d) for d in args.directories)],
+                         rows))
+    print()
+    print(provenance())
+
+
+if __name__ == "__main__":
+    main()
