@@ -1,6 +1,8 @@
 """What the verify policy buys on a recording, under the cost curves of three kinds of hardware: the demo's
 recorded steps (benchmarks/record_trace.py) replayed with runtime.policy.simulate, speed relative to greedy for
-full blocks and for `--verify auto`. Prints the table docs/verify-policy.md shows.
+full blocks and for `--verify auto`; where the recording has both (a DSpark draft's), `auto` once reading the
+draft's confidence head and once the argmax probability of its logits. Prints the table docs/verify-policy.md
+shows.
 
     python benchmarks/policy_replay.py [--trace tests/data/demo_trace.json]
 """
@@ -27,9 +29,9 @@ def curves(block: int) -> dict[str, CostModel]:
             "M2-like (T=16 at 7.5x, draft 1.0x)": CostModel([1 + 6.5 * t / (block - 1) for t in range(block)], 1.0)}
 
 
-def recorded_steps(trace: dict) -> list[tuple[np.ndarray, int]]:
-    """Per full-block step: the draft's confidence in each proposal, and how many the target accepted."""
-    return [(np.asarray(step["confidence"]), step["accepted"]) for step in trace["steps"]]
+def recorded_steps(trace: dict, key: str = "confidence") -> list[tuple[np.ndarray, int]]:
+    """Per full-block step: the draft's confidence in each proposal (`key`), and how many the target accepted."""
+    return [(np.asarray(step[key]), step["accepted"]) for step in trace["steps"]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,13 +40,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     trace = json.loads(args.trace.read_text())
     steps = recorded_steps(trace)
+    both = trace.get("draft_kind") == "dspark" and "argmax_probability" in trace["steps"][0]
     rows = []
-    for name, costs in curves(trace["block_size"]).items():
+    for name, costs in curves(trace.get("verify_rows", trace["block_size"])).items():
         auto, full = simulate("auto", costs, steps), simulate("full", costs, steps)
-        rows.append([name, f"{full['full_rate'] / full['greedy_rate']:.2f}x",
-                     f"{auto['rate'] / auto['greedy_rate']:.2f}x"])
+        row = [name, f"{full['full_rate'] / full['greedy_rate']:.2f}x", f"{auto['rate'] / auto['greedy_rate']:.2f}x"]
+        if both:
+            argmax = simulate("auto", costs, recorded_steps(trace, "argmax_probability"))
+            row.append(f"{argmax['rate'] / argmax['greedy_rate']:.2f}x")
+        rows.append(row)
     tau = np.mean([1 + accepted for _, accepted in steps])
-    print(markdown_table(["cost curve", "full blocks", "auto"], rows))
+    header = ["cost curve", "full blocks", "auto (confidence head)" if both else "auto"]
+    print(markdown_table(header + (["auto (argmax probability)"] if both else []), rows))
     print(f"\n{len(steps)} recorded full-block steps, tau {tau:.2f}. {provenance(libraries=(), verb='Computed')}")
 
 
