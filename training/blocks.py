@@ -50,11 +50,6 @@ def block_input_ids(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int
     return ids.reshape(-1)
 
 
-def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[K, B-1]: the token each offset 1..B-1 must predict."""
-    return next_tokens(tokens, anchors, block_size - 1)
-
-
 def structural_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
     """[K*B, context_len + K*B]: context keys before the query's anchor; keys of the query's own block."""
     block_of = torch.arange(len(anchors)).repeat_interleave(block_size)
@@ -87,12 +82,6 @@ def packed_hidden(draft: DFlashDraft, features: torch.Tensor, tokens: torch.Tens
     return draft.norm(hidden)[0].view(len(anchors), block_size, -1)
 
 
-def packed_logits(draft: DFlashDraft, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
-                  block_size: int, mask_token_id: int) -> torch.Tensor:
-    """[K, B-1, vocab] draft logits of every block's slots 1..B-1 (a DFlash draft's proposals)."""
-    return draft.logits(packed_hidden(draft, features, tokens, anchors, block_size, mask_token_id)[:, 1:])
-
-
 def next_tokens(tokens: torch.Tensor, anchors: torch.Tensor, count: int) -> torch.Tensor:
     """[K, count]: the `count` tokens after each anchor (what a draft's proposals must be)."""
     return tokens[anchors[:, None] + torch.arange(1, count + 1)[None, :]]
@@ -105,12 +94,11 @@ def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Ten
     return per_token.sum() / (weights.sum() * labels.shape[0])
 
 
-def acceptance_lengths(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[K] tokens a DFlash step at each anchor would commit: 1 + the leading offsets the draft got right.
+def acceptance_lengths(proposed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[K] tokens a step at each anchor would commit: 1 + the leading proposals [K, P] equal to the labels.
 
     Exact for sequences that are the target's own greedy output (verification would produce `labels`)."""
-    correct = (logits.argmax(-1) == labels).long()
-    return 1 + torch.cumprod(correct, dim=1).sum(dim=1)
+    return 1 + torch.cumprod((proposed == labels).long(), dim=1).sum(dim=1)
 
 
 def cosine_with_warmup(step: int, total: int, warmup: int, floor: float = 0.1) -> float:

@@ -153,8 +153,7 @@ def held_out_tau(draft: DFlashDraft, examples: list[tuple[torch.Tensor, torch.Te
             anchors = torch.arange(prompt_len, len(tokens) - count)[:max_anchors]
             hidden = blocks.packed_hidden(draft, features, tokens, anchors, block, mask_id)
             proposed = objectives.proposed_ids(draft, hidden, tokens, anchors)
-            correct = (proposed == blocks.next_tokens(tokens, anchors, count)).long()
-            lengths.append(1 + torch.cumprod(correct, dim=1).sum(dim=1).float())
+            lengths.append(blocks.acceptance_lengths(proposed, blocks.next_tokens(tokens, anchors, count)).float())
     return float(torch.cat(lengths).mean())
 
 
