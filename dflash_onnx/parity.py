@@ -19,6 +19,7 @@ from exporter.models.target import TappedTarget, hf_greedy
 from exporter.pair import LOGIT_TOLERANCE, load_draft, load_reference_draft, load_target
 from runtime.decode import Decoder
 from runtime.errors import DFlashError
+from runtime.feeds import sampling_feeds
 from runtime.manifest import Manifest
 from targets import open_decoder
 
@@ -120,18 +121,27 @@ def _compare_graphs(prompt_index: int, prompt: np.ndarray, manifest: Manifest, d
     context = ref[2]
     past = draft.empty_cache(dtype=context.dtype)
     start = 0
+    extra = len(draft.extra_outputs())
+    # a DSpark draft's chain drawn in the graph: the later call draws it from fixed uniforms at a temperature
+    # (the draws follow the logits: equal up to a uniform falling on a rounding-sized boundary)
+    uniform = np.random.default_rng(prompt_index).random(draft.spec.proposals(manifest.block_size)).astype(np.float32)
     for call in ("first", "later"):
         positions = torch.arange(start, start + context.shape[1] + manifest.block_size)[None]
+        temperature = 0.7 if call == "later" and draft.extra_inputs() else 0.0
+        sampling = (torch.from_numpy(uniform)[None], torch.tensor([temperature])) if draft.extra_inputs() else ()
         with torch.no_grad():
-            ref_d = draft(block, context, positions, *past)
+            ref_d = draft(block, context, positions, *past, *sampling)
         got_d = decoder.draft.run({"input_ids": block.numpy(), "target_hidden": context.numpy(),
-                                   "position_ids": positions.numpy(), **_kv_feeds(d_in, past)})
-        checks.append(Check(prompt_index, f"draft logits ({call} call)", _max_diff(got_d["logits"], ref_d[0]), False))
-        checks.append(Check(prompt_index, f"draft confidence ({call} call)",
+                                   "position_ids": positions.numpy(), **_kv_feeds(d_in, past),
+                                   **sampling_feeds(manifest.draft, uniform, temperature)})
+        drawn = " (its chain drawn)" if temperature else ""
+        checks.append(Check(prompt_index, f"draft logits ({call} call){drawn}", _max_diff(got_d["logits"], ref_d[0]),
+                            False))
+        checks.append(Check(prompt_index, f"draft confidence ({call} call){drawn}",
                             _max_diff(got_d["draft_confidence"], ref_d[2]), False))
         scales += [_scale(ref_d[0]), 1.0]
         start += context.shape[1]
-        past = ref_d[3:]
+        past = ref_d[3 + extra:]
         context = ref_v[2][:, :2]
     for check, scale in zip(checks, scales):
         check.ok = bool(check.value <= tol + relative * scale)

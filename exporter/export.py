@@ -135,12 +135,15 @@ def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dty
         hidden = torch.zeros(2, 3, features, dtype=dtype)
         positions = (torch.arange(3 + block_size) + 4)[None].repeat(2, 1)
         past_kv = tuple(torch.zeros(2, 4, draft.num_kv_heads, draft.head_dim, dtype=dtype) for _ in range(2 * n))
+        # DSpark's sampled chain: a uniform per proposal and a temperature per row (float32, whatever the dtype)
+        sampling = (torch.full((2, draft.spec.proposals(block_size)), 0.5), torch.ones(2)) \
+            if draft.extra_inputs() else ()
     program = export_program(
-        draft, (ids, hidden, positions, *past_kv),
-        ["input_ids", "target_hidden", "position_ids", *kv_names("past_key_values", n)],
+        draft, (ids, hidden, positions, *past_kv, *sampling),
+        ["input_ids", "target_hidden", "position_ids", *kv_names("past_key_values", n), *draft.extra_inputs()],
         ["logits", "draft_ids", "draft_confidence", *draft.extra_outputs(), *kv_names("present", n)],
         ({0: batch}, {0: batch, 1: ctx_new}, {0: batch, 1: ctx_new + block_size},
-         tuple({0: batch, 1: ctx_past} for _ in range(2 * n))),
+         (*({0: batch, 1: ctx_past} for _ in range(2 * n)), *({0: batch} for _ in sampling))),
         opset, weights,
     )
     save_graph(program.model, out / "draft.onnx", written)

@@ -19,7 +19,7 @@ import numpy as np
 from .errors import DFlashError
 from .manifest import CostModel, Manifest
 from .policy import VerifyPolicy
-from .runners import open_runners
+from .runners import open_runners, open_target_runner
 from .sampling import SamplingParams, rejection_sample, sample_rows, sample_selector_chain, sampling_probs
 from .session import Session
 
@@ -102,14 +102,15 @@ class Decoder:
         lowering = self.manifest.lowering
         return lowering.row_multiple if self.batch_invariant and lowering is not None else 1
 
-    def stream(
-        self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int = 64, mode: str = "dflash",
-        sampling: SamplingParams | None = None, stop_token_ids: list[int] | None = None, verify: str | int = "auto",
-    ) -> Iterator[list[int]]:
-        """An iterator over each step's committed tokens, whose return value (StopIteration.value) is the
-        GenerationResult. The arguments are checked here, before anything runs. `verify`: how many drafted
-        tokens each step verifies: auto (from the draft's confidence and the cost curve; full without a
-        curve), full (the whole block, as the reference does) or a count."""
+    @property
+    def capacity(self) -> int | None:
+        """The most positions (prompt + new tokens) a request may take on these sessions; None: no bound."""
+        return open_target_runner(self.manifest, self.target, self.prefill_chunk, self.row_multiple).capacity
+
+    def check(self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int, mode: str = "dflash",
+              sampling: SamplingParams | None = None) -> np.ndarray:
+        """The prompt as ids, or DFlashError for a request `stream` refuses: checked before anything runs (a
+        server checks a request before it queues it)."""
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if prompt.size == 0:
             raise DFlashError("the prompt is empty: give at least one token")
@@ -123,14 +124,25 @@ class Decoder:
         if sampling is not None and not sampling.greedy and "logits" not in self.manifest.target.output_names():
             raise DFlashError("this lowering's graphs return token ids only (greedy decoding): sampling needs their "
                               "logits, so lower again with --logits")
-        target, draft = open_runners(self.manifest, self.target, self.draft, self.prefill_chunk,
-                                     self.row_multiple)
-        if target.capacity is not None and len(prompt) + max_new_tokens > target.capacity:
+        if self.capacity is not None and len(prompt) + max_new_tokens > self.capacity:
             padding = f" ({self.row_multiple - 1} kept for padding calls)" if self.row_multiple > 1 and \
                 self.manifest.form != "retained" else ""
             raise DFlashError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceed the "
-                              f"{target.capacity} positions this lowering holds{padding}: lower with a larger "
+                              f"{self.capacity} positions this lowering holds{padding}: lower with a larger "
                               "--ctx-len")
+        return prompt
+
+    def stream(
+        self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int = 64, mode: str = "dflash",
+        sampling: SamplingParams | None = None, stop_token_ids: list[int] | None = None, verify: str | int = "auto",
+    ) -> Iterator[list[int]]:
+        """An iterator over each step's committed tokens, whose return value (StopIteration.value) is the
+        GenerationResult. The arguments are checked here, before anything runs. `verify`: how many drafted
+        tokens each step verifies: auto (from the draft's confidence and the cost curve; full without a
+        curve), full (the whole block, as the reference does) or a count."""
+        prompt = self.check(prompt_ids, max_new_tokens, mode, sampling)
+        target, draft = open_runners(self.manifest, self.target, self.draft, self.prefill_chunk,
+                                     self.row_multiple)
         stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
         most_rows = self.manifest.verify_rows if mode == "dflash" else 1
         costs = self.costs.padded_to(self.row_multiple) if self.costs and self.row_multiple > 1 else self.costs
@@ -167,6 +179,9 @@ class Decoder:
         # tokens [anchor, proposals...]
         block = np.empty(self.manifest.block_size, dtype=np.int64)
         chain = np.empty(most_rows, dtype=np.int64)
+        # a DSpark draft draws its chain in the graph (one uniform per proposal) from softmax(logits / T)
+        sampled_chain = next((int(t.shape[1]) for t in self.manifest.draft.inputs if t.name == "sample_uniform"), 0)
+        chain_sampling = SamplingParams(temperature=sampling.temperature) if not greedy else None
         pending = out.context  # the target's features of committed tokens the draft has not seen yet
         while start + 1 < max_length and not stopped:
             # drafted tokens a step could keep: up to a draft call's proposals, and no more than the tokens still
@@ -176,10 +191,16 @@ class Decoder:
             block[0] = chain[0] = result.tokens[-1]
             drafted, confidence = 0, None
             if policy.wants_draft(most):
-                proposal = draft.propose(block, pending, want_logits=not greedy)
+                chained = None if greedy or not sampled_chain else (rng.random(sampled_chain), sampling.temperature)
+                proposal = draft.propose(block, pending, want_logits=not greedy, sample=chained)
                 pending = None
                 if greedy:
                     proposed, confidence = proposal.ids[:most], proposal.confidence
+                elif chained is not None:  # DSpark: drawn in the graph, each bias after the draw before it; every
+                    # confidence along that chain follows the draws before it, and a verified length chosen from
+                    # them would make whether a draw is verified depend on the draw: the full block is verified
+                    proposed, confidence = proposal.ids[:most], None
+                    draft_probs = sampling_probs(proposal.logits[:most], chain_sampling)
                 elif proposal.candidate_scores is not None:  # DFlash2: along its selector, each draw the next row
                     proposed, draft_probs = sample_selector_chain(proposal.candidates[:most],
                                                                   proposal.candidate_scores[:most],

@@ -39,6 +39,20 @@ def target_feeds(manifest: Manifest, context: int, count: int) -> dict[str, np.n
     return {**feeds, **_kv(manifest, manifest.target, context)}
 
 
+SAMPLED_INPUTS = ("sample_uniform", "sample_temperature")  # exporter/models/draft.py SAMPLED_INPUTS
+
+
+def sampling_feeds(graph: GraphSpec, uniform: np.ndarray | None = None, temperature: float = 0.0
+                   ) -> dict[str, np.ndarray]:
+    """A DSpark draft's chain inputs, where its graph takes them (nothing otherwise): a uniform in [0, 1) per
+    proposal and the temperature to draw at; temperature 0 (the default) is its greedy chain."""
+    spec = next((t for t in graph.inputs if t.name == SAMPLED_INPUTS[0]), None)
+    if spec is None:
+        return {}
+    draws = np.zeros(int(spec.shape[1]), np.float32) if uniform is None else uniform.astype(np.float32)
+    return {SAMPLED_INPUTS[0]: draws[None], SAMPLED_INPUTS[1]: np.array([temperature], np.float32)}
+
+
 def draft_feeds(manifest: Manifest, context: int) -> dict[str, np.ndarray]:
     """A draft step with block_size new context rows after `context` cached ones (K/V inputs, except for a
     rows-form draft whose session holds them)."""
@@ -46,4 +60,5 @@ def draft_feeds(manifest: Manifest, context: int) -> dict[str, np.ndarray]:
     rows = np.random.default_rng(1).standard_normal((1, block, features)).astype(manifest.numpy_dtype)
     return {"input_ids": np.full((1, block), manifest.mask_token_id, np.int64), "target_hidden": rows,
             "position_ids": np.arange(context, context + 2 * block, dtype=np.int64)[None],
-            **({} if manifest.draft_returns_rows else _kv(manifest, manifest.draft, context))}
+            **({} if manifest.draft_returns_rows else _kv(manifest, manifest.draft, context)),
+            **sampling_feeds(manifest.draft)}

@@ -16,9 +16,11 @@
 Row multiple (concat and buffer forms): ONNX Runtime's CPU matmuls compute a row differently when it is the odd
 row out of a call (MLAS runs rows in pairs; a lone row takes a one-row kernel that rounds differently), so a
 decode step (1 row) and a verify step (16 rows) can give the same token different logits. With `row_multiple`
-2 every call is padded to an even row count (the last id repeated at the next positions, its outputs dropped,
-its K/V overwritten by the next call) and each row's result no longer depends on the call it is in: greedy and
-DFlash then produce identical tokens. The lowering measures the multiple (`Lowering.row_multiple`).
+2 every call is padded to an even row count (the last row repeated, its id and its position, in the next slots;
+its outputs dropped, its K/V overwritten by the next call) and each row's result no longer depends on the call it
+is in: greedy and DFlash then produce identical tokens. The lowering measures the multiple
+(`Lowering.row_multiple`). A padding row's repeated position tells a mixture-of-experts graph to leave it out of
+its experts and give it the result of the row it repeats (passes/experts.py): the padding costs the experts nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import DFlashError
+from .feeds import sampling_feeds
 from .manifest import GraphSpec, Manifest
 from .recurrent import RecurrentState
 from .session import Session
@@ -48,7 +51,8 @@ class TargetStep:
 class Proposal:
     """The draft's block: its greedy ids, the confidence in each (None when the graph predates
     `draft_confidence`), and its logits when asked for; a DFlash2 draft's selector lattice with them (each
-    proposal's candidates [P, k] and their scores after each previous candidate [P, k, k])."""
+    proposal's candidates [P, k] and their scores after each previous candidate [P, k, k]). A DSpark draft
+    called with `sample` returns its drawn chain as ids, and the logits each draw came from."""
 
     ids: np.ndarray
     confidence: np.ndarray | None
@@ -123,6 +127,12 @@ def _padded_rows(ids: np.ndarray, multiple: int) -> np.ndarray:
     return ids if not extra else np.concatenate([ids, np.repeat(ids[-1:], extra)])
 
 
+def _padded_positions(positions: np.ndarray, padded_rows: int) -> np.ndarray:
+    """[1, rows] positions with the last one repeated up to `padded_rows` (see Row multiple above)."""
+    extra = padded_rows - positions.shape[1]
+    return positions if not extra else np.concatenate([positions, np.repeat(positions[:, -1:], extra, 1)], 1)
+
+
 class ConcatTarget:
     def __init__(self, session: Session, manifest: Manifest, prefill_chunk: int, row_multiple: int = 1):
         graph = manifest.target
@@ -142,7 +152,8 @@ class ConcatTarget:
             wanted = _wanted_rows(begin, end, len(ids), logits_rows)
             names = ["greedy_ids", "target_hidden", *self.kv.outputs] + (["logits"] if wanted else [])
             padded = _padded_rows(chunk, self.row_multiple)
-            positions = np.arange(self.kv.length, self.kv.length + len(padded), dtype=np.int64)[None]
+            positions = _padded_positions(np.arange(self.kv.length, self.kv.length + rows, dtype=np.int64)[None],
+                                          len(padded))
             feeds = {"input_ids": padded[None], "position_ids": positions, **self.kv.prefix_feeds()}
             if self.recurrent:
                 feeds.update(self.recurrent.feeds)
@@ -171,12 +182,14 @@ class ConcatDraft:
         self.session, self.graph = session, graph
         self.kv = KVState(graph, _no_rows, manifest.numpy_dtype)
 
-    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool) -> Proposal:
-        """Append `context` rows to the draft's context cache and draft the block after them."""
+    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool,
+                sample: tuple[np.ndarray, float] | None = None) -> Proposal:
+        """Append `context` rows to the draft's context cache and draft the block after them; `sample`: a
+        DSpark draft's uniforms and temperature, to draw its chain (without: its greedy chain)."""
         start = self.kv.length + len(context)
         positions = np.arange(self.kv.length, start + len(block), dtype=np.int64)[None]
         feeds = {"input_ids": block[None], "target_hidden": context[None], "position_ids": positions,
-                 **self.kv.prefix_feeds()}
+                 **self.kv.prefix_feeds(), **sampling_feeds(self.graph, *(sample or ()))}
         out = self.session.run(feeds, _draft_names(self.graph, want_logits) + self.kv.outputs)
         self.kv.update(out, start)
         return _proposal(out)
@@ -318,7 +331,9 @@ class RetainedDraft(_Retained):
         super().__init__(session, manifest, "draft")
         self.length = 0
 
-    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool) -> Proposal:
+    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool,
+                sample: tuple[np.ndarray, float] | None = None) -> Proposal:
+        """`sample` is never given: the retained forms have no DSpark draft (refuse_unbuilt_draft)."""
         start = self.length + len(context)
         block_positions = np.arange(start, start + len(block), dtype=np.int64)[None]  # inside: see capacity
         for begin, end, size in self.chunks(len(context)):
@@ -360,7 +375,8 @@ class BufferTarget:
         padded = _padded_rows(ids, self.row_multiple)
         total = start + len(padded)
         self.seqlens[0], self.total[()] = total - 1, total
-        feeds = {"input_ids": padded[None], "position_ids": self.positions[:, start:total], "seqlens_k": self.seqlens,
+        positions = _padded_positions(self.positions[:, start : start + len(ids)], len(padded))
+        feeds = {"input_ids": padded[None], "position_ids": positions, "seqlens_k": self.seqlens,
                  "total_sequence_length": self.total}
         names = self.NAMES + ["logits"] if logits else self.NAMES
         if not self.recurrent:
@@ -405,18 +421,23 @@ def open_draft_runner(manifest: Manifest, draft: Session):
     raise DFlashError(f"unknown graph form {manifest.form!r} in the manifest")
 
 
+def open_target_runner(manifest: Manifest, target: Session, prefill_chunk: int, row_multiple: int = 1):
+    """The target runner for the manifest's graph form (see open_runners)."""
+    if row_multiple < 1:
+        raise DFlashError(f"row_multiple must be at least 1, got {row_multiple}")
+    if manifest.form == "concat":
+        return ConcatTarget(target, manifest, prefill_chunk, row_multiple)
+    if manifest.form == "buffer":
+        return BufferTarget(target, manifest, prefill_chunk, row_multiple)
+    if manifest.form == "retained":
+        return RetainedTarget(target, manifest, row_multiple)
+    raise DFlashError(f"unknown graph form {manifest.form!r} in the manifest")
+
+
 def open_runners(manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int,
                  row_multiple: int = 1):
     """The target and draft runners for the manifest's graph form; the target's calls padded to `row_multiple`
     rows (concat and buffer forms; the retained forms pad to their compiled sizes, the smallest at least
     `row_multiple`)."""
-    if row_multiple < 1:
-        raise DFlashError(f"row_multiple must be at least 1, got {row_multiple}")
-    drafting = draft and open_draft_runner(manifest, draft)
-    if manifest.form == "concat":
-        return ConcatTarget(target, manifest, prefill_chunk, row_multiple), drafting
-    if manifest.form == "buffer":
-        return BufferTarget(target, manifest, prefill_chunk, row_multiple), drafting
-    if manifest.form == "retained":
-        return RetainedTarget(target, manifest, row_multiple), drafting
-    raise DFlashError(f"unknown graph form {manifest.form!r} in the manifest")
+    runner = open_target_runner(manifest, target, prefill_chunk, row_multiple)
+    return runner, draft and open_draft_runner(manifest, draft)

@@ -132,6 +132,45 @@ def test_draft_matches_speculators_on_a_first_and_a_cached_call(name, tmp_path):
         assert past[0].shape[1] == anchor
 
 
+@pytest.mark.parametrize("name", ["dspark_vanilla", "dspark_gated_sliding", "dspark_rnn_not_from_anchor"])
+def test_dspark_draws_its_chain_with_each_bias_after_the_token_drawn_before(name, tmp_path):
+    """Sampling a DSpark draft: each position's logits carry the Markov bias of the token drawn before it (the
+    oracle: speculators' head over the drawn chain), and each draw is the inverse CDF of softmax(logits / T) at
+    the call's uniform; at temperature 0 the call is the greedy chain."""
+    import numpy as np
+
+    spec, target, draft_dir = _pair(name, tmp_path)
+    ours, oracle = load_draft(draft_dir, target), _oracle(draft_dir, target)
+    first = 0 if ours.spec.sample_from_anchor else 1
+    proposals, temperature = ours.spec.proposals(spec.block_size), 1.5
+    torch.manual_seed(5)
+    features = torch.randn(1, 20, len(TAPS) * spec.hidden_size)
+    ids = torch.randint(0, spec.vocab_size - 1, (1, 20))
+    anchor = 9
+    block_ids = torch.full((1, spec.block_size), spec.vocab_size - 1)
+    block_ids[0, 0] = ids[0, anchor]
+    uniform = torch.rand(1, proposals)
+    args = (block_ids, features[:, :anchor], torch.arange(anchor + spec.block_size)[None], *ours.empty_cache())
+    with torch.no_grad():
+        greedy_logits, greedy, *_ = ours(*args)
+        at_zero = ours(*args, uniform, torch.tensor([0.0]))  # temperature 0: the greedy chain, whatever the uniforms
+        logits, drawn, *_ = ours(*args, uniform, torch.tensor([temperature]))
+        hidden, unary = _oracle_block(oracle, features, ids, anchor)
+        previous = [int(ids[0, anchor])] * (1 if first == 0 else 2) + drawn[0].tolist()
+        for position, slot in enumerate(range(first, spec.block_size)):
+            prev = torch.tensor([previous[: slot + 1]])
+            want = unary[:, slot] + oracle.markov_head.block_bias(prev_token_ids=prev,
+                                                                  hidden_states=hidden[:, : slot + 1])[:, -1]
+            torch.testing.assert_close(logits[:, position], want, atol=5e-5, rtol=1e-4)
+    scaled = logits[0].double().numpy() / temperature
+    probs = np.exp(scaled - scaled.max(-1, keepdims=True))
+    cdf = np.cumsum(probs / probs.sum(-1, keepdims=True), -1)
+    assert drawn[0].tolist() == [int(np.searchsorted(c, u, side="right")) for c, u in zip(cdf, uniform[0].tolist())]
+    assert drawn[0].tolist() != greedy[0].tolist()  # the draws left the greedy chain: their biases were their own
+    assert not torch.equal(logits, greedy_logits)
+    assert torch.equal(at_zero[0], greedy_logits) and torch.equal(at_zero[1], greedy)
+
+
 def test_zlab_dflash2_matches_the_reference_package(tmp_path):
     """z-lab's layout (a Qwen3 config with dflash_config; the selector's codebooks stored without `.weight`, as
     published) against the reference package's own DFlash2 model and its propose()."""
@@ -210,6 +249,7 @@ def test_exported_and_ort_lowered_drafts_decode_the_targets_greedy_tokens(kind, 
     from dflash_onnx.cli import main
     from exporter.export import export_pair
     from exporter.models.target import hf_greedy
+    from runtime.sampling import SamplingParams
     from targets import LowerRequest, open_decoder
     from targets.ort.lower import lower_ort
     from targets.ort.options import OrtOptions
@@ -240,7 +280,17 @@ def test_exported_and_ort_lowered_drafts_decode_the_targets_greedy_tokens(kind, 
             result = decoder.generate(prompt, 20, "dflash", stop_token_ids=[], verify="full")
             assert result.tokens == want
             committed += result.acceptance_lengths
+        if kind == "dspark":  # sampled: the chain drawn in the graph (sample_uniform in), its draws accepted
+            cold = SamplingParams(temperature=0.02, seed=3)
+            result = decoder.generate([11, 22, 33, 44], 20, "dflash", sampling=cold, stop_token_ids=[], verify="full")
+            assert len(result.tokens) == 20 and max(result.acceptance_lengths) > 1
     assert max(committed) > 1  # proposals were accepted, not only rejected
+    if kind == "dspark":  # the export against our PyTorch model, the sampled chain's logits included
+        capsys.readouterr()
+        assert main(["parity", str(tmp_path / "out"), "--target", str(target_dir), "--draft", str(draft_dir),
+                     "--prompts", "1", "--max-new-tokens", "8", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["ok"] and "draft logits (later call) (its chain drawn)" in {c["name"] for c in report["checks"]}
 
 
 def test_the_reference_peer_runs_zlab_layouts_only(tmp_path):

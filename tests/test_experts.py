@@ -144,9 +144,10 @@ def test_a_token_gives_the_same_bits_in_a_call_of_one_or_of_a_block(moe_ort):
 
 
 def _moe_graph(lowering: str | None, experts: int = 8, hidden: int = 64, k: int = 2,
-               normalize: int = 1) -> ir.Model:
+               normalize: int = 1, positions: bool = False) -> ir.Model:
     """One dflash::MoE node over random experts (the export's function); `lowering` "fused": through the
-    moe-fusion pass (com.microsoft::MoE), "int4": through the int4 pass (QMoE, int8 activations)."""
+    moe-fusion pass (com.microsoft::MoE), "int4": through the int4 pass (QMoE, int8 activations); `positions`:
+    the graph also takes position_ids [b, s] (b * s = t), as a target does."""
     from exporter.models.experts import add_moe_function
     from passes import PassContext
     from passes.experts import fuse
@@ -160,7 +161,8 @@ def _moe_graph(lowering: str | None, experts: int = 8, hidden: int = 64, k: int 
         weight.shape, weight.type = weight.const_value.shape, ir.TensorType(ir.DataType.FLOAT)
     node = ir.node("MoE", [x, logits, *weights], {"k": k, "normalize_routing_weights": normalize}, domain="dflash")
     node.outputs[0].name = "y"
-    graph = ir.Graph([x, logits], node.outputs, nodes=[node], initializers=weights, opset_imports={"": 18})
+    inputs = [x, logits] + ([ir.val("position_ids", ir.DataType.INT64, ["b", "s"])] if positions else [])
+    graph = ir.Graph(inputs, node.outputs, nodes=[node], initializers=weights, opset_imports={"": 18})
     model = ir.Model(graph, ir_version=10)
     add_moe_function(model)
     if lowering == "fused":
@@ -179,11 +181,11 @@ def _moe_graph(lowering: str | None, experts: int = 8, hidden: int = 64, k: int 
     return model
 
 
-def _run(model: ir.Model, x: np.ndarray, logits: np.ndarray) -> list[np.ndarray]:
+def _run(model: ir.Model, x: np.ndarray, logits: np.ndarray, positions: np.ndarray | None = None) -> list[np.ndarray]:
     import onnxruntime as ort
 
     session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, {"x": x, "logits": logits})
+    return session.run(None, {"x": x, "logits": logits, **({} if positions is None else {"position_ids": positions})})
 
 
 @pytest.mark.parametrize("normalize", [1, 0])
@@ -212,6 +214,31 @@ def test_a_tokens_experts_give_the_same_bits_whatever_else_the_call_holds(loweri
     # same weights; the exported function computing every expert for the float kernel
     reference = _run(_kernel_alone(model, 4) if lowering == "int4" else _moe_graph(None, 16, 256, 4), x, logits)[0]
     np.testing.assert_allclose(whole, reference, rtol=0, atol=1e-5 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("lowering", ["fused", "int4"])
+def test_a_padding_row_skips_the_experts_and_takes_the_result_of_the_row_it_repeats(lowering):
+    """The runners pad a call by repeating its last row's position: that row must not enter the kernel (whose time
+    grows with its rows) and its result is the repeated row's; every other row's result is what it is unpadded,
+    also where two sequences share positions."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(3)
+    x, logits = rng.normal(0, 1, (4, 256)).astype(np.float32), rng.normal(0, 1, (4, 16)).astype(np.float32)
+    model = _moe_graph(lowering, experts=16, hidden=256, k=4, positions=True)
+    unpadded = _run(model, x, logits, np.array([[7, 8, 9, 10]], np.int64))[0]
+    for positions in ([[7, 8, 9, 9]], [[7, 8], [9, 9]]):  # one sequence padded; two sequences, the second padded
+        padded = _run(model, x, logits, np.array(positions, np.int64))[0]
+        np.testing.assert_array_equal(padded[:3], unpadded[:3])
+        np.testing.assert_array_equal(padded[3], unpadded[2])
+    np.testing.assert_array_equal(_run(model, x, logits, np.array([[7, 8], [7, 8]], np.int64))[0], unpadded)
+    assert not np.array_equal(unpadded[3], unpadded[2])
+    # the kernel saw 3 tokens' rows: the real rows' index feeds it
+    proto = ir.to_proto(model)
+    proto.graph.output.append(onnx.helper.make_tensor_value_info("moe_real_rows", onnx.TensorProto.INT64, None))
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    real = session.run(["moe_real_rows"], {"x": x, "logits": logits, "position_ids": np.array([[7, 8, 9, 9]])})[0]
+    assert real.tolist() == [0, 1, 2]
 
 
 def _kernel_alone(model: ir.Model, k: int) -> ir.Model:

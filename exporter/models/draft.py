@@ -219,6 +219,9 @@ def _per_block(x: torch.Tensor, block_size: int | None) -> torch.Tensor:
     return x.reshape(-1, block_size, x.shape[-1]) if block_size else x
 
 
+SAMPLED_INPUTS = ["sample_uniform", "sample_temperature"]
+
+
 class DraftLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int, spec: DraftSpec | None = None):
         super().__init__()
@@ -341,12 +344,27 @@ class DFlashDraft(nn.Module):
         possible previous candidate, which sampling walks (runtime/sampling.py)."""
         return ["candidates", "candidate_scores"] if self.spec.kind == "dflash2" else []
 
-    def _markov_chain(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, skipped: int):
-        """DSpark's greedy chain: each proposal's logits plus the Markov bias of the token before it (the anchor,
-        then the previous proposal), and the confidence head's prediction for it. `skipped`: leading slots that
-        propose nothing but still advance an rnn head's state (their previous token is the anchor)."""
+    def extra_inputs(self) -> list[str]:
+        """Graph inputs after the K/V: a DSpark draft with a Markov head draws its chain inside the call (each
+        position's bias follows the token drawn before it, which only a draw inside the call can know), from a
+        uniform per proposal [b, P] at a temperature [b] (0: the greedy chain)."""
+        return SAMPLED_INPUTS if self.spec.kind == "dspark" and hasattr(self, "markov_head") else []
+
+    def _markov_chain(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, skipped: int,
+                      sampling: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """DSpark's chain: each proposal's logits plus the Markov bias of the token before it (the anchor, then
+        the previous proposal), and the confidence head's prediction for it. `skipped`: leading slots that
+        propose nothing but still advance an rnn head's state (their previous token is the anchor).
+        `sampling` (uniforms [b, P], temperatures [b]): where a row's temperature is above 0, each proposal is
+        drawn by inverse CDF of softmax(logits / temperature) at its uniform instead of taken by argmax, so the
+        draft's distribution is exactly that along the drawn chain (no top-k / top-p: rejection sampling is
+        exact with any draft distribution)."""
         head, previous, state = getattr(self, "markov_head", None), anchor[:, None], None
         biased, ids, confident = [], [], []
+        if sampling is not None:
+            uniform, temperature = sampling
+            sampled = (temperature > 0)[:, None]
+            scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None, None]
         for slot in range(hidden.shape[1]):  # each slot kept as a [batch, 1, ...] slice: MatMul, never Gemm
             code, here = None, hidden[:, slot : slot + 1]
             row = logits[:, slot : slot + 1]
@@ -359,22 +377,28 @@ class DFlashDraft(nn.Module):
                         torch.cat([here, code.to(hidden.dtype)], dim=-1)
                     confident.append(self.confidence_head(features))
                 previous = torch.argmax(row, dim=-1)
+                if sampling is not None:
+                    cdf = torch.cumsum(torch.softmax(row.float() / scale, dim=-1), dim=-1)
+                    point = uniform[:, slot - skipped, None, None] * cdf[..., -1:]
+                    drawn = torch.clamp((cdf <= point).sum(dim=-1), max=row.shape[-1] - 1)
+                    previous = torch.where(sampled, drawn, previous)
                 biased.append(row)
                 ids.append(previous)
         logits = torch.cat(biased, 1)
         return logits, torch.cat(ids, 1), torch.cat(confident, 1) if confident else confidence(logits)
 
-    def propose(self, hidden: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def propose(self, hidden: torch.Tensor, anchor: torch.Tensor,
+                sampling: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         """From the block's final hidden states [b, B, H] and its anchor ids [b]: logits, the greedy proposals
         and their confidence for the proposing slots (1.., or from the anchor's with sample_from_anchor), then
         extra_outputs(). DFlash proposes each slot's argmax; DFlash2 the selector's chain over each slot's
-        top-k; DSpark the argmax of its Markov-biased logits, chained, its confidence the head's predicted
-        acceptance."""
+        top-k; DSpark the argmax of its Markov-biased logits, chained (or, given `sampling`, draws: see
+        _markov_chain), its confidence the head's predicted acceptance."""
         first = 0 if self.spec.sample_from_anchor else 1
         if self.spec.kind == "dspark":
             body = hidden if self.spec.markov_head_type == "rnn" else hidden[:, first:]
             skipped = first if self.spec.markov_head_type == "rnn" else 0
-            return self._markov_chain(self.logits(body), body, anchor, skipped)
+            return self._markov_chain(self.logits(body), body, anchor, skipped, sampling)
         logits = self.logits(hidden[:, first:])
         if self.spec.kind == "dflash2":
             candidates, scores, ids, chosen = self.candidate_selector.lattice(logits, hidden[:, first:], anchor)
@@ -384,7 +408,10 @@ class DFlashDraft(nn.Module):
             return logits, ids, sure, candidates, scores
         return logits, torch.argmax(logits, dim=-1), confidence(logits)
 
-    def forward(self, input_ids, target_hidden, position_ids, *past_kv):
-        """Graph signature: propose()'s outputs, then the present context K/V."""
-        hidden, present = self.hidden(input_ids, target_hidden, position_ids, list(past_kv))
-        return (*self.propose(hidden, input_ids[:, 0]), *present)
+    def forward(self, input_ids, target_hidden, position_ids, *rest):
+        """Graph signature: (input_ids, target_hidden, position_ids, *past K/V, *extra_inputs()) ->
+        propose()'s outputs, then the present context K/V."""
+        count = 2 * len(self.layers)
+        hidden, present = self.hidden(input_ids, target_hidden, position_ids, list(rest[:count]))
+        sampling = tuple(rest[count:]) or None
+        return (*self.propose(hidden, input_ids[:, 0], sampling), *present)

@@ -144,7 +144,7 @@ def _gather(inputs, attrs):
 
 
 def _reduce(name: str):
-    """ReduceMean / ReduceMax (axes as an input, opset 18): numpy on the host, MLX on the device."""
+    """ReduceMean / ReduceMax / ReduceSum (axes as an input, opset 18): numpy on the host, MLX on the device."""
     def run(inputs, attrs):
         x, axes = (inputs + [None])[:2]
         axes = _axes(axes, list(range(x.ndim)))
@@ -153,6 +153,24 @@ def _reduce(name: str):
             return [getattr(x, name)(axis=tuple(axes), keepdims=keep)]
         return [getattr(mx, name)(x, axis=axes, keepdims=keep)]
     return run
+
+
+def _cumsum(inputs, attrs):
+    """CumSum along an axis given as an input (DSpark's sampled chain: a softmax's running sum)."""
+    x, axis = inputs
+    if attrs.get("exclusive", 0) or attrs.get("reverse", 0):
+        raise NotImplementedError("CumSum with exclusive or reverse")
+    axis = int(host(axis).reshape(-1)[0])
+    return [np.cumsum(x, axis=axis) if isinstance(x, np.ndarray) else mx.cumsum(x, axis=axis)]
+
+
+def _clip(inputs, attrs):
+    """Clip with optional min / max inputs (opset 11+)."""
+    x, low, high = (inputs + [None, None])[:3]
+    if isinstance(x, np.ndarray):
+        return [np.clip(x, None if low is None else host(low), None if high is None else host(high))]
+    low, high = (None if bound is None else device(bound).astype(x.dtype) for bound in (low, high))
+    return [mx.clip(x, low, high)]
 
 
 def _reshape(inputs, attrs):
@@ -525,6 +543,9 @@ OPS: dict[tuple[str, str], Callable] = {
     ("", "Gather"): _gather,
     ("", "ReduceMean"): _reduce("mean"),
     ("", "ReduceMax"): _reduce("max"),
+    ("", "ReduceSum"): _reduce("sum"),
+    ("", "CumSum"): _cumsum,
+    ("", "Clip"): _clip,
     ("", "Reshape"): _reshape,
     ("", "Shape"): _shape,
     ("", "Slice"): _slice,
