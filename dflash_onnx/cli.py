@@ -307,6 +307,45 @@ def _session_overrides(args) -> dict:
     return {"compute_units": args.compute_units} if args.compute_units else {}
 
 
+def _serve(args) -> int:
+    from runtime.policy import parse_verify
+    from runtime.sampling import SamplingParams
+    from runtime.tokenizer import TextCodec
+
+    try:
+        import uvicorn
+
+        from serving.app import ServerOptions, create_app
+        from serving.engine import Engine
+    except ModuleNotFoundError as exc:
+        raise DFlashError(f"serve needs {exc.name}, which is not installed: pip install 'dflash-onnx[serve]'") from None
+    from targets import open_decoder
+
+    if not 0 <= args.port <= 65535:
+        raise DFlashError(f"--port must lie in 0..65535, got {args.port}")
+    for flag, value in (("--max-queue", args.max_queue), ("--max-tokens", args.max_tokens),
+                        ("--max-body-bytes", args.max_body_bytes)):
+        if value < 1:
+            raise DFlashError(f"{flag} must be at least 1, got {value}")
+    SamplingParams(args.temperature)  # the flags are checked before the sessions open
+    verify = parse_verify(args.verify)
+    codec = TextCodec(args.out)  # a server speaks text: the directory's tokenizer is needed
+    decoder = open_decoder(args.out, backend=args.backend, batch_invariant=args.batch_invariant == "on",
+                           **_session_overrides(args))
+    decoder.costs = _cost_model(args, decoder.manifest) or decoder.costs
+    engine = Engine(decoder, codec, max_queue=args.max_queue, verify=verify)
+    options = ServerOptions(model=args.model or args.out.resolve().name, api_key=args.api_key,
+                            max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
+                            temperature=args.temperature)
+    print(f"serving {options.model} from {args.out} on http://{args.host}:{args.port}/v1 (DFlash, verify "
+          f"{args.verify}; one request at a time, {args.max_queue} may wait)", file=sys.stderr)
+    try:
+        uvicorn.run(create_app(engine, options), host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
+    return 0
+
+
 def _demo(args) -> int:
     from .demo import run_demo
 
@@ -527,6 +566,24 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--resume", action="store_true", help="continue from OUT.ckpt/")
     distill.add_argument("--quiet", action="store_true")
     distill.set_defaults(func=_distill)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions) over DFlash")
+    serve.add_argument("out", type=Path, help="an exported or lowered directory with the target's tokenizer.json")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                       "only; 0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model", help="the model name clients send and /v1/models lists (default: the "
+                       "directory's name)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait; beyond, 429 with "
+                       "Retry-After")
+    serve.add_argument("--max-tokens", type=int, default=512, help="a chat request's max_tokens when it sends none")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    serve.add_argument("--temperature", type=float, default=0.0,
+                       help="a request's temperature when it sends none (default 0: the target's greedy output)")
+    serve.add_argument("--backend", choices=backends, help=BACKEND_HELP)
+    _add_verify_arguments(serve)
+    serve.set_defaults(func=_serve)
 
     demo = commands.add_parser("demo", help="build, export and run a tiny pair: greedy vs DFlash")
     demo.add_argument("--max-new-tokens", type=int, default=128)

@@ -28,6 +28,11 @@ class ChatTemplate:
 
     def render(self, user_text: str) -> str:
         """The text the model sees for one user message, ending where the assistant's reply begins."""
+        return self.render_messages([{"role": "user", "content": user_text}])
+
+    def render_messages(self, messages: list[dict]) -> str:
+        """The text the model sees for a conversation ({"role", "content"} each), ending where the assistant's
+        reply begins."""
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -40,11 +45,11 @@ class ChatTemplate:
                                    strftime_now=lambda fmt: datetime.now().strftime(fmt))
         try:
             return environment.from_string(self.source).render(
-                messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
+                messages=messages, add_generation_prompt=True,
                 enable_thinking=False, tools=None, bos_token=self.bos_token, eos_token=self.eos_token)
         except TemplateError as exc:
             raise DFlashError(f"the chat template in {self.origin} fails ({exc}): pass --raw to send the text "
-                              "as it is") from None
+                              "as it is (the server: use /v1/completions)") from None
 
 
 def load_chat_template(directory: Path) -> ChatTemplate | None:

@@ -38,6 +38,14 @@ class TextCodec:
             return self.encode(text)
         return self.encode(template.render(text), add_special_tokens=False)
 
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """A conversation as ids, in the directory's chat template; one line when it has none."""
+        template = load_chat_template(self.directory) if self.artifact else None
+        if template is None:
+            raise DFlashError(f"{self.directory} has no chat template (tokenizer_config.json's chat_template or "
+                              "chat_template.jinja): send text to /v1/completions instead")
+        return self.encode(template.render_messages(messages), add_special_tokens=False)
+
     def token_id(self, token: str, default: int) -> int:
         found = self._tokenizer.token_to_id(token)
         return default if found is None else found

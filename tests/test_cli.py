@@ -100,7 +100,7 @@ def test_parity_fails_on_a_mismatched_graph(exported, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", ["export", "generate", "parity", "demo", "bench", "steps", "lower", "optimize",
-                                     "distill"])
+                                     "distill", "serve"])
 def test_help_for_every_command(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])

@@ -1,0 +1,87 @@
+"""The OpenAI API's request bodies as the server reads them, and its error shape.
+
+Fields the server does not implement and that would change the output (n > 1, logprobs, tools, penalties) are
+refused in one line rather than ignored; fields that change nothing here (user, stream_options) are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# each field the server does not implement, with the values that ask for nothing (so a client sending its defaults
+# is served)
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []),
+               "tool_choice": (None, "none", "auto"), "functions": (None, []),
+               "response_format": (None, {"type": "text"}),
+               "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
+               "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = 1
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is served")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop):
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop strings")
+        return stops
+
+    def unsupported(self) -> str | None:
+        """The first field given that the server would otherwise ignore although it changes the output."""
+        extra = self.model_extra or {}
+        return next((name for name, neutral in UNSUPPORTED.items() if name in extra and extra[name] not in neutral),
+                    None)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)  # the OpenAI completions API's default
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """{"error": {...}} as the OpenAI API returns it."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,278 @@
+"""`dflash-onnx serve`: the OpenAI Python client against a server started on 127.0.0.1 in the test, over the ORT
+lowering of a tiny agreeing pair. Oracle: the same directory's Decoder run alone (greedy), decoded by the same
+tokenizer; the server's DFlash output must equal it token for token, streamed or not, alone or beside others."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import APIStatusError, NotFoundError, OpenAI, RateLimitError
+
+from runtime.tokenizer import TextCodec
+from serving.app import ServerOptions, create_app
+from serving.engine import Engine, GenerationRequest, QueueFull
+from targets import open_decoder
+
+QWEN3_LIKE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+MODEL = "tiny"
+
+
+class Server:
+    """uvicorn serving `app` on 127.0.0.1 (a free port) in a thread, until stop()."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(ort_lowered, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("serve") / "agree"
+    shutil.copytree(ort_lowered("agree_b8"), directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config_path.write_text(json.dumps({**config, "chat_template": QWEN3_LIKE}))
+    engine = Engine(open_decoder(directory), TextCodec(directory), max_queue=8)
+    server = Server(create_app(engine, ServerOptions(model=MODEL, max_body_bytes=64 << 10)))
+    yield directory, engine, server
+    server.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return OpenAI(base_url=f"{served[2].url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def solo(served):
+    """text(prompt_ids, max_tokens) -> (the text the target's greedy decoding gives alone, tokens generated)."""
+    directory = served[0]
+    decoder, codec = open_decoder(directory), TextCodec(directory)
+    stops = set(decoder.stop_token_ids)
+
+    def text(prompt_ids: list[int], max_tokens: int) -> tuple[str, int]:
+        tokens = decoder.generate(prompt_ids, max_tokens, "greedy").tokens
+        return codec.decode(tokens[:-1] if tokens[-1] in stops else tokens), len(tokens)
+
+    return text
+
+
+def _chat_ids(directory: Path, text: str) -> list[int]:
+    return TextCodec(directory).chat_ids([{"role": "user", "content": text}])
+
+
+def test_a_chat_completion_is_the_targets_greedy_text_streamed_or_not(served, client, solo):
+    want, count = solo(_chat_ids(served[0], "def add(a, b):"), 40)
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}],
+                                           max_tokens=40)
+    assert reply.choices[0].message.content == want and reply.choices[0].message.role == "assistant"
+    assert reply.usage.completion_tokens == count
+    assert reply.usage.prompt_tokens == len(_chat_ids(served[0], "def add(a, b):"))
+    assert reply.choices[0].finish_reason == ("length" if count == 40 else "stop")
+    chunks = list(client.chat.completions.create(model=MODEL, max_tokens=40, stream=True,
+                                                 messages=[{"role": "user", "content": "def add(a, b):"}]))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == reply.choices[0].finish_reason
+
+
+def test_completions_take_text_or_token_ids_and_stop_at_max_tokens(served, client, solo):
+    codec = TextCodec(served[0])
+    ids = codec.encode("for i in range(")
+    want, _ = solo(ids, 6)
+    for prompt in ("for i in range(", ids):
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6)
+        assert reply.choices[0].text == want and reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == 6 and reply.usage.prompt_tokens == len(ids)
+    streamed = client.completions.create(model=MODEL, prompt="for i in range(", max_tokens=6, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want
+
+
+def test_a_stop_string_ends_the_text_before_it_streamed_or_not(served, client, solo):
+    ids = TextCodec(served[0]).encode("import os\n")
+    full, _ = solo(ids, 48)
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop and stop in full
+    want = full[: full.index(stop)]
+    reply = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=48, stop=[stop, "\x00never"])
+    assert reply.choices[0].text == want and reply.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(model=MODEL, prompt="import os\n", max_tokens=48, stop=stop,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == want
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_concurrent_requests_each_give_what_they_give_alone(served, client, solo):
+    prompts = ["def f(x):", "class A:", "x = [", "while True:"]
+    wants = [solo(TextCodec(served[0]).encode(p), 24)[0] for p in prompts]
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=24).choices[0].text
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(ask, prompts)) == wants
+
+
+def test_bad_requests_get_openai_errors_not_tracebacks(served, client):
+    with pytest.raises(NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    url = served[2].url
+    cases = [
+        (b"{not json", 400, "not valid JSON"),
+        (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 422, "max_tokens"),
+        (json.dumps({"prompt": "x", "n": 3}).encode(), 422, "only n=1"),
+        (json.dumps({"prompt": "x", "logprobs": 5}).encode(), 400, "logprobs is not supported"),
+        (json.dumps({"prompt": "x" * (70 << 10)}).encode(), 413, "over 65536 bytes"),
+        (json.dumps({"prompt": [3 + i % 90 for i in range(600)], "max_tokens": 8}).encode(), 400, "exceed the"),
+        (json.dumps({"prompt": [10**9]}).encode(), 400, "prompt ids must lie in"),
+    ]
+    for body, status, message in cases:
+        response = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert response.status_code == status, (body[:40], response.text)
+        error = response.json()["error"]
+        assert message in error["message"] and error["type"]
+    response = httpx.post(f"{url}/v1/completions", content=json.dumps({"prompt": [3 + i % 90 for i in range(600)]}))
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert httpx.get(f"{url}/v1/nothing").json()["error"]["code"] == "not_found"
+    with pytest.raises(APIStatusError) as raised:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    assert raised.value.status_code == 422
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_engine(served, client):
+    engine = served[1]
+    before = engine.finished["cancelled"]
+    with httpx.stream("POST", f"{served[2].url}/v1/completions",
+                      json={"prompt": "def g(y):", "max_tokens": 490, "stream": True}) as response:
+        first = next(response.iter_lines())
+        assert first.startswith("data: ")
+    deadline = time.monotonic() + 30
+    while engine.finished["cancelled"] == before:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.05)
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
+
+
+class _HeldDecoder:
+    """A decoder whose requests wait for `release`: the queue fills while the first request runs."""
+
+    stop_token_ids: list[int] = []
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def check(self, prompt_ids, max_tokens, mode, sampling):
+        return prompt_ids
+
+    steps_run = 0
+
+    def stream(self, prompt_ids, max_tokens, mode, sampling, stop_token_ids, verify):
+        def steps():
+            self.release.wait(30)
+            for _ in range(max_tokens):
+                self.steps_run += 1
+                yield [5]
+
+        return steps()
+
+
+class _Codec:
+    def decode(self, ids):
+        return "x" * len(ids)
+
+
+def test_a_full_queue_answers_429_with_retry_after(tmp_path):
+    held = _HeldDecoder()
+    engine = Engine(held, _Codec(), max_queue=1)
+    first = engine.submit(GenerationRequest([1], 1))  # taken by the engine thread: it waits inside the decoder
+    deadline = time.monotonic() + 10
+    while engine.waiting:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    engine.submit(GenerationRequest([1], 1))  # waits in the queue
+    with pytest.raises(QueueFull):
+        engine.submit(GenerationRequest([1], 1))
+    server = Server(create_app(engine, ServerOptions(model=MODEL)))
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(RateLimitError) as raised:
+            client.completions.create(model=MODEL, prompt=[1], max_tokens=1)
+        assert raised.value.response.headers["retry-after"] == "1"
+    finally:
+        held.release.set()
+        server.stop()
+        assert [(e.text, e.finish) for e in first] == [("x", None), ("", "length")]
+        engine.close()
+
+
+def test_a_cancelled_request_stops_at_its_next_step():
+    held = _HeldDecoder()
+    engine = Engine(held, _Codec(), max_queue=2)
+    try:
+        submission = engine.submit(GenerationRequest([1], 50))
+        submission.cancel()
+        held.release.set()
+        assert [(e.text, e.finish) for e in submission] == [("", "cancelled")]
+        assert held.steps_run == 1  # the step under way when it was cancelled, none after
+        assert engine.finished["cancelled"] == 1
+    finally:
+        engine.close()
+
+
+def test_an_api_key_is_required_when_set(served):
+    engine = served[1]
+    server = Server(create_app(engine, ServerOptions(model=MODEL, api_key="sesame")))
+    try:
+        with pytest.raises(APIStatusError) as raised:
+            OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert raised.value.status_code == 401
+        assert OpenAI(base_url=f"{server.url}/v1", api_key="sesame", max_retries=0).models.list().data
+        assert httpx.get(f"{server.url}/health").status_code == 200  # health needs no key
+    finally:
+        server.stop()
+
+
+def test_the_cli_refuses_bad_flags_in_one_line(served, capsys):
+    from dflash_onnx.cli import main
+
+    for flags, message in ((["--max-queue", "0"], "--max-queue must be at least 1"),
+                           (["--port", "70000"], "--port must lie in"),
+                           (["--temperature", "-1"], "--temperature must be 0")):
+        assert main(["serve", str(served[0]), *flags]) == 2
+        assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_an_event_stream_ends_with_done(served):
+    lines = []
+    with httpx.stream("POST", f"{served[2].url}/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
