@@ -71,13 +71,14 @@ class Server:
         self.process.wait(timeout=30)
 
 
-def _stream(url: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion: its text, tokens, time to first token and latency (s), or its error."""
+def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion on the client's connection: its text, tokens, time to first token and latency
+    (s), or its error."""
     started = time.perf_counter()
     first, texts, tokens = None, [], 0
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", timeout=600,
-                          json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as r:
+        with client.stream("POST", f"{url}/v1/completions", timeout=600,
+                           json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as r:
             if r.status_code != 200:
                 return {"error": f"HTTP {r.status_code}: {r.read().decode()[:200]}"}
             for line in r.iter_lines():
@@ -104,12 +105,13 @@ def _round(url: str, clients: int, prompts: list[str], requests: int, max_tokens
     results: list[dict] = []
 
     def client() -> None:
+        connection = httpx.Client()  # a client keeps its connection, as an application's would
         while True:
             with lock:
                 if not queue:
                     return
                 index = queue.pop(0)
-            result = _stream(url, prompts[index % len(prompts)], max_tokens)
+            result = _stream(connection, url, prompts[index % len(prompts)], max_tokens)
             result["prompt"] = index % len(prompts)
             with lock:
                 results.append(result)
@@ -174,9 +176,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.memory_requests:
             print(f"{args.memory_requests} sequential requests ...", file=sys.stderr)
             before = _rss_mb(server.process.pid)
-            samples = []
+            samples, connection = [], httpx.Client()
             for index in range(args.memory_requests):
-                _stream(server.url, prompts[index % len(prompts)], 8)
+                _stream(connection, server.url, prompts[index % len(prompts)], 8)
                 if index % max(1, args.memory_requests // 4) == 0:
                     samples.append(_rss_mb(server.process.pid))
             memory = (before, samples, _rss_mb(server.process.pid))
