@@ -123,7 +123,7 @@ def _generate(args) -> int:
             "tokens_per_second": result.tokens_per_second,
             "end_to_end_tokens_per_second": result.end_to_end_tokens_per_second,
             "ttft_s": result.ttft_s, "decode_s": result.decode_s, "stopped": result.stopped,
-            "verified": result.verified,
+            "verified": result.verified, "curve_check": decoder.curve_check(result),
         }
         if codec is not None:
             payload["text"] = codec.decode(result.tokens)
@@ -132,6 +132,9 @@ def _generate(args) -> int:
         print()
         print(f"[{len(result.tokens)} tokens, tau {result.tau:.2f}, {result.tokens_per_second:.1f} tok/s, "
               f"ttft {result.ttft_s * 1000:.1f} ms]", file=sys.stderr)
+        warning = decoder.curve_check(result)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -117,7 +117,7 @@ def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int 
     codec = TextCodec(out) if has_tokenizer(out) else None
     prompts = _prompts(decoder, codec, num_prompts)
     decoder.generate(prompts[0][1], 4, "dflash", stop_token_ids=[])  # first-call setup is not decoding speed
-    rows, totals = [], {mode: [0, 0.0] for mode in MODES}
+    rows, totals, every = [], {mode: [0, 0.0] for mode in MODES}, []
     for index, (text, ids) in enumerate(prompts):
         if not as_json:
             print(f"--- prompt {index + 1} ---\n{text if text is not None else ids}", end="", flush=True)
@@ -127,6 +127,7 @@ def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int 
         for mode in ("greedy", "full"):
             results[mode] = decoder.generate(ids, max_new_tokens, MODES[mode][0], stop_token_ids=[],
                                              verify=MODES[mode][1])
+        every += results.values()
         for mode, result in results.items():
             totals[mode][0] += len(result.tokens)
             totals[mode][1] += result.decode_s
@@ -153,6 +154,7 @@ def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int 
         "full_speedup": rates["full"] / rates["greedy"] if rates["greedy"] else 0.0,
         "auto_speedup": rates["auto"] / rates["greedy"] if rates["greedy"] else 0.0,
         "costs": asdict(costs) if costs else None,
+        "curve_check": decoder.curve_check(*every),
         "prompts": rows,
     }
     if as_json:
@@ -168,6 +170,8 @@ def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int 
         if costs:
             print("cost curve the auto policy weighed (ms, measured at lowering): t(T) for T = 1..B "
                   + " ".join(f"{t:.3g}" for t in costs.verify_ms) + f"; draft step {costs.draft_ms:.3g}")
+        if summary["curve_check"]:
+            print(f"warning: {summary['curve_check']}", file=sys.stderr)
         if not _shipped():
             print("note: a tiny random pair; build the demo pair with benchmarks/build_pair.py", file=sys.stderr)
     return 0 if summary["all_identical_to_greedy"] else 1

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .costs import curve_disagreement
 from .errors import DFlashError
 from .manifest import CostModel, Manifest
 from .policy import VerifyPolicy
@@ -33,6 +34,7 @@ class GenerationResult:
     tokens: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
     verified: list[int] = field(default_factory=list)  # drafted tokens each step verified (0: no draft call)
+    step_ms: list[float] = field(default_factory=list)  # each step's target call (costs.curve_disagreement)
     prompt_tokens: int = 0
     ttft_s: float = 0.0
     decode_s: float = 0.0
@@ -101,6 +103,13 @@ class Decoder:
         """The row multiple the target's calls are padded to (1: none)."""
         lowering = self.manifest.lowering
         return lowering.row_multiple if self.batch_invariant and lowering is not None else 1
+
+    def curve_check(self, *results: GenerationResult) -> str | None:
+        """One line when the target steps of `results` disagree in shape with the cost curve this decoder weighs
+        (as its padded calls pay it); None otherwise (costs.curve_disagreement)."""
+        costs = self.costs.padded_to(self.row_multiple) if self.costs and self.row_multiple > 1 else self.costs
+        return curve_disagreement(costs, [n for r in results for n in r.verified],
+                                  [ms for r in results for ms in r.step_ms])
 
     @property
     def capacity(self) -> int | None:
@@ -212,7 +221,9 @@ class Decoder:
                 drafted = policy.choose(confidence, most)
                 chain[1 : drafted + 1] = proposed[:drafted]
             verify = drafted + 1
+            called = time.perf_counter()
             out = target.forward(chain[:verify], logits_rows=0 if greedy else verify)
+            result.step_ms.append(1000 * (time.perf_counter() - called))
             if greedy:
                 posterior = out.greedy_ids.tolist()
                 accepted = _agreeing_prefix(chain[1:verify].tolist(), posterior) if drafted else 0

@@ -149,3 +149,73 @@ def test_fewest_calls_is_what_the_measurement_makes_at_least(ort_lowered):
     measured = measure_row_multiple(manifest, counted)
     first = measured["row_multiple"] == CANDIDATES[0] and measured["invariant"]
     assert counted.calls == fewest_calls(manifest) if first else counted.calls > fewest_calls(manifest)
+
+
+class _ClockedSession:
+    """A session whose call of T rows takes T ms on a fake clock, 20x that once `busy_after` calls have run
+    (a neighbour that starts halfway through the measurement)."""
+
+    def __init__(self, clock: list[float], busy_after: int):
+        self.clock, self.busy_after, self.calls = clock, busy_after, 0
+
+    def run(self, feeds, names):
+        self.calls += 1
+        rows = feeds["input_ids"].shape[1]
+        self.clock[0] += rows * (20 if self.calls > self.busy_after else 1) / 1000
+
+
+def test_a_neighbour_that_starts_halfway_cannot_steepen_the_curve(monkeypatch):
+    """Measured T after T (the old way), a busy neighbour arriving halfway made the long verifies look 20x dear;
+    interleaved rounds keeping each T's fastest give every T its quiet time."""
+    import numpy as np
+
+    from runtime import costs
+
+    clock = [0.0]
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+    calls = [{"input_ids": np.zeros((1, rows), np.int64)} for rows in range(1, 9)]
+    session = _ClockedSession(clock, busy_after=8 * 6)  # quiet for the warm-up and 5 rounds of 10
+    assert costs.interleaved_min_ms(session, calls, ["x"], repeats=10) == pytest.approx(list(range(1, 9)))
+    assert session.calls == 8 * 11
+    sequential = _ClockedSession(clock, busy_after=8 * 6)
+    old = [costs.call_ms(sequential, feeds, ["x"], 10) for feeds in calls]
+    assert old[-1] / old[0] > 50  # what the median of back-to-back calls recorded
+
+
+def test_a_decode_says_when_its_steps_disagree_with_the_curve():
+    from runtime.costs import curve_disagreement
+    from runtime.manifest import CostModel
+
+    steep = CostModel(verify_ms=[1.0 + 1.2 * t for t in range(16)], draft_ms=1.0)  # t(16) 19 ms, 10x t(1)
+    greedy_steps, full_steps = [0] * 10, [15] * 4
+    quiet = [2.2] * 10 + [3.0] * 4  # this run: t(1) 2.2 ms (2x slower), t(16) 3 ms (6x cheaper)
+    message = curve_disagreement(steep, greedy_steps + full_steps, quiet)
+    assert message and "t(16) 19.00 ms recorded, 3.00 observed: it was measured while other work" in message
+    assert "calibrate" in message
+    bent = [1.0] * 10 + [19.0 * 2.5] * 4  # t(1) as recorded, t(16) 2.5x: less than the margin
+    assert curve_disagreement(steep, greedy_steps + full_steps, bent) is None
+    bent = [1.0] * 10 + [19.0 * 4] * 4  # t(16) 4x what t(1)'s ratio says: the shape is off
+    message = curve_disagreement(steep, greedy_steps + full_steps, bent)
+    assert "t(1) 1.00 ms recorded, 1.00 observed; t(16) 19.00 ms recorded, 76.00 observed" in message
+    slower = [2.0] * 10 + [2 * 19.0] * 4  # a machine 2x slower throughout: the shape holds
+    assert curve_disagreement(steep, greedy_steps + full_steps, slower) is None
+    assert curve_disagreement(steep, greedy_steps + [15] * 2, quiet[:12]) is None  # two long steps: too few
+    assert curve_disagreement(None, greedy_steps, [1.0] * 10) is None
+
+
+def test_generate_reports_the_curve_check(ort_lowered, tmp_path, capsys):
+    """A lowering whose recorded curve is far steeper than the machine: generate --json names it, and the
+    stats line's warning says how to re-measure."""
+    directory = tmp_path / "ort"
+    shutil.copytree(ort_lowered("agree_b8"), directory)
+    manifest = json.loads((directory / "dflash.json").read_text())
+    costs = manifest["costs"]
+    costs["verify_ms"] = [costs["verify_ms"][0] * (1 + 40 * t) for t in range(len(costs["verify_ms"]))]
+    (directory / "dflash.json").write_text(json.dumps(manifest))
+    args = ["generate", str(directory), "--prompt-ids", "3,4,5,6", "--max-new-tokens", "60", "--verify"]
+    assert main([*args, "auto", "--json"]) == 0  # the steep curve: auto never verifies a long block
+    report = json.loads(capsys.readouterr().out)
+    assert max(report["verified"]) <= 1  # no longer block than a padded call of 2 rows holds
+    assert "other work shared the machine" in report["curve_check"]  # its short steps alone tell it
+    assert main([*args, "auto"]) == 0
+    assert "warning: the cost curve the verify policy weighs disagrees" in capsys.readouterr().err
