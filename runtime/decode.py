@@ -35,6 +35,7 @@ class GenerationResult:
     acceptance_lengths: list[int] = field(default_factory=list)
     verified: list[int] = field(default_factory=list)  # drafted tokens each step verified (0: no draft call)
     step_ms: list[float] = field(default_factory=list)  # each step's target call (costs.curve_disagreement)
+    sampled: bool = False  # sampled decoding: its target calls also return logits, which the curve does not time
     prompt_tokens: int = 0
     ttft_s: float = 0.0
     decode_s: float = 0.0
@@ -108,8 +109,9 @@ class Decoder:
         """One line when the target steps of `results` disagree in shape with the cost curve this decoder weighs
         (as its padded calls pay it); None otherwise (costs.curve_disagreement)."""
         costs = self.costs.padded_to(self.row_multiple) if self.costs and self.row_multiple > 1 else self.costs
-        return curve_disagreement(costs, [n for r in results for n in r.verified],
-                                  [ms for r in results for ms in r.step_ms])
+        timed = [r for r in results if not r.sampled]
+        return curve_disagreement(costs, [n for r in timed for n in r.verified],
+                                  [ms for r in timed for ms in r.step_ms])
 
     @property
     def capacity(self) -> int | None:
@@ -165,7 +167,7 @@ class Decoder:
         verify takes (the anchor and every proposal; 1 for greedy)."""
         rng = np.random.default_rng(sampling.seed)
         mask_id = self.manifest.mask_token_id
-        result = GenerationResult(prompt_tokens=int(prompt.size))
+        result = GenerationResult(prompt_tokens=int(prompt.size), sampled=not sampling.greedy)
 
         started = time.perf_counter()
         out = target.forward(prompt, logits_rows=0 if sampling.greedy else 1)

@@ -49,7 +49,10 @@ def sampling_feeds(graph: GraphSpec, uniform: np.ndarray | None = None, temperat
     spec = next((t for t in graph.inputs if t.name == SAMPLED_INPUTS[0]), None)
     if spec is None:
         return {}
-    draws = np.zeros(int(spec.shape[1]), np.float32) if uniform is None else uniform.astype(np.float32)
+    # in float32 a uniform within 2**-25 of 1 rounds to 1.0, past every entry of the draft's running sum
+    below_one = np.nextafter(np.float32(1), np.float32(0))
+    draws = np.zeros(int(spec.shape[1]), np.float32) if uniform is None else \
+        np.minimum(uniform.astype(np.float32), below_one)
     return {SAMPLED_INPUTS[0]: draws[None], SAMPLED_INPUTS[1]: np.array([temperature], np.float32)}
 
 

@@ -130,10 +130,12 @@ class VerifyPolicy:
 
     def choose(self, confidences: np.ndarray | None, most: int) -> int:
         """How many of the drafted tokens to verify (0..most)."""
-        if self.mode == "full" or confidences is None:
+        if self.mode == "full":
             return most
         if self.mode != "auto":
             return min(self.mode, most)
+        if confidences is None:
+            return most
         self._bins = Calibration.bins(confidences)
         return int(np.argmax(self.rates(self._bins[:most])))
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import secrets
 import time
 import uuid
@@ -40,14 +39,25 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
-async def _next(submission: Submission, request: Request) -> Event:
-    """The submission's next event, cancelling it when the client has gone."""
-    while True:
-        try:
-            return await asyncio.to_thread(submission.next_event, POLL_S)
-        except queue.Empty:
-            if await request.is_disconnected():
-                submission.cancel()
+class _Events:
+    """A submission's events awaited on the event loop (no thread held while waiting), cancelling it when its
+    client has gone: the connection is looked at every POLL_S, also while events keep coming."""
+
+    def __init__(self, submission: Submission, request: Request):
+        self.submission, self.request = submission, request
+        self.queue = submission.attach(asyncio.get_running_loop())
+        self.looked = time.monotonic()
+
+    async def next(self) -> Event:
+        while True:
+            if time.monotonic() - self.looked >= POLL_S:
+                self.looked = time.monotonic()
+                if await self.request.is_disconnected():
+                    self.submission.cancel()
+            try:
+                return await asyncio.wait_for(self.queue.get(), POLL_S)
+            except asyncio.TimeoutError:
+                continue
 
 
 def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
@@ -76,9 +86,14 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
                                             "owned_by": "dflash-onnx"}]}
 
     async def parse(request: Request, kind):
-        body = await request.body()
-        if len(body) > options.max_body_bytes:
-            return _error(413, f"the request body is over {options.max_body_bytes} bytes", code="request_too_large")
+        parts, size = [], 0
+        async for part in request.stream():  # a chunked body has no Content-Length: counted as it arrives
+            size += len(part)
+            if size > options.max_body_bytes:
+                return _error(413, f"the request body is over {options.max_body_bytes} bytes",
+                              code="request_too_large")
+            parts.append(part)
+        body = b"".join(parts)
         try:
             raw = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -111,9 +126,10 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
             code = "context_length_exceeded" if "exceed" in str(exc) else None
             return _error(400, str(exc), code=code)
 
-    async def respond(request: Request, submission: Submission, chat: bool, stream: bool, prompt_tokens: int):
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    async def respond(request: Request, submission: Submission, chat: bool, parsed, prompt_tokens: int):
+        ident, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         kind = "chat.completion" if chat else "text_completion"
+        events = _Events(submission, request)
 
         def usage(completion: int) -> dict:
             return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
@@ -125,11 +141,11 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
             body = {"role": "assistant", "content": text} if not stream else ({"content": text} if text else {})
             return {"index": 0, "delta" if stream else "message": body, "logprobs": None, "finish_reason": finish}
 
-        if not stream:
+        if not parsed.stream:
             texts, event = [], None
             try:
                 while True:
-                    event = await _next(submission, request)
+                    event = await events.next()
                     texts.append(event.text)
                     if event.finish or event.error:
                         break
@@ -137,41 +153,42 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
                 submission.cancel()
             if event.error:
                 return _error(500, f"generation failed: {event.error}", "server_error")
-            return {"id": ident, "object": kind, "created": int(time.time()), "model": options.model,
+            return {"id": ident, "object": kind, "created": created, "model": options.model,
                     "choices": [choice("".join(texts), event.finish, False)], "usage": usage(event.completion_tokens)}
 
-        async def events() -> AsyncIterator[str]:
-            chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = bool(((parsed.model_extra or {}).get("stream_options") or {}).get("include_usage"))
 
-            def line(payload: dict) -> str:
-                return f"data: {json.dumps(payload)}\n\n"
+        def line(payload: dict) -> str:
+            return f"data: {json.dumps(payload)}\n\n"
 
-            def chunk(text: str, finish: str | None, extra: dict | None = None) -> str:
-                return line({"id": ident, "object": chunk_kind, "created": int(time.time()), "model": options.model,
-                             "choices": [choice(text, finish, True)], **(extra or {})})
+        def chunk(choices: list[dict], **extra) -> str:
+            return line({"id": ident, "object": chunk_kind, "created": created, "model": options.model,
+                         "choices": choices, **extra})
 
+        async def stream() -> AsyncIterator[str]:
             try:
                 if chat:
-                    yield line({"id": ident, "object": chunk_kind, "created": int(time.time()),
-                                "model": options.model, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                                           "content": ""},
-                                                                     "logprobs": None, "finish_reason": None}]})
+                    yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
                 while True:
-                    event = await _next(submission, request)
+                    event = await events.next()
                     if event.error:
                         yield line(error_body(f"generation failed: {event.error}", "server_error"))
                         break
                     if event.text:
-                        yield chunk(event.text, None)
+                        yield chunk([choice(event.text, None, True)])
                     if event.finish:
                         if event.finish != "cancelled":
-                            yield chunk("", event.finish, {"usage": usage(event.completion_tokens)})
+                            yield chunk([choice("", event.finish, True)])
+                            if include_usage:  # as the OpenAI API sends it: a last chunk without choices
+                                yield chunk([], usage=usage(event.completion_tokens))
                         break
                 yield "data: [DONE]\n\n"
             finally:  # the client went away mid-stream: its request stops at its next step
                 submission.cancel()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
+        return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions")
@@ -185,10 +202,10 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
             return _error(400, str(exc))
         if not prompt:
             return _error(400, "the prompt is empty", param="prompt")
-        submission = submit(prompt, parsed.max_tokens, parsed)
+        submission = submit(prompt, parsed.max_tokens or 16, parsed)
         if isinstance(submission, JSONResponse):
             return submission
-        return await respond(request, submission, False, parsed.stream, len(prompt))
+        return await respond(request, submission, False, parsed, len(prompt))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -204,7 +221,7 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
         submission = submit(prompt, max_tokens, parsed)
         if isinstance(submission, JSONResponse):
             return submission
-        return await respond(request, submission, True, parsed.stream, len(prompt))
+        return await respond(request, submission, True, parsed, len(prompt))
 
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception):  # a defect of ours: said in one line, never a traceback

@@ -8,6 +8,7 @@ next decoding step. Requests run one after another; batched DFlash is not built 
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from collections import Counter
@@ -45,16 +46,37 @@ class Event:
 
 
 class Submission:
-    """One request's handle: iterate it for its events (the engine thread fills them); `cancel` stops it at its
-    next decoding step."""
+    """One request's handle: iterate it for its events (the engine thread fills them), or `attach` an event loop
+    and await them; `cancel` stops it at its next decoding step (before its prefill if it has not started)."""
 
     def __init__(self, request: GenerationRequest):
         self.request = request
         self.events: queue.Queue[Event] = queue.Queue()
         self.cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async: asyncio.Queue[Event] | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def put(self, event: Event) -> None:
+        """The engine thread's side: to the attached event loop's queue, else to the thread-safe one."""
+        with self._lock:
+            if self._loop is None:
+                self.events.put(event)
+            else:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Event]:
+        """From now on the events go to an asyncio queue on `loop` (those already put move there first): a
+        handler awaits them without holding a thread."""
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        with self._lock:
+            while not self.events.empty():
+                events.put_nowait(self.events.get_nowait())
+            self._loop, self._async = loop, events
+        return events
 
     def next_event(self, timeout: float | None = None) -> Event:
         return self.events.get(timeout=timeout)
@@ -98,6 +120,7 @@ class Engine:
         self.stop_token_ids = frozenset(decoder.stop_token_ids)
         self._queue: queue.Queue[Submission | None] = queue.Queue(maxsize=max_queue)
         self.finished: Counter[str] = Counter()  # requests ended, by finish reason ("error" for failures)
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
         self._thread.start()
 
@@ -117,21 +140,33 @@ class Engine:
         return self._queue.qsize()
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Stop after the request under way; requests still queued end as cancelled."""
+        self._stopping.set()
         self._thread.join(timeout=60)
 
     def _run(self) -> None:
-        while (submission := self._queue.get()) is not None:
+        while True:
+            try:
+                submission = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self._stopping.is_set():
+                    return
+                continue
+            if self._stopping.is_set():
+                submission.cancel()
             try:
                 self.finished[self._decode(submission)] += 1
             except Exception as exc:  # one request's failure must not stop the engine for the others
                 message = str(exc) if isinstance(exc, DFlashError) else f"{type(exc).__name__}: {exc}"
-                submission.events.put(Event("", 0, error=message))
+                submission.put(Event("", 0, error=message))
                 self.finished["error"] += 1
 
     def _decode(self, submission: Submission) -> str:
         """Run one request, putting its events; returns its finish reason."""
         request = submission.request
+        if submission.cancelled.is_set():  # its client left while it waited: no prefill for nobody
+            submission.put(Event("", 0, finish="cancelled"))
+            return "cancelled"
         steps = self.decoder.stream(request.prompt_ids, request.max_tokens, "dflash", request.sampling, None,
                                     self.verify)
         ids: list[int] = []
@@ -139,20 +174,20 @@ class Engine:
         try:
             for chunk in steps:
                 if submission.cancelled.is_set():
-                    submission.events.put(Event("", len(ids), finish="cancelled"))
+                    submission.put(Event("", len(ids), finish="cancelled"))
                     return "cancelled"
                 ids.extend(chunk)
                 ended = ids[-1] in self.stop_token_ids
                 text = self.codec.decode(ids[:-1] if ended else ids)
                 delta, stopped = shown.advance(text, ended or len(ids) >= request.max_tokens)
                 if stopped or ended:
-                    submission.events.put(Event(delta, len(ids)))
-                    submission.events.put(Event("", len(ids), finish="stop"))
+                    submission.put(Event(delta, len(ids)))
+                    submission.put(Event("", len(ids), finish="stop"))
                     return "stop"
                 if delta:
-                    submission.events.put(Event(delta, len(ids)))
+                    submission.put(Event(delta, len(ids)))
         finally:
             steps.close()
         delta, _ = shown.advance(self.codec.decode(ids), True)
-        submission.events.put(Event(delta, len(ids), finish="length"))
+        submission.put(Event(delta, len(ids), finish="length"))
         return "length"

@@ -6,7 +6,7 @@ refused in one line rather than ignored; fields that change nothing here (user, 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -16,7 +16,8 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools":
                "tool_choice": (None, "none", "auto"), "functions": (None, []),
                "response_format": (None, {"type": "text"}),
                "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
-               "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
+               "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "min_p": (None, 0),
+               "repetition_penalty": (None, 1), "ignore_eos": (None, False), "min_tokens": (None, 0)}
 
 
 class _Request(BaseModel):
@@ -26,7 +27,7 @@ class _Request(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
     n: int = 1
@@ -53,8 +54,11 @@ class _Request(BaseModel):
                     None)
 
 
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
 class CompletionRequest(_Request):
-    prompt: str | list[int]
+    prompt: str | list[TokenId]
     max_tokens: int | None = Field(default=16, ge=1)  # the OpenAI completions API's default
 
 
@@ -79,6 +83,11 @@ class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def unsupported(self) -> str | None:
+        if any((message.model_extra or {}).get("tool_calls") for message in self.messages):
+            return "messages[].tool_calls"
+        return super().unsupported()
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

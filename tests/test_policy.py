@@ -100,3 +100,14 @@ def test_the_simulation_reproduces_the_fixed_policies():
     full = simulate("full", costs, STEPS)
     assert full["rate"] == pytest.approx(full["full_rate"])
     assert simulate(0, costs, STEPS)["rate"] == pytest.approx(full["greedy_rate"])
+
+
+def test_a_fixed_verify_count_holds_without_confidences():
+    """A sampled DSpark step passes no confidences (they follow the draws): --verify N still verifies N."""
+    from runtime.manifest import CostModel
+    from runtime.policy import VerifyPolicy
+
+    costs = CostModel(verify_ms=[1.0] * 8, draft_ms=0.5)
+    assert VerifyPolicy(3, costs, 8).choose(None, 7) == 3
+    assert VerifyPolicy("full", costs, 8).choose(None, 7) == 7
+    assert VerifyPolicy("auto", costs, 8).choose(None, 7) == 7

@@ -109,6 +109,10 @@ def test_completions_take_text_or_token_ids_and_stop_at_max_tokens(served, clien
         assert reply.usage.completion_tokens == 6 and reply.usage.prompt_tokens == len(ids)
     streamed = client.completions.create(model=MODEL, prompt="for i in range(", max_tokens=6, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == want
+    chunks = list(client.completions.create(model=MODEL, prompt="for i in range(", max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6  # as OpenAI sends it
+    assert all(c.usage is None for c in chunks[:-1]) and len({c.created for c in chunks}) == 1
 
 
 def test_a_stop_string_ends_the_text_before_it_streamed_or_not(served, client, solo):
@@ -147,15 +151,25 @@ def test_bad_requests_get_openai_errors_not_tracebacks(served, client):
         (json.dumps({"prompt": "x", "logprobs": 5}).encode(), 400, "logprobs is not supported"),
         (json.dumps({"prompt": "x" * (70 << 10)}).encode(), 413, "over 65536 bytes"),
         (json.dumps({"prompt": [3 + i % 90 for i in range(600)], "max_tokens": 8}).encode(), 400, "exceed the"),
-        (json.dumps({"prompt": [10**9]}).encode(), 400, "prompt ids must lie in"),
+        (json.dumps({"prompt": [90, 91, 95, 96]}).encode(), 400, "prompt ids must lie in"),
+        (json.dumps({"prompt": [2**40]}).encode(), 422, "prompt"),
+        (json.dumps({"prompt": "x", "seed": -1}).encode(), 422, "seed"),
+        (json.dumps({"prompt": "x", "repetition_penalty": 1.3}).encode(), 400, "repetition_penalty"),
+        (json.dumps({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}).encode(), 400,
+         "tool_calls"),
     ]
     for body, status, message in cases:
-        response = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
+        route = "chat/completions" if b'"messages"' in body else "completions"
+        response = httpx.post(f"{url}/v1/{route}", content=body, headers={"content-type": "application/json"})
         assert response.status_code == status, (body[:40], response.text)
         error = response.json()["error"]
         assert message in error["message"] and error["type"]
     response = httpx.post(f"{url}/v1/completions", content=json.dumps({"prompt": [3 + i % 90 for i in range(600)]}))
     assert response.json()["error"]["code"] == "context_length_exceeded"
+    chunked = httpx.post(f"{url}/v1/completions", content=iter([b'{"prompt": "', b"x" * (70 << 10), b'"}']))
+    assert chunked.status_code == 413  # no Content-Length: counted as it arrives
+    defaulted = httpx.post(f"{url}/v1/completions", json={"prompt": "def h(", "max_tokens": None})
+    assert defaulted.status_code == 200 and defaulted.json()["usage"]["completion_tokens"] <= 16
     assert httpx.get(f"{url}/v1/nothing").json()["error"]["code"] == "not_found"
     with pytest.raises(APIStatusError) as raised:
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
@@ -185,7 +199,7 @@ class _HeldDecoder:
     stop_token_ids: list[int] = []
 
     def __init__(self):
-        self.release = threading.Event()
+        self.release, self.started = threading.Event(), threading.Event()
 
     def check(self, prompt_ids, max_tokens, mode, sampling):
         return prompt_ids
@@ -194,6 +208,7 @@ class _HeldDecoder:
 
     def stream(self, prompt_ids, max_tokens, mode, sampling, stop_token_ids, verify):
         def steps():
+            self.started.set()
             self.release.wait(30)
             for _ in range(max_tokens):
                 self.steps_run += 1
@@ -236,11 +251,28 @@ def test_a_cancelled_request_stops_at_its_next_step():
     engine = Engine(held, _Codec(), max_queue=2)
     try:
         submission = engine.submit(GenerationRequest([1], 50))
+        assert held.started.wait(10)  # its first step waits inside the decoder
         submission.cancel()
         held.release.set()
         assert [(e.text, e.finish) for e in submission] == [("", "cancelled")]
         assert held.steps_run == 1  # the step under way when it was cancelled, none after
         assert engine.finished["cancelled"] == 1
+    finally:
+        engine.close()
+
+
+def test_a_request_whose_client_left_while_it_waited_is_never_prefilled():
+    held = _HeldDecoder()
+    engine = Engine(held, _Codec(), max_queue=2)
+    try:
+        running = engine.submit(GenerationRequest([1], 3))
+        assert held.started.wait(10)
+        waiting = engine.submit(GenerationRequest([1], 3))
+        waiting.cancel()
+        held.release.set()
+        assert [e.finish for e in running][-1] == "length"
+        assert [(e.text, e.finish) for e in waiting] == [("", "cancelled")]
+        assert held.steps_run == 3  # the running request's steps only
     finally:
         engine.close()
 
