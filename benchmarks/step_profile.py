@@ -1,9 +1,10 @@
 """Where a one-token decode step of an ORT lowering spends its time: ONNX Runtime's profiler over `--steps`
-unpadded steps at `--context` tokens of (zero) K/V, each node's kernel time summed per op type, the median step
-reported. For buffer-form target graphs (K/V buffers, seqlens_k, total_sequence_length); several directories
-print side by side.
+steps at `--context` tokens of (zero) K/V, each node's kernel time summed per op type, the median step reported.
+Unpadded by default; `--padded` runs the step as the runners send it to a lowering with row multiple 2 (the
+token twice, its position repeated). For buffer-form target graphs (K/V buffers, seqlens_k,
+total_sequence_length); several directories print side by side.
 
-    python benchmarks/step_profile.py DIR [DIR ...] [--context 256] [--steps 12] [--threads 2]
+    python benchmarks/step_profile.py DIR [DIR ...] [--context 256] [--steps 12] [--threads 2] [--padded]
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import onnxruntime as ort
 from dflash_onnx.figures import markdown_table, provenance
 
 
-def _feeds(session: ort.InferenceSession, context: int) -> dict[str, np.ndarray]:
+def _feeds(session: ort.InferenceSession, context: int, rows: int) -> dict[str, np.ndarray]:
     names = {i.name for i in session.get_inputs()}
     if not {"seqlens_k", "total_sequence_length"} <= names:
         raise SystemExit("step_profile reads buffer-form targets (lower --target ort, the default --kv-buffer on)")
-    feeds = {"seqlens_k": np.array([context], np.int32), "total_sequence_length": np.array(context + 1, np.int32),
-             "input_ids": np.array([[5]], np.int64), "position_ids": np.array([[context]], np.int64)}
+    feeds = {"seqlens_k": np.array([context + rows - 1], np.int32),
+             "total_sequence_length": np.array(context + rows, np.int32),
+             "input_ids": np.full((1, rows), 5, np.int64), "position_ids": np.full((1, rows), context, np.int64)}
     for value in session.get_inputs():
         if value.name.startswith("past_key_values."):
             feeds[value.name] = np.zeros((1, value.shape[1], 2 * context, value.shape[3]), np.float32)
@@ -35,14 +37,14 @@ def _feeds(session: ort.InferenceSession, context: int) -> dict[str, np.ndarray]
     return feeds
 
 
-def profile(directory: Path, context: int, steps: int, threads: int) -> dict[str, float]:
+def profile(directory: Path, context: int, steps: int, threads: int, rows: int = 1) -> dict[str, float]:
     """Median ms per step of each op type's kernels (and 'step': the median run)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.log_severity_level, options.enable_profiling = threads, 3, True
     with tempfile.TemporaryDirectory() as scratch:
         options.profile_file_prefix = str(Path(scratch) / "step")
         session = ort.InferenceSession(str(directory / "target.onnx"), options, providers=["CPUExecutionProvider"])
-        feeds = _feeds(session, context)
+        feeds = _feeds(session, context, rows)
         for _ in range(steps + 2):  # the first two warm up (prepacking, allocations) and are left out
             session.run(None, feeds)
         events = json.loads(Path(session.end_profiling()).read_text())
@@ -67,13 +69,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top", type=int, default=8, help="op types shown (by the first directory's time)")
+    parser.add_argument("--padded", action="store_true", help="the step padded to 2 rows as the runners pad it")
     args = parser.parse_args(argv)
-    results = [profile(d, args.context, args.steps, args.threads) for d in args.directories]
+    rows = 2 if args.padded else 1
+    results = [profile(d, args.context, args.steps, args.threads, rows) for d in args.directories]
     ops = sorted({op for r in results for op in r} - {"step"}, key=lambda op: -results[0].get(op, 0))[: args.top]
-    rows = [[op, *(f"{r.get(op, 0):.2f}" for r in results)] for op in ops]
-    rows.append(["whole step (profiled)", *(f"{r['step']:.2f}" for r in results)])
-    print(markdown_table([f"ms per one-token step, context {args.context}", *(str(d) for d in args.directories)],
-                         rows))
+    table = [[op, *(f"{r.get(op, 0):.2f}" for r in results)] for op in ops]
+    table.append(["whole step (profiled)", *(f"{r['step']:.2f}" for r in results)])
+    title = f"ms per one-token step{', padded to 2 rows' if args.padded else ''}, context {args.context}"
+    print(markdown_table([title, *(str(d) for d in args.directories)], table))
     print()
     print(provenance())
 
