@@ -60,21 +60,37 @@ class _Events:
                 continue
 
 
+class _Guard:
+    """The API key and the declared body size, checked before a route runs. A plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware would keep a route from seeing its client disconnect."""
+
+    def __init__(self, app, options: ServerOptions):
+        self.app, self.options = app, options
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {name.decode("latin-1").lower(): value for name, value in scope.get("headers", [])}
+        refusal = None
+        if self.options.api_key and scope["path"].startswith("/v1/"):
+            given = headers.get("authorization", b"")
+            if not secrets.compare_digest(given, f"Bearer {self.options.api_key}".encode()):
+                refusal = _error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                 "authentication_error", code="invalid_api_key")
+        length = headers.get("content-length", b"").decode("latin-1")
+        if refusal is None and length.isdigit() and int(length) > self.options.max_body_bytes:
+            refusal = _error(413, f"the request body is over {self.options.max_body_bytes} bytes",
+                             code="request_too_large")
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     app = FastAPI(title="dflash-onnx", docs_url=None, redoc_url=None)
     created = int(time.time())
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if options.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {options.api_key}".encode()):
-                return _error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                              "authentication_error", code="invalid_api_key")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > options.max_body_bytes:
-            return _error(413, f"the request body is over {options.max_body_bytes} bytes", code="request_too_large")
-        return await call_next(request)
+    app.add_middleware(_Guard, options=options)
 
     @app.get("/health")
     async def health():
