@@ -23,6 +23,7 @@ from runtime.decode import Decoder
 from runtime.errors import DFlashError
 from runtime.feeds import draft_feeds, target_feeds
 from runtime.manifest import CostModel, Manifest, load_manifest
+from runtime.sampling import SamplingParams
 from runtime.tokenizer import TextCodec, has_tokenizer
 from targets import backend_for, open_decoder
 
@@ -39,7 +40,9 @@ class BenchOptions:
     curve_repeats: int = 10
     verify: str | int = "auto"  # the DFlash runs' verify policy; with auto, full blocks are measured beside it
     load: int = 0  # busy processes beside a second, loaded measurement of the runs (and peers)
+    llama_cpp: Path | None = None  # the llama.cpp source tree (built) for --peers llama.cpp; None: built once, cached
     batch_invariant: bool = True  # pad target calls to the lowering's row multiple (decode.Decoder)
+    lookup_guess: bool = True  # a lookup guess in the padding row of a one-token step (decode.Decoder)
     session_overrides: dict = field(default_factory=dict)  # the backend's session options (CoreML: compute_units)
 
 
@@ -123,13 +126,14 @@ def _prompt_line(line: str, where: str, jsonl: bool, codec: TextCodec | None, vo
 
 
 def _timed_run(decoder: Decoder, clocks: list[ClockedSession], ids: list[int], max_new_tokens: int, mode: str,
-               verify: str | int, batch_invariant: bool):
+               verify: str | int, batch_invariant: bool, guess: bool = True):
     """One generation; returns (result, seconds spent in backend calls during decode, prefill excluded)."""
-    chosen, decoder.batch_invariant = decoder.batch_invariant, batch_invariant
+    chosen = decoder.batch_invariant, decoder.guess_padding
+    decoder.batch_invariant, decoder.guess_padding = batch_invariant, guess and chosen[1]
     try:
         steps = decoder.stream(ids, max_new_tokens, mode, stop_token_ids=[], verify=verify)
     finally:
-        decoder.batch_invariant = chosen  # the runners are made: the setting is read once per run
+        decoder.batch_invariant, decoder.guess_padding = chosen  # the run has read both: once per run
     next(steps)  # prefill and the first token
     in_backend = -sum(c.seconds for c in clocks)
     while True:
@@ -139,16 +143,19 @@ def _timed_run(decoder: Decoder, clocks: list[ClockedSession], ids: list[int], m
             return done.value, in_backend + sum(c.seconds for c in clocks)
 
 
-def bench_modes(decoder: Decoder, options: BenchOptions) -> dict[str, tuple[str, str | int, bool]]:
-    """What each measured mode runs (mode, verify, batch-invariant): greedy, DFlash with the chosen verify
-    policy, full blocks beside an adaptive policy (to show what it buys), and where the decoder pads calls
-    for batch invariance, greedy without the padding (the fastest greedy, what DFlash must beat)."""
+def bench_modes(decoder: Decoder, options: BenchOptions) -> dict[str, tuple]:
+    """What each measured mode runs (mode, verify, batch-invariant[, lookup guess]): greedy, DFlash with the chosen
+    verify policy, full blocks beside an adaptive policy (to show what it buys), and where the decoder pads calls
+    for batch invariance, greedy without the padding (the fastest plain greedy, what DFlash must beat) and greedy
+    padded without the padding row's lookup guess (what the guess buys)."""
     invariant = decoder.batch_invariant
     modes = {"greedy": ("greedy", "full", invariant), "dflash": ("dflash", options.verify, invariant)}
     if options.verify != "full" and decoder.costs is not None:
         modes["full"] = ("dflash", "full", invariant)
     if decoder.row_multiple > 1:
         modes["greedy_unpadded"] = ("greedy", "full", False)
+    if decoder.guesses(SamplingParams()):
+        modes["greedy_unguessed"] = ("greedy", "full", invariant, False)
     return modes
 
 
@@ -200,6 +207,7 @@ def _prompt_row(prompt: dict, runs: dict[str, list], block: int) -> dict:
             "acceptance_lengths": first.acceptance_lengths, "tau": first.tau,
             "acceptance_histogram": first.acceptance_histogram(1 if mode.startswith("greedy") else block),
             "drafted_steps": sum(1 for v in first.verified if v),
+            "guessed": first.guessed, "guessed_right": first.guessed_right,
             "verified_mean": float(np.mean(first.verified or [0])),
         }
         row[f"{mode}_token_ids"] = first.tokens
@@ -219,7 +227,7 @@ def _prompt_row(prompt: dict, runs: dict[str, list], block: int) -> dict:
 
 def aggregate(rows: list[dict], block: int) -> dict:
     summary: dict = {}
-    for mode in [m for m in ("greedy", "dflash", "full", "greedy_unpadded") if m in rows[0]]:
+    for mode in [m for m in ("greedy", "dflash", "full", "greedy_unpadded", "greedy_unguessed") if m in rows[0]]:
         tokens = sum(r[mode]["tokens"] for r in rows)
         decode_s = sum(r[mode]["decode_s"] for r in rows)
         ttft_s = sum(r[mode]["ttft_s"] for r in rows)
@@ -304,7 +312,7 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
         check_peer_names(peers)
     backend = backend_for(directory, manifest, backend).name
     decoder = open_decoder(directory, backend=backend, batch_invariant=options.batch_invariant,
-                           **options.session_overrides)
+                           guess_padding=options.lookup_guess, **options.session_overrides)
     decoder.costs = costs or decoder.costs
     codec = TextCodec(directory) if has_tokenizer(directory) else None
     prompts = load_prompts(prompts_file, codec, options.num_prompts, manifest.vocab_size)
@@ -363,11 +371,13 @@ def _loaded(decoder: Decoder, prompts: list[dict], options: BenchOptions, peers:
 def quiet_and_loaded(report: dict) -> list[dict]:
     """Per run kind (ours and each peer): tokens/s quiet and loaded, and the loaded change."""
     loaded = report["loaded"]
-    ours = ("greedy", "greedy_unpadded", "dflash", "full")
+    ours = ("greedy", "greedy_unpadded", "greedy_unguessed", "dflash", "full")
     quiet_rows = {m: report["aggregate"][m] for m in ours if m in report["aggregate"]}
     loaded_rows = {m: loaded["aggregate"][m] for m in quiet_rows}
     for quiet_peer, loaded_peer in zip(report.get("peers", {}).get("rows", []),
                                        loaded.get("peers", {}).get("rows", [])):
+        if "unavailable" in quiet_peer or "unavailable" in loaded_peer:
+            continue
         quiet_rows[quiet_peer["name"]], loaded_rows[loaded_peer["name"]] = quiet_peer, loaded_peer
     return [{"name": f"ours {name.replace('_', ' ')}" if name in ours else name,
              "quiet": quiet_rows[name]["tokens_per_second"], "loaded": loaded_rows[name]["tokens_per_second"],
@@ -409,6 +419,13 @@ def format_report(report: dict) -> str:
         lines.append(f"greedy without the batch-invariance padding (row multiple {report.get('row_multiple')}): "
                      f"{agg['greedy_unpadded']['tokens_per_second']:.1f} tok/s; DFlash against it "
                      f"{agg['speedup_vs_unpadded']:.2f}x")
+    if "greedy_unguessed" in agg:
+        guessed = sum(r["greedy"]["guessed"] for r in report["prompts"])
+        right = sum(r["greedy"]["guessed_right"] for r in report["prompts"])
+        lines.append(f"greedy with a plain padding row (no lookup guess in it): "
+                     f"{agg['greedy_unguessed']['tokens_per_second']:.1f} tok/s; the guess buys "
+                     f"{g['tokens_per_second'] / agg['greedy_unguessed']['tokens_per_second']:.2f}x "
+                     f"({right} of {guessed} guesses right)")
     if "full" in agg:
         drafted = sum(r["dflash"]["drafted_steps"] for r in report["prompts"])
         steps = sum(len(r["dflash"]["acceptance_lengths"]) for r in report["prompts"])
@@ -455,6 +472,7 @@ def _format_loaded(report: dict) -> str:
 
 
 OUR_RUNS = {"greedy": "ours greedy", "greedy_unpadded": "ours greedy, one row per step (no batch-invariance padding)",
+            "greedy_unguessed": "ours greedy, padding row without the lookup guess",
             "full": "ours DFlash, full blocks"}
 
 
@@ -470,11 +488,15 @@ def markdown_report(report: dict, command: list[str]) -> str:
              f"{quiet[m] / quiet['greedy']:.2f}x", f"{tau[m]:.2f}" if tau.get(m) else "", "-"] for m in quiet]
     loaded_peers = {r["name"]: r for r in (loaded or {}).get("peers", {}).get("rows", [])}
     for row in report.get("peers", {}).get("rows", []):
+        if "unavailable" in row:
+            rows.append([f"{row['name']}: unavailable, {row['unavailable']}", "-", *(["-"] if loaded else []), "-",
+                         "", "-"])
+            continue
         rows.append([row["name"], f"{row['tokens_per_second']:.1f}",
                      *([f"{loaded_peers[row['name']]['tokens_per_second']:.1f}"] if loaded else []),
                      f"{row['tokens_per_second'] / quiet['greedy']:.2f}x",
                      f"{row['tau']:.2f}" if row["tau"] is not None else "",
-                     "yes" if row["identical_to_ours"] else "no"])
+                     {None: "-", True: "yes", False: "no"}[row["identical_to_ours"]]])
     header = ["run", "tok/s quiet", *([f"tok/s, {loaded['load']} busy"] if loaded else []), "vs our greedy", "tau",
               "our tokens"]
     identical = agg["all_identical_to_greedy"] and (not loaded or loaded["aggregate"]["all_identical_to_greedy"])

@@ -98,7 +98,7 @@ def _generate(args) -> int:
     check_max_new_tokens(args.max_new_tokens)
     prompt = _parse_ids(args.prompt_ids) if args.prompt is None else None
     decoder = open_decoder(args.out, backend=args.backend, batch_invariant=args.batch_invariant == "on",
-                           **_session_overrides(args))
+                           guess_padding=args.lookup_guess == "on", **_session_overrides(args))
     decoder.costs = _cost_model(args, decoder.manifest) or decoder.costs
     codec = TextCodec(args.out) if (args.prompt is not None or has_tokenizer(args.out)) else None
     if prompt is None:
@@ -285,7 +285,8 @@ def _bench(args) -> int:
         verify_lengths=_int_list(args.block_sizes, "--block-sizes") if args.block_sizes else None,
         contexts=_int_list(args.contexts, "--contexts"), curve_repeats=args.curve_repeats,
         verify=parse_verify(args.verify), load=args.load, batch_invariant=args.batch_invariant == "on",
-        session_overrides=_session_overrides(args))
+        lookup_guess=args.lookup_guess == "on",
+        session_overrides=_session_overrides(args), llama_cpp=args.llama_cpp)
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
     costs = _cost_model(args, load_manifest(args.dir)) if args.cost_model else None
     report = run_bench(args.dir, args.backend, args.prompts, options, peers, (args.target, args.draft),
@@ -334,7 +335,7 @@ def _serve(args) -> int:
     verify = parse_verify(args.verify)
     codec = TextCodec(args.out)  # a server speaks text: the directory's tokenizer is needed
     decoder = open_decoder(args.out, backend=args.backend, batch_invariant=args.batch_invariant == "on",
-                           **_session_overrides(args))
+                           guess_padding=args.lookup_guess == "on", **_session_overrides(args))
     decoder.costs = _cost_model(args, decoder.manifest) or decoder.costs
     engine = Engine(decoder, codec, max_queue=args.max_queue, verify=verify)
     options = ServerOptions(model=args.model or args.out.resolve().name, api_key=args.api_key,
@@ -365,6 +366,11 @@ def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                              "do not depend on its call's size and greedy and DFlash give identical tokens (on, "
                              "default); off: greedy steps run one row (faster; tokens may differ where the top two "
                              "logits nearly tie)")
+    parser.add_argument("--lookup-guess", choices=("on", "off"), default="on",
+                        help="where calls are padded to 2 rows, a greedy step that verifies only its last token "
+                             "carries a prompt-lookup guess of the next token in the padding row it pays for anyway "
+                             "(verified: tokens unchanged; a right guess commits two tokens); off: a plain padding "
+                             "row (default on; never on mixture-of-experts targets or when sampling)")
     parser.add_argument("--cost-model", type=Path, metavar="FILE",
                         help="a cost curve to use instead of the recorded one: JSON with verify_ms (t(1)..t(B)) "
                              "and draft_ms, e.g. measured on another machine")
@@ -498,7 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--curve-repeats", type=int, default=10)
     bench.add_argument("--peers", help="also run hf (transformers greedy) and/or reference (dflash_generate at "
                        "block 1 and B) and/or ort-genai (greedy and n-gram speculative) and/or mlx-lm (greedy, at the "
-                       "directory's precision) on the checkpoints, e.g. hf,reference,ort-genai")
+                       "directory's precision) and/or llama.cpp (llama-bench greedy step, llama-server greedy and "
+                       "draft-dflash, at the directory's precision) on the checkpoints, e.g. hf,reference,llama.cpp")
+    bench.add_argument("--llama-cpp", type=Path, metavar="DIR",
+                       help="a built llama.cpp source tree for --peers llama.cpp (default: the llama.cpp vendored in "
+                       "the llama-cpp-python sdist, downloaded and built once with cmake, cached)")
     bench.add_argument("--target", type=Path, help="target checkpoint for --peers (default: recorded at export)")
     bench.add_argument("--draft", type=Path, help="draft checkpoint for --peers (default: recorded at export)")
     bench.add_argument("--load", type=int, default=0, metavar="N",

@@ -6,6 +6,8 @@
 - `ort-genai`: onnxruntime-genai on the target rebuilt by its model builder (cached): greedy, and its
   speculative decoding on CPU, n-gram lookup (draft-free). It cannot run our draft: its block drafters are
   DFlash 2 and DSpark checkpoints (paged attention), not DFlash.
+- `llama.cpp`: llama.cpp's llama-bench (the greedy step) and llama-server (greedy, and `draft-dflash` with our draft)
+  on GGUF files made by its own converter and quantized to the directory's precision (llama_cpp/).
 - `mlx-lm`: mlx-lm's native model of the target and its `generate_step` (greedy, its pipelined loop), at the
   directory's precision: its dtype, and for an MLX lowering with --bits the same bits and group size
   (`nn.quantize`, as mlx-lm's own conversion quantizes).
@@ -27,7 +29,7 @@ from artifacts.model_dirs import read_config, weight_files
 from runtime.errors import DFlashError
 from runtime.manifest import Manifest
 
-PEERS = ("hf", "reference", "ort-genai", "mlx-lm")
+PEERS = ("hf", "reference", "ort-genai", "mlx-lm", "llama.cpp")
 
 
 def _hf_greedy(lm, prompts: list[dict], max_new_tokens: int, repeats: int) -> dict:
@@ -311,14 +313,35 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
         if progress:
             print("peers: mlx-lm greedy ...", file=sys.stderr, flush=True)
         rows.append(_mlx_lm(Path(target_dir), manifest, prompts, options.max_new_tokens, options.repeats))
+    if "llama.cpp" in names:
+        from .llama_cpp.peer import llama_cpp_rows
+
+        rows += llama_cpp_rows(manifest, prompts, options.max_new_tokens, options.repeats, Path(target_dir),
+                               Path(draft_dir), options.llama_cpp, progress, _collect)
     for row in rows:  # every peer decodes greedily (or losslessly): its tokens must be ours
-        row["identical_to_ours"] = row.pop("outputs") == our_tokens
+        outputs = row.pop("outputs", None)
+        row["identical_to_ours"] = None if outputs is None else _same_tokens(outputs, our_tokens, row.get("stops_at"))
     return {"rows": rows, "ratios": _ratios(rows, ours)}
+
+
+def _same_tokens(theirs: list[list[int]], ours: list[list[int]], stops_at: list[int] | None) -> bool:
+    """Each prompt's tokens equal; a peer that stops at end-of-generation (`stops_at`, where ours runs on) may end
+    early, right after a stop token that ours produced at the same place."""
+    if stops_at is None:
+        return theirs == ours
+    for got, want in zip(theirs, ours):
+        if want[:len(got)] != got:
+            return False
+        if len(got) < len(want) and not (got and got[-1] in stops_at) and want[len(got)] not in stops_at:
+            return False
+    return len(theirs) == len(ours)
 
 
 def _ratios(rows: list[dict], ours: dict) -> dict:
     ratios = {}
     for row in rows:
+        if "unavailable" in row:
+            continue
         if row["name"].startswith("ort-genai"):
             kind = "greedy" if "greedy" in row["name"] else "speculative"
             theirs = row["tokens_per_second"]
@@ -331,6 +354,10 @@ def _ratios(rows: list[dict], ours: dict) -> dict:
         elif row["name"].startswith("mlx-lm greedy"):
             ratios["ours greedy / mlx-lm greedy"] = ours["greedy"]["tokens_per_second"] / row["tokens_per_second"]
             ratios["ours dflash / mlx-lm greedy"] = ours["dflash"]["tokens_per_second"] / row["tokens_per_second"]
+        elif row["name"].startswith("llama.cpp"):
+            mode = "dflash" if "draft-dflash" in row["name"] else "greedy"
+            kind = "llama-bench tg" if "llama-bench" in row["name"] else f"llama.cpp {mode}"
+            ratios[f"ours {mode} / {kind}"] = ours[mode]["tokens_per_second"] / row["tokens_per_second"]
         elif row["tau"] is None:
             ratios["ours greedy / reference block 1"] = ours["greedy"]["tokens_per_second"] / row["tokens_per_second"]
         else:
@@ -341,9 +368,22 @@ def _ratios(rows: list[dict], ours: dict) -> dict:
 
 def format_peers(peers: dict) -> str:
     lines = [f"{'peer':<52} {'tok/s':>9} {'e2e tok/s':>10} {'ttft ms':>8} {'tau':>6} {'same tokens':>11}"]
+    notes = []
     for row in peers["rows"]:
+        if "unavailable" in row:
+            lines.append(f"{row['name']:<52} unavailable: {row['unavailable']}")
+            continue
         tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
-        lines.append(f"{row['name']:<52} {row['tokens_per_second']:>9.1f} {row['end_to_end_tokens_per_second']:>10.1f} "
-                     f"{row['ttft_ms_median']:>8.1f} {tau:>6} {str(row['identical_to_ours']):>11}")
+        e2e, ttft = row["end_to_end_tokens_per_second"], row["ttft_ms_median"]
+        same = "-" if row["identical_to_ours"] is None else str(row["identical_to_ours"])
+        lines.append(f"{row['name']:<52} {row['tokens_per_second']:>9.1f} {_or_dash(e2e, 10)} {_or_dash(ttft, 8)} "
+                     f"{tau:>6} {same:>11}")
+        if row.get("precision") and row["precision"] not in notes:
+            notes.append(row["precision"])
     lines += [f"{name}: {value:.2f}{'' if name.endswith('tau') else 'x'}" for name, value in peers["ratios"].items()]
+    lines += [f"precision: {note}" for note in notes]
     return "\n".join(lines)
+
+
+def _or_dash(value: float | None, width: int) -> str:
+    return f"{value:>{width}.1f}" if value is not None else f"{'-':>{width}}"

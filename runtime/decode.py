@@ -18,6 +18,7 @@ import numpy as np
 
 from .costs import curve_disagreement
 from .errors import DFlashError
+from .lookup import NgramLookup
 from .manifest import CostModel, Manifest
 from .policy import VerifyPolicy
 from .runners import open_runners, open_target_runner
@@ -35,6 +36,8 @@ class GenerationResult:
     acceptance_lengths: list[int] = field(default_factory=list)
     verified: list[int] = field(default_factory=list)  # drafted tokens each step verified (0: no draft call)
     step_ms: list[float] = field(default_factory=list)  # each step's target call (costs.curve_disagreement)
+    guessed: int = 0  # steps whose padding row carried a lookup guess (lookup.py)
+    guessed_right: int = 0  # of them, those whose guess the target agreed with
     sampled: bool = False  # sampled decoding: its target calls also return logits, which the curve does not time
     prompt_tokens: int = 0
     ttft_s: float = 0.0
@@ -81,10 +84,12 @@ class Decoder:
     """Greedy and DFlash decoding over a target and a draft Session described by one manifest."""
 
     def __init__(self, manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int = 256,
-                 costs: CostModel | None = None, batch_invariant: bool = True):
+                 costs: CostModel | None = None, batch_invariant: bool = True, guess_padding: bool = True):
         """`costs`: the backend's cost curve the `auto` verify policy weighs (default: the manifest's).
         `batch_invariant`: pad the target's calls to the lowering's row multiple, so that a token's logits do not
-        depend on how many rows its call had and greedy and DFlash give identical tokens (runners.py)."""
+        depend on how many rows its call had and greedy and DFlash give identical tokens (runners.py).
+        `guess_padding`: a greedy step that verifies only its last token carries a prompt-lookup guess in the
+        padding row the call pays for anyway (lookup.py)."""
         if prefill_chunk < 1:
             raise DFlashError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         for role, session in (("target", target), ("draft", draft)):
@@ -98,12 +103,19 @@ class Decoder:
         self.stop_token_ids = list(manifest.stop_token_ids)
         self.costs = costs or manifest.costs
         self.batch_invariant = batch_invariant
+        self.guess_padding = guess_padding
 
     @property
     def row_multiple(self) -> int:
         """The row multiple the target's calls are padded to (1: none)."""
         lowering = self.manifest.lowering
         return lowering.row_multiple if self.batch_invariant and lowering is not None else 1
+
+    def guesses(self, sampling: SamplingParams) -> bool:
+        """Whether a step verifying only its last token fills the padding row with a lookup guess: greedy decoding
+        on a padded lowering, except a mixture-of-experts target, whose padding rows skip the experts (a guess
+        would pay them)."""
+        return self.guess_padding and self.row_multiple == 2 and sampling.greedy and not self.manifest.experts
 
     def curve_check(self, *results: GenerationResult) -> str | None:
         """One line when the target steps of `results` disagree in shape with the cost curve this decoder weighs
@@ -158,13 +170,16 @@ class Decoder:
         most_rows = self.manifest.verify_rows if mode == "dflash" else 1
         costs = self.costs.padded_to(self.row_multiple) if self.costs and self.row_multiple > 1 else self.costs
         policy = VerifyPolicy(verify, costs, self.manifest.verify_rows)
-        return self._steps(target, draft, prompt, max_new_tokens, most_rows, sampling or SamplingParams(), stops,
-                           policy)
+        sampling = sampling or SamplingParams()
+        return self._steps(target, draft, prompt, max_new_tokens, most_rows, sampling, stops, policy,
+                           self.guesses(sampling))
 
     def _steps(self, target, draft, prompt: np.ndarray, max_new_tokens: int, most_rows: int,
-               sampling: SamplingParams, stops: frozenset[int], policy: VerifyPolicy) -> Iterator[list[int]]:
+               sampling: SamplingParams, stops: frozenset[int], policy: VerifyPolicy,
+               guesses: bool) -> Iterator[list[int]]:
         """The decoding itself: prefill, then one draft + verify round per step. `most_rows`: the most tokens a
-        verify takes (the anchor and every proposal; 1 for greedy)."""
+        verify takes (the anchor and every proposal; 1 for greedy). `guesses`: a step verifying only its anchor
+        verifies a lookup guess in its padding row."""
         rng = np.random.default_rng(sampling.seed)
         mask_id = self.manifest.mask_token_id
         result = GenerationResult(prompt_tokens=int(prompt.size), sampled=not sampling.greedy)
@@ -189,7 +204,8 @@ class Decoder:
         # refilled each step, read only while a step runs: the draft's block [anchor, mask...] and the verified
         # tokens [anchor, proposals...]
         block = np.empty(self.manifest.block_size, dtype=np.int64)
-        chain = np.empty(most_rows, dtype=np.int64)
+        chain = np.empty(max(most_rows, 2), dtype=np.int64)
+        lookup = NgramLookup([*prompt.tolist(), first]) if guesses else None
         # a DSpark draft draws its chain in the graph (one uniform per proposal) from softmax(logits / T)
         sampled_chain = next((int(t.shape[1]) for t in self.manifest.draft.inputs if t.name == "sample_uniform"), 0)
         chain_sampling = SamplingParams(temperature=sampling.temperature) if not greedy else None
@@ -222,6 +238,11 @@ class Decoder:
                     proposed, confidence = sample_rows(draft_probs, rng), draft_probs.max(axis=-1)
                 drafted = policy.choose(confidence, most)
                 chain[1 : drafted + 1] = proposed[:drafted]
+            chosen = drafted  # the policy's choice: a lookup guess is not the draft's, and never calibrates it
+            guess = lookup.guess() if lookup is not None else None
+            if guess is not None and drafted == 0 and start + 2 < max_length:
+                chain[1], drafted = guess, 1
+                result.guessed += 1
             verify = drafted + 1
             called = time.perf_counter()
             out = target.forward(chain[:verify], logits_rows=0 if greedy else verify)
@@ -237,7 +258,10 @@ class Decoder:
                 else:
                     accepted, bonus = 0, int(sample_rows(target_probs[-1], rng))
             if confidence is not None:
-                policy.observe(drafted, accepted)
+                policy.observe(chosen, min(accepted, chosen))
+            if lookup is not None:  # whether or not it was verified: the policy weighs the steps that would guess
+                policy.observe_guess(guess == (chain[1] if accepted else bonus))
+                result.guessed_right += int(drafted > chosen and accepted > 0)
             new = [*chain[1 : accepted + 1].tolist(), bonus] if accepted else [bonus]
             for index, token in enumerate(new):
                 if token in stops:
@@ -248,8 +272,10 @@ class Decoder:
             rows = out.context[: len(new)]
             pending = rows if pending is None else np.concatenate([pending, rows])
             result.tokens.extend(new)
+            if lookup is not None:
+                lookup.extend(new)
             result.acceptance_lengths.append(len(new))
-            result.verified.append(drafted)
+            result.verified.append(chosen)
             paused = time.perf_counter()
             yield new
             consumer_s += time.perf_counter() - paused

@@ -8,6 +8,10 @@ acceptance rises. E[accepted] multiplies, position by position, the probability 
 the proposal at that confidence; that probability is learnt online from the accept / reject outcomes the
 loop sees (monotone in confidence), so a badly calibrated draft cannot mislead it for long.
 
+Where a step that verifies only its last token carries a lookup guess in its padding row (lookup.py), that
+step commits 1 + P(guess right) tokens on average: the policy keeps the guesses' running hit rate and weighs
+both the skipped draft and k = 0 at that rate, so DFlash stays at least as fast as the guessing greedy.
+
 Only the number of verified rows changes: greedy output stays the target's greedy output, and sampled
 output stays exact (rejection sampling over the verified prefix). numpy only.
 """
@@ -24,6 +28,7 @@ PRIOR = 2.0  # pseudo-tries per confidence bin, at the bin's own confidence: the
 HISTORY, RECENT = 32, 4  # drafted steps whose confidences are kept; the last few of them make "recent"
 FADE = 0.8  # per step without a draft, how much of the recent average's difference from the long run remains
 PROBE_MAX = 64  # steps without a draft before one is made anyway, to refresh the long-run average
+GUESS_WEIGHT = 0.1  # how much each lookup guess's outcome moves the running hit rate (lookup.py)
 
 
 def isotonic(values: list[float], weights: list[float] | None = None) -> np.ndarray:
@@ -100,6 +105,11 @@ class VerifyPolicy:
         self.recent = self.overall = 0.0  # their best expected rates, scored when the calibration last moved
         self.skipped, self.observed = 0, 0
         self._bins: np.ndarray | None = None  # the last choice's confidence bins, for its observation
+        self.guess_hits = 0.0  # running share of right lookup guesses (0 while no step has guessed)
+
+    def observe_guess(self, right: bool) -> None:
+        """A step without drafted tokens verified a lookup guess; `right`: the target agreed with it."""
+        self.guess_hits += GUESS_WEIGHT * (float(right) - self.guess_hits)
 
     def rates(self, bins: np.ndarray, table: np.ndarray | None = None) -> np.ndarray:
         """Expected committed tokens per millisecond of drafted steps verifying k = 0..n of their proposals,
@@ -108,7 +118,7 @@ class VerifyPolicy:
         expected = np.cumsum(np.cumprod(accept, axis=-1), axis=-1)
         n = bins.shape[-1]
         rates = np.empty((*bins.shape[:-1], n + 1))
-        rates[..., 0] = 1.0 / self.round_ms[0]
+        rates[..., 0] = (1.0 + self.guess_hits) / self.round_ms[0]
         rates[..., 1:] = (1.0 + expected) / self.round_ms[1 : n + 1]
         return rates
 
@@ -122,7 +132,7 @@ class VerifyPolicy:
         if self.mode != "auto" or len(self.history) == 0:
             return True
         expected = self.overall + (self.recent - self.overall) * FADE**self.skipped
-        if expected >= self.greedy_rate or self.skipped >= PROBE_MAX:
+        if expected >= self.greedy_rate * (1.0 + self.guess_hits) or self.skipped >= PROBE_MAX:
             self.skipped = 0
             return True
         self.skipped += 1

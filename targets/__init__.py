@@ -66,12 +66,13 @@ def open_session(directory: Path, manifest: Manifest, graph: str, backend: str |
 
 
 def open_decoder(directory: Path, backend: str | None = None, prefill_chunk: int = 256,
-                 batch_invariant: bool = True, **overrides) -> Decoder:
+                 batch_invariant: bool = True, guess_padding: bool = True, **overrides) -> Decoder:
     """A Decoder on an exported or lowered directory: its target and draft sessions on `backend` (default:
-    the directory's); `batch_invariant`: see Decoder; `overrides` go to the backend's sessions (ORT:
+    the directory's); `batch_invariant`, `guess_padding`: see Decoder; `overrides` go to the backend's sessions (ORT:
     intra_op_threads, ...)."""
     manifest = load_manifest(directory)
     chosen = backend_for(directory, manifest, backend).name
     target = open_session(directory, manifest, "target", chosen, **overrides)
     draft = open_session(directory, manifest, "draft", chosen, **overrides)
-    return Decoder(manifest, target, draft, prefill_chunk, batch_invariant=batch_invariant)
+    return Decoder(manifest, target, draft, prefill_chunk, batch_invariant=batch_invariant,
+                   guess_padding=guess_padding)

@@ -111,3 +111,23 @@ def test_a_fixed_verify_count_holds_without_confidences():
     assert VerifyPolicy(3, costs, 8).choose(None, 7) == 3
     assert VerifyPolicy("full", costs, 8).choose(None, 7) == 7
     assert VerifyPolicy("auto", costs, 8).choose(None, 7) == 7
+
+
+def test_right_lookup_guesses_raise_the_bar_that_drafting_must_clear():
+    """A draft that commits 2 tokens a round on a curve where that beats 1 / t(1) keeps drafting, until the padding
+    row's lookup guess is right often enough that a step without the draft commits as many for less."""
+    costs = CostModel([1.0] * 4, 0.5)  # a drafted round: 1.5 ms
+    policy = VerifyPolicy("auto", costs, 4)
+    for _ in range(8):
+        assert policy.wants_draft(3)
+        policy.observe(policy.choose(np.full(3, 0.5), 3), 1)  # each round commits 2 tokens: 1.33 per ms
+    assert policy.wants_draft(3)  # against greedy's 1 per ms
+    for _ in range(40):
+        policy.observe_guess(True)  # a step without the draft commits 2 tokens per ms
+    assert policy.guess_hits > 0.95
+    assert not policy.wants_draft(3)
+    # k = 0 after a draft call: the guess rides in the padding row too, the round still pays the draft
+    assert policy.rates(np.zeros((1, 3), np.intp))[0, 0] == pytest.approx((1.0 + policy.guess_hits) / 1.5)
+    for _ in range(40):
+        policy.observe_guess(False)
+    assert policy.guess_hits < 0.05

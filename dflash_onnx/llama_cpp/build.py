@@ -1,0 +1,114 @@
+"""Where llama.cpp's tools come from: a source tree the user names (`--llama-cpp DIR`, built there or not), or the
+llama.cpp vendored in the `llama-cpp-python` sdist, built once with cmake and cached."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.errors import DFlashError
+
+SDIST = "llama-cpp-python==0.3.36"  # its vendored llama.cpp runs draft-dflash, DFlash2 and DSpark
+TOOLS = ("llama-bench", "llama-server", "llama-quantize")
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    source: Path  # the tree holding convert_hf_to_gguf.py and gguf-py
+    bin: Path  # the folder holding TOOLS
+
+    def tool(self, name: str) -> Path:
+        return self.bin / name
+
+    def version(self) -> str:
+        done = subprocess.run([str(self.tool("llama-server")), "--version"], capture_output=True, text=True)
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("version")]
+        return lines[0].split(":", 1)[1].strip() if lines else "unknown"
+
+
+def _binaries(source: Path) -> Path | None:
+    for folder in (source / "build" / "bin", source / "bin"):
+        if all((folder / tool).is_file() for tool in TOOLS):
+            return folder
+    return None
+
+
+def find(directory: Path) -> LlamaCpp:
+    """A user's llama.cpp: the source tree (its converter is the one that matches its binaries) with its build."""
+    directory = Path(directory)
+    if not (directory / "convert_hf_to_gguf.py").is_file():
+        raise DFlashError(f"--llama-cpp {directory}: not a llama.cpp source tree (no convert_hf_to_gguf.py)")
+    folder = _binaries(directory)
+    if folder is None:
+        raise DFlashError(f"--llama-cpp {directory}: {', '.join(TOOLS)} not found in build/bin or bin: build them with "
+                          f"cmake -B build && cmake --build build --target {' '.join(TOOLS)}")
+    return LlamaCpp(directory, folder)
+
+
+def built(cache: Path) -> LlamaCpp | None:
+    """The cached build from the sdist, if it is there."""
+    source = cache / "llama.cpp" / SDIST.replace("==", "-") / "src"
+    folder = _binaries(source)
+    return LlamaCpp(source, folder) if folder is not None and (source / "convert_hf_to_gguf.py").is_file() else None
+
+
+def cached(cache: Path, progress: bool = True) -> LlamaCpp:
+    """llama.cpp from the sdist, built once under `cache` (a rerun after an interrupted build resumes it)."""
+    if built(cache) is not None:
+        return built(cache)
+    root = cache / "llama.cpp" / SDIST.replace("==", "-")
+    source = root / "src"
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise DFlashError(f"building llama.cpp needs {tool} on PATH; or pass --llama-cpp DIR (a built llama.cpp)")
+    if not (source / "convert_hf_to_gguf.py").is_file():
+        _unpack(root, progress)
+    _say(progress, f"llama.cpp: building {', '.join(TOOLS)} in {source / 'build'} (once; about 20 minutes on 2 "
+                   "cores) ...")
+    configure = ["cmake", "-S", str(source), "-B", str(source / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                 "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
+    build = ["cmake", "--build", str(source / "build"), "-j", str(_jobs()), "--target", *TOOLS]
+    log = root / "build.log"
+    with open(log, "a") as sink:
+        for command in (configure, build):
+            if subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT).returncode != 0:
+                raise DFlashError(f"building llama.cpp failed ({' '.join(command[:2])}); its output is in {log}")
+    return LlamaCpp(source, _binaries(source))
+
+
+def _unpack(root: Path, progress: bool) -> None:
+    """The sdist's vendored llama.cpp under root/src, via pip download (the one network access, once)."""
+    downloads = root / "sdist"
+    downloads.mkdir(parents=True, exist_ok=True)
+    if not list(downloads.glob("*.tar.gz")):
+        _say(progress, f"llama.cpp: downloading the {SDIST} sdist ...")
+        done = subprocess.run([sys.executable, "-m", "pip", "download", SDIST, "--no-deps", "--no-binary", ":all:",
+                               "-d", str(downloads)], capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise DFlashError(f"cannot download the {SDIST} sdist ({last[0]}); or pass --llama-cpp DIR")
+    archive = next(downloads.glob("*.tar.gz"))
+    staging = root / "unpacking"
+    shutil.rmtree(staging, ignore_errors=True)
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name + "/"]
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # refuses links out of the tree
+        tar.extractall(staging, members=members, **safe)
+    vendored = next(staging.glob("*/vendor/llama.cpp"))
+    vendored.rename(root / "src")  # whole or not at all: a half-unpacked tree is never taken for a source tree
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _jobs() -> int:
+    import os
+
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(message, file=sys.stderr, flush=True)

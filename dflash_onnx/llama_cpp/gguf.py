@@ -1,0 +1,136 @@
+"""The directory's checkpoints as GGUF, at the directory's precision: converted with llama.cpp's own converter (the
+draft with `--target-model-dir`), then quantized by llama-quantize to the format that matches ours, cached per
+checkpoint, precision and llama.cpp build."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.errors import DFlashError
+from runtime.manifest import Manifest
+
+from .build import LlamaCpp
+
+FLOAT_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What llama.cpp's files hold against ours: the weights' type, and the two tensors each side may keep apart."""
+
+    weights: str  # llama-quantize's type (q4_0, q4_1, q8_0) or the converter's float type (f32, f16, bf16)
+    output: str  # the output head (lm_head)
+    embedding: str  # token_embd
+    note: str  # said beside the figures: where the formats differ
+
+    @property
+    def quantized(self) -> bool:
+        return self.weights not in FLOAT_TYPES.values()
+
+
+def precision_for(manifest: Manifest) -> Precision:
+    """int4 in symmetric blocks of 32 -> Q4_0 (asymmetric -> Q4_1), int8 -> Q8_0, float -> the same float. Ours keeps
+    the token embedding in float (a Gather) and the lm_head in float unless int4/int8 ran with lm_head=true; the GGUF
+    keeps the same tensors in float; norms stay float on both sides."""
+    float_type = FLOAT_TYPES[manifest.dtype if manifest.backend != "coreml" else "float32"]
+    quantized = [p for p in manifest.passes if p.get("name") in ("int4", "int8")]
+    if not quantized:
+        return Precision(float_type, float_type, float_type, f"{float_type.upper()} throughout, as ours")
+    options = quantized[-1].get("options", {})
+    block = int(options.get("block_size", 32))
+    symmetric = str(options.get("symmetric", True)).lower() not in ("false", "0", "no")
+    head = str(options.get("lm_head", False)).lower() in ("true", "1", "yes")
+    if quantized[-1]["name"] == "int8":
+        weights, blocks = "q8_0", 32
+    else:
+        weights, blocks = ("q4_0" if symmetric else "q4_1"), 32
+    output = weights if head else float_type
+    note = (f"{weights.upper()} (blocks of {blocks}) against ours {quantized[-1]['name']} in blocks of {block}"
+            f"{'' if symmetric else ' with zero points'}; lm_head {output.upper()} on both; token embedding "
+            f"{float_type.upper()} on both; norms float on both")
+    if block != blocks:
+        note += f" (llama.cpp has no {weights.upper()} with blocks of {block}: the formats differ in block size)"
+    return Precision(weights, output, float_type, note)
+
+
+def _digest(*parts: object) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, Path):
+            for file in sorted(part.glob("*.safetensors")) + sorted(part.glob("*.json")):
+                stat = file.stat()
+                digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+            part = part.resolve()
+        digest.update(str(part).encode())
+    return digest.hexdigest()[:12]
+
+
+def ggufs(llama: LlamaCpp, target_dir: Path, draft_dir: Path, precision: Precision, cache: Path,
+          progress: bool = True) -> tuple[Path, Path]:
+    """The target and draft GGUF files at `precision` (made once, cached; each written whole or not at all)."""
+    folder = cache / "llama.cpp" / "gguf"
+    folder.mkdir(parents=True, exist_ok=True)
+    version = llama.version()
+    made = []
+    for kind, checkpoint in (("target", target_dir), ("draft", draft_dir)):
+        key = _digest(checkpoint, target_dir if kind == "draft" else "", version)
+        plain = folder / f"{kind}-{key}-{precision.embedding}.gguf"
+        if not plain.is_file():
+            _say(progress, f"llama.cpp: converting the {kind} {checkpoint} to GGUF ({precision.embedding}) ...")
+            _convert(llama, checkpoint, plain, precision.embedding, target_dir if kind == "draft" else None)
+        if not precision.quantized:
+            made.append(plain)
+            continue
+        quantized = folder / f"{kind}-{key}-{precision.weights}-out-{precision.output}.gguf"
+        if not quantized.is_file():
+            _say(progress, f"llama.cpp: quantizing the {kind} to {precision.weights.upper()} ...")
+            _quantize(llama, plain, quantized, precision)
+        made.append(quantized)
+    return made[0], made[1]
+
+
+def _convert(llama: LlamaCpp, checkpoint: Path, out: Path, outtype: str, target_dir: Path | None) -> None:
+    partial = out.with_suffix(".partial")
+    command = [sys.executable, "-m", "dflash_onnx.llama_cpp.converter", str(llama.source), str(checkpoint),
+               "--outfile", str(partial), "--outtype", outtype]
+    if target_dir is not None:
+        command += ["--target-model-dir", str(target_dir)]
+    _run(command, f"llama.cpp's converter cannot convert {checkpoint}", partial)
+    os.replace(partial, out)
+
+
+def _quantize(llama: LlamaCpp, source: Path, out: Path, precision: Precision) -> None:
+    partial = out.with_suffix(".partial")
+    command = [str(llama.tool("llama-quantize")), "--pure", "--output-tensor-type", precision.output,
+               "--token-embedding-type", precision.embedding, str(source), str(partial), precision.weights]
+    _run(command, f"llama-quantize cannot make {precision.weights.upper()} from {source.name}", partial)
+    os.replace(partial, out)
+
+
+def _run(command: list[str], failure: str, partial: Path) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise DFlashError(f"{failure}: {_reason(done.stderr + done.stdout)[:400]}")
+
+
+def _reason(output: str) -> str:
+    """The line that says why: an error line, and for a Python traceback its exception with the statement that
+    raised it (a bare AssertionError names nothing by itself)."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    frames = [i for i, line in enumerate(lines) if line.startswith('File "')]
+    if frames and frames[-1] + 1 < len(lines) - 1:
+        where = lines[frames[-1]].split(", in ")[-1]
+        return f"{lines[-1]} in {where}: {lines[frames[-1] + 1]}"
+    reasons = [line for line in lines if "error" in line.lower() or "not supported" in line.lower()]
+    return (reasons or lines or ["no output"])[-1]
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(message, file=sys.stderr, flush=True)

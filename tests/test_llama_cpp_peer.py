@@ -1,0 +1,129 @@
+"""`bench --peers llama.cpp`: the precision each side runs, the one-line refusals, and (where llama.cpp is built)
+its greedy and draft-dflash decoding of our tiny pair against our tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from dflash_onnx.bench import BenchOptions, run_bench
+from dflash_onnx.llama_cpp import build, gguf, runs
+from dflash_onnx.llama_cpp.peer import threads_of, unsupported_draft
+from dflash_onnx.peers import _same_tokens
+from runtime.errors import DFlashError
+from runtime.manifest import load_manifest
+
+
+def _llama_cpp() -> build.LlamaCpp | None:
+    """A built llama.cpp: DFLASH_ONNX_LLAMA_CPP (a built source tree), else the one bench caches."""
+    named = os.environ.get("DFLASH_ONNX_LLAMA_CPP")
+    if named:
+        return build.find(Path(named))
+    return build.built(Path(os.environ.get("DFLASH_ONNX_CACHE") or Path.home() / ".cache" / "dflash-onnx"))
+
+
+def test_the_gguf_precision_follows_the_directorys(exported):
+    """int4 in symmetric blocks -> Q4_0, with zero points -> Q4_1, int8 -> Q8_0, floats stay; the lm_head is
+    quantized on both sides or on neither; the note says where block sizes differ."""
+    export = load_manifest(exported("agree_b8").out)
+    assert gguf.precision_for(export) == gguf.Precision("f32", "f32", "f32", "F32 throughout, as ours")
+    assert gguf.precision_for(replace(export, dtype="float16")).weights == "f16"
+    int4 = replace(export, passes=[{"name": "int4", "lossy": True, "options": {"block_size": "32", "lm_head": "true"}}])
+    assert (gguf.precision_for(int4).weights, gguf.precision_for(int4).output) == ("q4_0", "q4_0")
+    assert "differ" not in gguf.precision_for(int4).note
+    int4_64 = replace(export, passes=[{"name": "int4", "lossy": True, "options": {"block_size": 64}}])
+    assert gguf.precision_for(int4_64).output == "f32" and "differ in block size" in gguf.precision_for(int4_64).note
+    zero_points = replace(export, passes=[{"name": "int4", "options": {"block_size": 32, "symmetric": "false"}}])
+    assert gguf.precision_for(zero_points).weights == "q4_1"
+    assert gguf.precision_for(replace(export, passes=[{"name": "int8", "options": {}}])).weights == "q8_0"
+    assert gguf.precision_for(int4).quantized and not gguf.precision_for(export).quantized
+
+
+def test_tokens_that_end_at_end_of_generation_count_as_ours():
+    """llama-server stops at an end-of-generation token where ours (stop ids off) runs on: a prefix ending there is
+    ours; a prefix ending anywhere else, or a different token, is not."""
+    ours = [[5, 6, 1, 7, 8], [3, 3, 3]]
+    assert _same_tokens([[5, 6, 1], [3, 3, 3]], ours, [1])
+    assert _same_tokens([[5, 6], [3, 3, 3]], ours, [1])  # stopped before printing it
+    assert not _same_tokens([[5, 6], [3, 3, 3]], ours, [2])
+    assert not _same_tokens([[5, 9, 1], [3, 3, 3]], ours, [1])
+    assert not _same_tokens([[5, 6, 1], [3, 3]], ours, [1])
+    assert _same_tokens(ours, ours, None) and not _same_tokens([[5, 6, 1], [3, 3, 3]], ours, None)
+
+
+def test_a_draft_llama_cpp_cannot_run_is_named_before_starting_it(exported):
+    pair = exported("agree_b8")
+    manifest = load_manifest(pair.out)
+    assert unsupported_draft(manifest, pair.target_dir) is None
+    last = replace(manifest, target_layer_ids=[1, pair.spec.target_layers - 1])
+    assert "taps the target's last layer" in unsupported_draft(last, pair.target_dir)
+    assert "dspark" in unsupported_draft(replace(manifest, draft_kind="dspark", draft_layout="speculators"),
+                                         pair.target_dir)
+    assert threads_of(manifest) >= 1
+
+
+def test_a_llama_cpp_that_is_not_there_is_refused_in_one_line(tmp_path):
+    with pytest.raises(DFlashError, match="not a llama.cpp source tree"):
+        build.find(tmp_path)
+    (tmp_path / "convert_hf_to_gguf.py").write_text("")
+    with pytest.raises(DFlashError, match="llama-bench, llama-server, llama-quantize not found"):
+        build.find(tmp_path)
+    assert build.built(tmp_path) is None
+
+
+def test_a_server_that_dies_is_reported_with_its_own_error(tmp_path):
+    """llama-server exiting at start (a GGUF it refuses) ends the peer in one line quoting its error."""
+    folder = tmp_path / "build" / "bin"
+    folder.mkdir(parents=True)
+    (tmp_path / "convert_hf_to_gguf.py").write_text("")
+    for tool in build.TOOLS:
+        script = folder / tool
+        script.write_text("#!/bin/sh\necho 'loading model'\necho 'error: unknown model architecture: xyz'\nexit 1\n")
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    llama = build.find(tmp_path)
+    with pytest.raises(DFlashError, match="llama-server exited .*unknown model architecture"):
+        with runs.server(llama, tmp_path / "t.gguf", 1, 64):
+            pass
+    with pytest.raises(DFlashError, match="llama-bench failed: error: unknown model architecture"):
+        runs.bench_greedy_step(llama, tmp_path / "t.gguf", 1, 4, 0, 1)
+
+
+def test_llama_cpp_decodes_our_tokens_greedy_and_with_our_draft(exported, tmp_path, monkeypatch):
+    """llama.cpp's own converter and runs on our pair: greedy and draft-dflash give our tokens, at F32."""
+    llama = _llama_cpp()
+    if llama is None:
+        pytest.skip("llama.cpp is not built here: `dflash-onnx bench --peers llama.cpp` builds it once (about 20 "
+                    "minutes on 2 cores) and caches it, or set DFLASH_ONNX_LLAMA_CPP to a built source tree")
+    monkeypatch.setenv("DFLASH_ONNX_CACHE", str(tmp_path))  # the GGUF files of this run only
+    pair = exported("agree_b8")
+    target = tmp_path / "target"  # as checkpoints ship: with tokenizer_config.json (transformers otherwise takes
+    shutil.copytree(pair.target_dir, target)  # the Qwen2 tokenizer's defaults and adds <|endoftext|>)
+    (target / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "pad_token": "<pad>"}))
+    options = BenchOptions(max_new_tokens=16, repeats=1, num_prompts=2, contexts=[16], curve_repeats=1,
+                           llama_cpp=llama.source)
+    report = run_bench(pair.out, None, None, options, ["llama.cpp"], (target, pair.draft_dir), progress=False)
+    rows = report["peers"]["rows"]
+    assert rows[0]["name"].startswith("llama.cpp llama-bench tg16 @ depth ")
+    assert [r["name"].split(" (")[0] for r in rows[1:]] == ["llama.cpp greedy", "llama.cpp draft-dflash, 7 proposals"]
+    assert all(r["tokens_per_second"] > 0 for r in rows)
+    assert rows[1]["identical_to_ours"] and rows[2]["identical_to_ours"]
+    assert rows[2]["tau"] > 1
+    assert {"ours greedy / llama.cpp greedy", "ours dflash / llama.cpp dflash",
+            "ours greedy / llama-bench tg"} <= set(report["peers"]["ratios"])
+    assert len(list((tmp_path / "llama.cpp" / "gguf").glob("*.gguf"))) == 2  # converted once, F32: not quantized
+
+
+def test_the_converters_refusal_names_the_statement_that_raised():
+    """A bare AssertionError from inside llama.cpp's converter is reported with where it came from."""
+    traceback = ('Traceback (most recent call last):\n  File "conversion/base.py", line 1588, in get_vocab_base\n'
+                 '    assert max(tokenizer.vocab.values()) < vocab_size\nAssertionError\n')
+    assert gguf._reason(traceback) == ("AssertionError in get_vocab_base: assert max(tokenizer.vocab.values()) "
+                                       "< vocab_size")
+    assert gguf._reason("loading\nerror: unknown type\nbye") == "error: unknown type"
