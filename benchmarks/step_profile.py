@@ -1,5 +1,6 @@
 """Where a one-token decode step of an ORT lowering spends its time: ONNX Runtime's profiler over `--steps`
 steps at `--context` tokens of (zero) K/V, each node's kernel time summed per op type, the median step reported.
+The K/V buffers are bound as the runtime binds them (each layer's past and present one buffer, written in place).
 Unpadded by default; `--padded` runs the step as the runners send it to a lowering with row multiple 2 (the
 token twice, its position repeated). For buffer-form target graphs (K/V buffers, seqlens_k,
 total_sequence_length); several directories print side by side.
@@ -37,6 +38,23 @@ def _feeds(session: ort.InferenceSession, context: int, rows: int) -> dict[str, 
     return feeds
 
 
+def _bound(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> ort.IOBinding:
+    """The feeds bound as the runtime binds them: each K/V buffer is its layer's past input and present output
+    (written in place, nothing copied), the other outputs allocated by ORT."""
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        if name.startswith("past_key_values."):
+            buffer = ort.OrtValue.ortvalue_from_numpy(value)
+            binding.bind_ortvalue_input(name, buffer)
+            binding.bind_ortvalue_output(name.replace("past_key_values.", "present."), buffer)
+        else:
+            binding.bind_cpu_input(name, value)
+    for output in session.get_outputs():
+        if not output.name.startswith("present."):
+            binding.bind_output(output.name, "cpu")
+    return binding
+
+
 def profile(directory: Path, context: int, steps: int, threads: int, rows: int = 1) -> dict[str, float]:
     """Median ms per step of each op type's kernels (and 'step': the median run)."""
     options = ort.SessionOptions()
@@ -44,9 +62,9 @@ def profile(directory: Path, context: int, steps: int, threads: int, rows: int =
     with tempfile.TemporaryDirectory() as scratch:
         options.profile_file_prefix = str(Path(scratch) / "step")
         session = ort.InferenceSession(str(directory / "target.onnx"), options, providers=["CPUExecutionProvider"])
-        feeds = _feeds(session, context, rows)
+        binding = _bound(session, _feeds(session, context, rows))
         for _ in range(steps + 2):  # the first two warm up (prepacking, allocations) and are left out
-            session.run(None, feeds)
+            session.run_with_iobinding(binding)
         events = json.loads(Path(session.end_profiling()).read_text())
     runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"),
                   key=lambda e: e["ts"])[2:]

@@ -380,8 +380,11 @@ def format_peers(peers: dict) -> str:
                      f"{tau:>6} {same:>11}")
         if row.get("precision") and row["precision"] not in notes:
             notes.append(row["precision"])
+        if row.get("verify_ratio"):
+            notes.append(f"llama.cpp's batch of {row['verify_rows']} tokens costs {row['verify_ratio']:.2f}x its "
+                         "one-token step at that depth (llama-bench pp/tg): the verify cost its DFlash pays")
     lines += [f"{name}: {value:.2f}{'' if name.endswith('tau') else 'x'}" for name, value in peers["ratios"].items()]
-    lines += [f"precision: {note}" for note in notes]
+    lines += [f"{'' if note.startswith('llama.cpp') else 'precision: '}{note}" for note in notes]
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ def registry() -> dict[str, GraphPass]:
         quantize,
         rope_cache,
         rope_fusion,
+        sibling_matmuls,
         tidy,
     )
 
@@ -68,6 +69,9 @@ def registry() -> dict[str, GraphPass]:
                   "draft: K/V outputs -> the new context rows only", lowerings=LOWERINGS),
         GraphPass("moe-fusion", experts.fuse, 1e-5, False,
                   "target: mixture-of-experts nodes -> com.microsoft MoE (only the routed experts computed)",
+                  lowerings=("ort",)),
+        GraphPass("sibling-matmuls", sibling_matmuls.run, 1e-5, False,
+                  "MatMulNBits reading the same activation (q/k/v, gate/up) -> one MatMulNBits and a Split",
                   lowerings=("ort",)),
         GraphPass("tidy", tidy.run, 1e-5, False, "dead nodes, reshape round trips, topological order"),
     ]

@@ -91,7 +91,7 @@ def test_a_server_that_dies_is_reported_with_its_own_error(tmp_path):
         with runs.server(llama, tmp_path / "t.gguf", 1, 64):
             pass
     with pytest.raises(DFlashError, match="llama-bench failed: error: unknown model architecture"):
-        runs.bench_greedy_step(llama, tmp_path / "t.gguf", 1, 4, 0, 1)
+        runs.bench_greedy_step(llama, tmp_path / "t.gguf", 1, 4, 0, 1, 8)
 
 
 def test_llama_cpp_decodes_our_tokens_greedy_and_with_our_draft(exported, tmp_path, monkeypatch):
@@ -111,6 +111,7 @@ def test_llama_cpp_decodes_our_tokens_greedy_and_with_our_draft(exported, tmp_pa
     report = run_bench(pair.out, None, None, options, ["llama.cpp"], (target, pair.draft_dir), progress=False)
     rows = report["peers"]["rows"]
     assert rows[0]["name"].startswith("llama.cpp llama-bench tg16 @ depth ")
+    assert rows[0]["verify_ratio"] > 0 and rows[0]["verify_rows"] == 8  # its batch of a block against one token
     assert [r["name"].split(" (")[0] for r in rows[1:]] == ["llama.cpp greedy", "llama.cpp draft-dflash, 7 proposals"]
     assert all(r["tokens_per_second"] > 0 for r in rows)
     assert rows[1]["identical_to_ours"] and rows[2]["identical_to_ours"]

@@ -19,7 +19,8 @@ from targets.ort.lower import lower_ort
 from targets.ort.options import OrtOptions
 
 QUIET = LowerRequest(progress=False)
-REWRITES = ["draft-attention", "rope-cache", "kv-buffer", "draft-rows", "tidy"]  # the lowering's own, in order
+# the lowering's own rewrites, in order
+REWRITES = ["draft-attention", "rope-cache", "kv-buffer", "draft-rows", "sibling-matmuls", "tidy"]
 
 
 def _rewrote(manifest, name: str, graph: str, key: str) -> int:
@@ -297,6 +298,11 @@ def test_a_quantized_export_lowers_and_decodes_its_own_greedy_tokens(exported, t
     lowered = lower_ort(quantized, tmp_path / "ort", OrtOptions(ctx_len=256), QUIET)
     assert lowered.form == "buffer"
     assert [p["name"] for p in lowered.passes] == ["int4", "rope-fusion", "ort-fusions"]
+    # q/k/v and gate/up of every target layer read one activation: each group is one MatMulNBits and a Split
+    fused = lowered.lowering.rewrites["sibling-matmuls"]["target"]["matmuls_fused"]
+    assert fused == 5 * exported("agree_b8").spec.target_layers
+    target = onnx.load(str(tmp_path / "ort" / "target.onnx"), load_external_data=False)
+    assert sum(n.op_type == "Split" for n in target.graph.node) == 2 * exported("agree_b8").spec.target_layers
     # compared with the quantized matmuls computing in float, the lowering is held to the float tolerance
     assert lowered.lowering.max_relative_difference <= ort_check.LOWERING_TOLERANCE["float32"]
     assert ort_check.float_accuracy(quantized / "target.onnx") is not None

@@ -446,3 +446,39 @@ def test_the_free_space_check_expects_what_the_passes_write(exported, tmp_path, 
     with pytest.raises(DFlashError, match="free some space"):
         apply_pipeline(source, ["cleanup"], tmp_path / "cleanup", progress=False)
     assert not (tmp_path / "cleanup").exists()
+
+
+def test_sibling_matmuls_compute_every_column_as_the_separate_matmuls_did():
+    """Three int4 MatMulNBits on one activation (and one on another) -> one fused call and a Split; outputs equal
+    bit for bit at 1, 2 and 16 rows; the odd one out is left alone."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from passes.sibling_matmuls import run
+
+    rng = np.random.default_rng(0)
+    k, block, nodes, inits, outputs = 64, 16, [], [], []
+    for index, (source, n) in enumerate([("A", 32), ("A", 16), ("A", 48), ("C", 16)]):
+        packed = rng.integers(0, 255, (n, k // block, block // 2), dtype=np.uint8)
+        inits += [numpy_helper.from_array(packed, f"B{index}"),
+                  numpy_helper.from_array(rng.random(n * k // block).astype(np.float32), f"S{index}")]
+        nodes.append(helper.make_node("MatMulNBits", [source, f"B{index}", f"S{index}"], [f"Y{index}"],
+                                      domain="com.microsoft", K=k, N=n, bits=4, block_size=block, accuracy_level=4))
+        outputs.append(helper.make_tensor_value_info(f"Y{index}", TensorProto.FLOAT, ["M", n]))
+    nodes += [helper.make_node("Relu", [f"Y{i}"], [f"R{i}"]) for i in range(4)]  # projections are read, not returned
+    inputs = [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["M", k]) for x in "AC"]
+    returned = [helper.make_tensor_value_info(f"R{i}", TensorProto.FLOAT, ["M", f"N{i}"]) for i in range(4)]
+    graph = helper.make_graph(nodes, "g", inputs, returned, inits)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    proto = helper.make_model(graph, opset_imports=opsets)
+    fused, details = run(ir.from_proto(proto), None)
+    assert details == {"matmuls_fused": 3}
+    ops = [node.op_type for node in fused.graph]
+    assert ops.count("MatMulNBits") == 2 and ops.count("Split") == 1
+    before = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    after = ort.InferenceSession(ir.to_proto(fused).SerializeToString(), providers=["CPUExecutionProvider"])
+    for rows in (1, 2, 16):
+        feeds = {x: rng.standard_normal((rows, k)).astype(np.float32) for x in "AC"}
+        for want, got in zip(before.run(None, feeds), after.run(None, feeds)):
+            np.testing.assert_array_equal(got, want)

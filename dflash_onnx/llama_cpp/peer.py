@@ -51,10 +51,11 @@ def llama_cpp_rows(manifest: Manifest, prompts: list[dict], max_new_tokens: int,
     if progress:
         print(f"peers: llama.cpp {llama.version()} ({label}): llama-bench, llama-server greedy and draft-dflash ...",
               file=sys.stderr, flush=True)
-    step = runs.bench_greedy_step(llama, target, threads, max_new_tokens, depth, repeats)
+    step = runs.bench_greedy_step(llama, target, threads, max_new_tokens, depth, repeats, manifest.block_size)
     rows = [{"name": f"llama.cpp llama-bench tg{max_new_tokens} @ depth {depth} ({label})", "tokens": None,
              "tokens_per_second": step["tokens_per_second"], "end_to_end_tokens_per_second": None,
-             "ttft_ms_median": None, "tau": None, "outputs": None, "precision": precision.note}]
+             "ttft_ms_median": None, "tau": None, "outputs": None, "precision": precision.note,
+             "verify_ratio": step["verify_ratio"], "verify_rows": manifest.block_size}]
     context = max(len(p["ids"]) for p in prompts) + max_new_tokens + manifest.block_size + 64
     for drafting in (False, True):
         kind = f"draft-dflash, {manifest.block_size - 1} proposals" if drafting else "greedy"

@@ -24,10 +24,12 @@ from .build import LlamaCpp
 START_TIMEOUT_S = 180.0
 
 
-def bench_greedy_step(llama: LlamaCpp, target: Path, threads: int, tokens: int, depth: int, repeats: int) -> dict:
-    """llama-bench's text-generation rate: `tokens` tokens one at a time after a `depth`-token context."""
-    command = [str(llama.tool("llama-bench")), "-m", str(target), "-t", str(threads), "-p", "0", "-n", str(tokens),
-               "-d", str(depth), "-r", str(max(1, repeats)), "-o", "json"]
+def bench_greedy_step(llama: LlamaCpp, target: Path, threads: int, tokens: int, depth: int, repeats: int,
+                      block: int) -> dict:
+    """llama-bench's text-generation rate (`tokens` tokens one at a time after a `depth`-token context), and its
+    batch of `block` tokens at the same depth: llama.cpp's t(block) / t(1), the verify cost DFlash pays there."""
+    command = [str(llama.tool("llama-bench")), "-m", str(target), "-t", str(threads), "-p", str(block),
+               "-n", str(tokens), "-d", str(depth), "-r", str(max(1, repeats)), "-o", "json"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise DFlashError(f"llama-bench failed: {_last_error(done.stderr + done.stdout)}")
@@ -36,7 +38,11 @@ def bench_greedy_step(llama: LlamaCpp, target: Path, threads: int, tokens: int, 
     except json.JSONDecodeError:
         raise DFlashError(f"llama-bench printed no JSON: {_last_error(done.stdout + done.stderr)}") from None
     generation = [t for t in tests if t.get("n_gen")]
-    return {"tokens_per_second": float(generation[0]["avg_ts"]), "stdev": float(generation[0].get("stdev_ts", 0.0))}
+    batch = [t for t in tests if t.get("n_prompt") and not t.get("n_gen")]
+    step_ms = 1000 / float(generation[0]["avg_ts"])
+    block_ms = 1000 * block / float(batch[0]["avg_ts"]) if batch else None
+    return {"tokens_per_second": float(generation[0]["avg_ts"]), "stdev": float(generation[0].get("stdev_ts", 0.0)),
+            "verify_ratio": block_ms / step_ms if block_ms else None}
 
 
 class Server:

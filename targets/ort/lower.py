@@ -68,7 +68,8 @@ def pipeline(options: OrtOptions, block_size: int, experts: bool = False) -> tup
         # a cos/sin cache needs a bound on positions: the buffer form's capacity (a draft block runs past it)
         rewrites += ["rope-cache"] if "rope-fusion" in names else []
         rewrites += ["kv-buffer", "draft-rows"]
-    names += [*rewrites, "tidy"] if rewrites else []
+    rewrites.append("sibling-matmuls")  # quantized projections that share their input (none: nothing to do)
+    names += [*rewrites, "tidy"]
     return names, {"kv-buffer": {"ctx_len": str(options.ctx_len)},
                    "rope-cache": {"rows": str(options.ctx_len + block_size)}}
 
