@@ -205,7 +205,7 @@ def _prompt_row(prompt: dict, runs: dict[str, list], block: int) -> dict:
             "end_to_end_tokens_per_second": len(first.tokens) / (decode_s + ttft_s),
             "loop_overhead": max(0.0, 1 - in_backend / decode_s),
             "acceptance_lengths": first.acceptance_lengths, "tau": first.tau,
-            "acceptance_histogram": first.acceptance_histogram(1 if mode.startswith("greedy") else block),
+            "acceptance_histogram": first.acceptance_histogram(block),
             "drafted_steps": sum(1 for v in first.verified if v),
             "guessed": first.guessed, "guessed_right": first.guessed_right,
             "verified_mean": float(np.mean(first.verified or [0])),
@@ -214,8 +214,9 @@ def _prompt_row(prompt: dict, runs: dict[str, list], block: int) -> dict:
     greedy = row.pop("greedy_token_ids")
     row["first_divergence"] = {mode: first_divergence(row.pop(f"{mode}_token_ids"), greedy)
                                for mode in runs if mode != "greedy"}
-    row["identical_to_greedy"] = all(row["first_divergence"][mode] is None for mode in ("dflash", "full")
-                                     if mode in runs)
+    # the padded runs must all be greedy's tokens: DFlash's, and the padded greedy's without the lookup guess
+    row["identical_to_greedy"] = all(row["first_divergence"][mode] is None
+                                     for mode in ("dflash", "full", "greedy_unguessed") if mode in runs)
     row["tokens"] = greedy
     row["speedup"] = row["dflash"]["tokens_per_second"] / row["greedy"]["tokens_per_second"]
     if "greedy_unpadded" in row:  # against the fastest greedy, whose tokens may differ at near ties

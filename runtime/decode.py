@@ -217,6 +217,8 @@ class Decoder:
             block.fill(mask_id)
             block[0] = chain[0] = result.tokens[-1]
             drafted, confidence = 0, None
+            guess = lookup.guess() if lookup is not None else None
+            policy.guessing = guess is not None and start + 2 < max_length  # a step without drafts would guess
             if policy.wants_draft(most):
                 chained = None if greedy or not sampled_chain else (rng.random(sampled_chain), sampling.temperature)
                 proposal = draft.propose(block, pending, want_logits=not greedy, sample=chained)
@@ -239,8 +241,7 @@ class Decoder:
                 drafted = policy.choose(confidence, most)
                 chain[1 : drafted + 1] = proposed[:drafted]
             chosen = drafted  # the policy's choice: a lookup guess is not the draft's, and never calibrates it
-            guess = lookup.guess() if lookup is not None else None
-            if guess is not None and drafted == 0 and start + 2 < max_length:
+            if policy.guessing and drafted == 0:
                 chain[1], drafted = guess, 1
                 result.guessed += 1
             verify = drafted + 1

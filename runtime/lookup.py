@@ -1,6 +1,6 @@
 """A free guess for the padding row: the token that followed the latest earlier occurrence of the last two tokens
-(else of the last one) in the prompt and output so far, the prompt-lookup guess of transformers'
-`prompt_lookup_num_tokens` and llama.cpp's n-gram speculation.
+(else of the last one) in the prompt and output so far: prompt-lookup decoding's guess, from the latest match
+(transformers' `prompt_lookup_num_tokens` takes the earliest).
 
 A batch-invariant lowering pads a one-token target call to its row multiple, so a greedy step already pays for a
 second row; carrying this guess there instead of a copy of the last row verifies it for nothing, and a right guess

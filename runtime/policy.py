@@ -106,6 +106,11 @@ class VerifyPolicy:
         self.skipped, self.observed = 0, 0
         self._bins: np.ndarray | None = None  # the last choice's confidence bins, for its observation
         self.guess_hits = 0.0  # running share of right lookup guesses (0 while no step has guessed)
+        self.guessing = False  # whether this step, drafting nothing, would verify a lookup guess
+
+    def _guess_gain(self) -> float:
+        """Tokens a step without drafted tokens commits beyond its own: the guess's hit rate where it guesses."""
+        return self.guess_hits if self.guessing else 0.0
 
     def observe_guess(self, right: bool) -> None:
         """A step without drafted tokens verified a lookup guess; `right`: the target agreed with it."""
@@ -118,7 +123,7 @@ class VerifyPolicy:
         expected = np.cumsum(np.cumprod(accept, axis=-1), axis=-1)
         n = bins.shape[-1]
         rates = np.empty((*bins.shape[:-1], n + 1))
-        rates[..., 0] = (1.0 + self.guess_hits) / self.round_ms[0]
+        rates[..., 0] = (1.0 + self._guess_gain()) / self.round_ms[0]
         rates[..., 1:] = (1.0 + expected) / self.round_ms[1 : n + 1]
         return rates
 
@@ -132,7 +137,7 @@ class VerifyPolicy:
         if self.mode != "auto" or len(self.history) == 0:
             return True
         expected = self.overall + (self.recent - self.overall) * FADE**self.skipped
-        if expected >= self.greedy_rate * (1.0 + self.guess_hits) or self.skipped >= PROBE_MAX:
+        if expected >= self.greedy_rate * (1.0 + self._guess_gain()) or self.skipped >= PROBE_MAX:
             self.skipped = 0
             return True
         self.skipped += 1

@@ -14,7 +14,7 @@ import pytest
 
 from dflash_onnx.bench import BenchOptions, run_bench
 from dflash_onnx.llama_cpp import build, gguf, runs
-from dflash_onnx.llama_cpp.peer import threads_of, unsupported_draft
+from dflash_onnx.llama_cpp.peer import llama_cpp_rows, threads_of, unsupported_draft
 from dflash_onnx.peers import _same_tokens
 from runtime.errors import DFlashError
 from runtime.manifest import load_manifest
@@ -32,7 +32,7 @@ def test_the_gguf_precision_follows_the_directorys(exported):
     """int4 in symmetric blocks -> Q4_0, with zero points -> Q4_1, int8 -> Q8_0, floats stay; the lm_head is
     quantized on both sides or on neither; the note says where block sizes differ."""
     export = load_manifest(exported("agree_b8").out)
-    assert gguf.precision_for(export) == gguf.Precision("f32", "f32", "f32", "F32 throughout, as ours")
+    assert gguf.precision_for(export) == gguf.Precision("f32", "f32", "f32", "f32", "F32 throughout, as ours")
     assert gguf.precision_for(replace(export, dtype="float16")).weights == "f16"
     int4 = replace(export, passes=[{"name": "int4", "lossy": True, "options": {"block_size": "32", "lm_head": "true"}}])
     assert (gguf.precision_for(int4).weights, gguf.precision_for(int4).output) == ("q4_0", "q4_0")
@@ -43,6 +43,31 @@ def test_the_gguf_precision_follows_the_directorys(exported):
     assert gguf.precision_for(zero_points).weights == "q4_1"
     assert gguf.precision_for(replace(export, passes=[{"name": "int8", "options": {}}])).weights == "q8_0"
     assert gguf.precision_for(int4).quantized and not gguf.precision_for(export).quantized
+    # a tied target has one GGUF tensor for embedding and head: it takes the head's type, and the note says so
+    tied = gguf.precision_for(int4, tied=True)
+    assert (tied.embedding, tied.base) == ("q4_0", "f32") and "tied" in tied.note
+    assert gguf.precision_for(int4_64, tied=True).embedding == "f32"  # a float head: nothing differs
+    mlx = replace(export, lowering=replace(export.lowering or _mlx_lowering(), backend="mlx",
+                                           options={"bits": 4, "group_size": 64}))
+    assert gguf.precision_for(mlx).weights == "q4_1" and "groups of 64" in gguf.precision_for(mlx).note
+
+
+def _mlx_lowering():
+    from runtime.manifest import Lowering
+
+    return Lowering(backend="mlx", options={})
+
+
+def test_a_llama_cpp_that_fails_leaves_our_figures_and_says_why(exported, tmp_path):
+    """A llama.cpp that cannot be used (here: a tree that is not one) becomes one row saying why; bench keeps
+    every figure it measured of ours."""
+    from dflash_onnx.peers import _collect
+
+    pair = exported("agree_b8")
+    rows = llama_cpp_rows(load_manifest(pair.out), [{"ids": [4, 5, 6], "text": None}], 4, 1, pair.target_dir,
+                          pair.draft_dir, tmp_path, False, _collect)
+    assert rows == [{"name": "llama.cpp", "unavailable": f"--llama-cpp {tmp_path}: not a llama.cpp source tree (no "
+                                                          "convert_hf_to_gguf.py)"}]
 
 
 def test_tokens_that_end_at_end_of_generation_count_as_ours():
@@ -65,6 +90,7 @@ def test_a_draft_llama_cpp_cannot_run_is_named_before_starting_it(exported):
     assert "taps the target's last layer" in unsupported_draft(last, pair.target_dir)
     assert "dspark" in unsupported_draft(replace(manifest, draft_kind="dspark", draft_layout="speculators"),
                                          pair.target_dir)
+    assert unsupported_draft(replace(manifest, draft_kind="dflash2"), pair.target_dir) is None  # converted too
     assert threads_of(manifest) >= 1
 
 

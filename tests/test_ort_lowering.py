@@ -19,8 +19,7 @@ from targets.ort.lower import lower_ort
 from targets.ort.options import OrtOptions
 
 QUIET = LowerRequest(progress=False)
-# the lowering's own rewrites, in order
-REWRITES = ["draft-attention", "rope-cache", "kv-buffer", "draft-rows", "sibling-matmuls", "tidy"]
+REWRITES = ["draft-attention", "rope-cache", "kv-buffer", "draft-rows", "tidy"]  # the lowering's own, in order
 
 
 def _rewrote(manifest, name: str, graph: str, key: str) -> int:

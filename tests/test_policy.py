@@ -125,6 +125,8 @@ def test_right_lookup_guesses_raise_the_bar_that_drafting_must_clear():
     for _ in range(40):
         policy.observe_guess(True)  # a step without the draft commits 2 tokens per ms
     assert policy.guess_hits > 0.95
+    assert policy.wants_draft(3)  # ... where it has a guess to carry: this step has none
+    policy.guessing = True
     assert not policy.wants_draft(3)
     # k = 0 after a draft call: the guess rides in the padding row too, the round still pays the draft
     assert policy.rates(np.zeros((1, 3), np.intp))[0, 0] == pytest.approx((1.0 + policy.guess_hits) / 1.5)

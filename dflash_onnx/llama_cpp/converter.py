@@ -30,9 +30,13 @@ def main(argv: list[str]) -> None:
     sys.path[:0] = [str(source), str(source / "gguf-py")]
     import convert_hf_to_gguf
     import gguf
-    from conversion import base
 
-    table = base.TextModel.get_vocab_base_pre
+    try:  # the converter split into conversion/ (2026); before, its classes lived in the script
+        from conversion.base import TextModel
+    except ImportError:
+        TextModel = convert_hf_to_gguf.TextModel
+
+    table = TextModel.get_vocab_base_pre
 
     def named_when_unknown(self, tokenizer) -> str:
         try:
@@ -48,7 +52,7 @@ def main(argv: list[str]) -> None:
             self.merges = [_inert_merge(path)]
         return found
 
-    base.TextModel.get_vocab_base_pre = named_when_unknown
+    TextModel.get_vocab_base_pre = named_when_unknown
     gguf.SpecialVocab._try_load_from_tokenizer_json = with_a_merge
     sys.argv = [str(source / "convert_hf_to_gguf.py"), *argv[1:]]
     convert_hf_to_gguf.main()

@@ -26,6 +26,7 @@ class Precision:
     weights: str  # llama-quantize's type (q4_0, q4_1, q8_0) or the converter's float type (f32, f16, bf16)
     output: str  # the output head (lm_head)
     embedding: str  # token_embd
+    base: str  # the converter's float type, the directory's dtype: what llama-quantize starts from
     note: str  # said beside the figures: where the formats differ
 
     @property
@@ -33,14 +34,25 @@ class Precision:
         return self.weights not in FLOAT_TYPES.values()
 
 
-def precision_for(manifest: Manifest) -> Precision:
-    """int4 in symmetric blocks of 32 -> Q4_0 (asymmetric -> Q4_1), int8 -> Q8_0, float -> the same float. Ours keeps
-    the token embedding in float (a Gather) and the lm_head in float unless int4/int8 ran with lm_head=true; the GGUF
-    keeps the same tensors in float; norms stay float on both sides."""
+def precision_for(manifest: Manifest, tied: bool = False) -> Precision:
+    """int4 in symmetric blocks of 32 -> Q4_0 (asymmetric -> Q4_1), int8 -> Q8_0, float -> the same float; an MLX
+    lowering's affine groups of --bits 4 -> Q4_1, 8 -> Q8_0. Ours keeps the token embedding in float (a Gather)
+    and the lm_head in float unless int4/int8 ran with lm_head=true; the GGUF keeps the same tensors in float;
+    norms stay float on both sides. `tied`: the target ties its head to the embedding, so the GGUF has one tensor
+    for both (token_embd), which takes the head's type."""
     float_type = FLOAT_TYPES[manifest.dtype if manifest.backend != "coreml" else "float32"]
+    bits = (manifest.lowering.options or {}).get("bits") if manifest.backend == "mlx" else None
+    if bits:
+        weights = {4: "q4_1", 8: "q8_0"}.get(int(bits))
+        if weights is None:
+            raise DFlashError(f"llama.cpp has no quantization that matches this MLX lowering's {bits}-bit groups")
+        group = manifest.lowering.options.get("group_size")
+        return Precision(weights, float_type, float_type, float_type,
+                         f"{weights.upper()} (blocks of 32) against ours MLX {bits}-bit affine groups of {group}; "
+                         f"lm_head and token embedding {float_type.upper()} on both; norms float on both")
     quantized = [p for p in manifest.passes if p.get("name") in ("int4", "int8")]
     if not quantized:
-        return Precision(float_type, float_type, float_type, f"{float_type.upper()} throughout, as ours")
+        return Precision(float_type, float_type, float_type, float_type, f"{float_type.upper()} throughout, as ours")
     options = quantized[-1].get("options", {})
     block = int(options.get("block_size", 32))
     symmetric = str(options.get("symmetric", True)).lower() not in ("false", "0", "no")
@@ -50,12 +62,16 @@ def precision_for(manifest: Manifest) -> Precision:
     else:
         weights, blocks = ("q4_0" if symmetric else "q4_1"), 32
     output = weights if head else float_type
+    embedding = output if tied else float_type
+    kept = (f"token embedding {float_type.upper()} on both" if not tied or embedding == float_type else
+            f"token embedding {embedding.upper()} in llama.cpp (tied: its one tensor is also the head) against "
+            f"{float_type.upper()} in ours")
     note = (f"{weights.upper()} (blocks of {blocks}) against ours {quantized[-1]['name']} in blocks of {block}"
-            f"{'' if symmetric else ' with zero points'}; lm_head {output.upper()} on both; token embedding "
-            f"{float_type.upper()} on both; norms float on both")
+            f"{'' if symmetric else ' with zero points'}; lm_head {output.upper()} on both; {kept}; norms float "
+            "on both")
     if block != blocks:
         note += f" (llama.cpp has no {weights.upper()} with blocks of {block}: the formats differ in block size)"
-    return Precision(weights, output, float_type, note)
+    return Precision(weights, output, embedding, float_type, note)
 
 
 def _digest(*parts: object) -> str:
@@ -70,23 +86,27 @@ def _digest(*parts: object) -> str:
     return digest.hexdigest()[:12]
 
 
-def ggufs(llama: LlamaCpp, target_dir: Path, draft_dir: Path, precision: Precision, cache: Path,
-          progress: bool = True) -> tuple[Path, Path]:
-    """The target and draft GGUF files at `precision` (made once, cached; each written whole or not at all)."""
+def ggufs(llama: LlamaCpp, target_dir: Path, draft_dir: Path | None, precision: Precision, cache: Path,
+          progress: bool = True) -> tuple[Path, Path | None]:
+    """The target and draft GGUF files at `precision` (made once, cached; each written whole or not at all); no
+    draft file where `draft_dir` is None."""
     folder = cache / "llama.cpp" / "gguf"
     folder.mkdir(parents=True, exist_ok=True)
     version = llama.version()
     made = []
     for kind, checkpoint in (("target", target_dir), ("draft", draft_dir)):
+        if checkpoint is None:
+            made.append(None)
+            continue
         key = _digest(checkpoint, target_dir if kind == "draft" else "", version)
-        plain = folder / f"{kind}-{key}-{precision.embedding}.gguf"
+        plain = folder / f"{kind}-{key}-{precision.base}.gguf"
         if not plain.is_file():
-            _say(progress, f"llama.cpp: converting the {kind} {checkpoint} to GGUF ({precision.embedding}) ...")
-            _convert(llama, checkpoint, plain, precision.embedding, target_dir if kind == "draft" else None)
+            _say(progress, f"llama.cpp: converting the {kind} {checkpoint} to GGUF ({precision.base}) ...")
+            _convert(llama, checkpoint, plain, precision.base, target_dir if kind == "draft" else None)
         if not precision.quantized:
             made.append(plain)
             continue
-        quantized = folder / f"{kind}-{key}-{precision.weights}-out-{precision.output}.gguf"
+        quantized = folder / f"{kind}-{key}-{precision.weights}-out-{precision.output}-embd-{precision.embedding}.gguf"
         if not quantized.is_file():
             _say(progress, f"llama.cpp: quantizing the {kind} to {precision.weights.upper()} ...")
             _quantize(llama, plain, quantized, precision)

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from artifacts.model_dirs import read_config
+from runtime.errors import DFlashError
 from runtime.manifest import Manifest
 
 from . import build, gguf, runs
@@ -42,44 +44,56 @@ def llama_cpp_rows(manifest: Manifest, prompts: list[dict], max_new_tokens: int,
     """Rows as peers.run_peers makes them: llama-bench's greedy step, llama-server greedy, llama-server DFlash."""
     from ..demo import cache_root
 
-    llama = build.find(llama_cpp_dir) if llama_cpp_dir else build.cached(cache_root(), progress)
-    precision = gguf.precision_for(manifest)
-    target, draft = gguf.ggufs(llama, target_dir, draft_dir, precision, cache_root(), progress)
+    try:
+        llama = build.find(llama_cpp_dir) if llama_cpp_dir else build.cached(cache_root(), progress)
+        tied = bool(read_config(target_dir, "target").get("tie_word_embeddings", False))
+        precision = gguf.precision_for(manifest, tied)
+        unsupported = unsupported_draft(manifest, target_dir)
+        target, draft = gguf.ggufs(llama, target_dir, None if unsupported else draft_dir, precision, cache_root(),
+                                   progress)
+    except DFlashError as exc:  # our runs are measured by now: the report keeps them and says why
+        return [{"name": "llama.cpp", "unavailable": str(exc)}]
     threads = threads_of(manifest)
     depth = runs.median_depth(prompts)
     label = f"{precision.weights.upper()}, {threads} threads"
     if progress:
         print(f"peers: llama.cpp {llama.version()} ({label}): llama-bench, llama-server greedy and draft-dflash ...",
               file=sys.stderr, flush=True)
-    step = runs.bench_greedy_step(llama, target, threads, max_new_tokens, depth, repeats, manifest.block_size)
-    rows = [{"name": f"llama.cpp llama-bench tg{max_new_tokens} @ depth {depth} ({label})", "tokens": None,
-             "tokens_per_second": step["tokens_per_second"], "end_to_end_tokens_per_second": None,
-             "ttft_ms_median": None, "tau": None, "outputs": None, "precision": precision.note,
-             "verify_ratio": step["verify_ratio"], "verify_rows": manifest.block_size}]
+    name = f"llama.cpp llama-bench tg{max_new_tokens} @ depth {depth} ({label})"
+    try:
+        step = runs.bench_greedy_step(llama, target, threads, max_new_tokens, depth, repeats, manifest.block_size)
+        rows = [{"name": name, "tokens": None, "tokens_per_second": step["tokens_per_second"],
+                 "end_to_end_tokens_per_second": None, "ttft_ms_median": None, "tau": None, "outputs": None,
+                 "precision": precision.note, "verify_ratio": step["verify_ratio"],
+                 "verify_rows": manifest.block_size}]
+    except DFlashError as exc:
+        rows = [{"name": name, "unavailable": str(exc)}]
     context = max(len(p["ids"]) for p in prompts) + max_new_tokens + manifest.block_size + 64
     for drafting in (False, True):
         kind = f"draft-dflash, {manifest.block_size - 1} proposals" if drafting else "greedy"
         name = f"llama.cpp {kind} (llama-server, {label})"
-        why = unsupported_draft(manifest, target_dir) if drafting else None
-        if why:
-            rows.append({"name": name, "unavailable": why})
+        if drafting and unsupported:
+            rows.append({"name": name, "unavailable": unsupported})
             continue
-        with runs.server(llama, target, threads, context, draft if drafting else None,
-                         manifest.block_size - 1) as server:
-            server.complete(prompts[0]["ids"], min(8, max_new_tokens))  # warm-up, as ours
-            row = collect(name, prompts, repeats, lambda ids, s=server: s.complete(ids, max_new_tokens), tau=drafting)
+        try:
+            with runs.server(llama, target, threads, context, draft if drafting else None,
+                             manifest.block_size - 1) as server:
+                server.complete(prompts[0]["ids"], min(8, max_new_tokens))  # warm-up, as ours
+                row = collect(name, prompts, repeats, lambda ids, s=server: s.complete(ids, max_new_tokens),
+                              tau=drafting)
+        except DFlashError as exc:
+            rows.append({"name": name, "unavailable": str(exc)})
+            continue
         row["precision"], row["stops_at"] = precision.note, list(manifest.stop_token_ids)
         rows.append(row)
     return rows
 
 
 def unsupported_draft(manifest: Manifest, target_dir: Path) -> str | None:
-    """Why llama.cpp's draft-dflash cannot run this pair, known before starting it (None: it can)."""
-    from artifacts.model_dirs import read_config
-
-    if manifest.draft_kind != "dflash" or manifest.draft_layout != "zlab":
-        return (f"this run covers z-lab-format DFlash drafts; this is a {manifest.draft_layout} "
-                f"{manifest.draft_kind} draft")
+    """Why llama.cpp's draft-dflash cannot run this pair, known before converting it (None: it can)."""
+    if manifest.draft_kind not in ("dflash", "dflash2") or manifest.draft_layout != "zlab":
+        return (f"this run covers z-lab-format DFlash and DFlash2 drafts (llama.cpp's converter takes those); this "
+                f"is a {manifest.draft_layout}-format {manifest.draft_kind} draft")
     layers = int(read_config(target_dir, "target").get("num_hidden_layers", 0))
     if layers and max(manifest.target_layer_ids) >= layers - 1:
         return (f"the draft taps the target's last layer ({layers - 1}), whose output llama.cpp's graph does not "

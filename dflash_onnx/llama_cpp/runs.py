@@ -54,7 +54,7 @@ class Server:
     def complete(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, list[float]]:
         try:
             return complete(self.url, ids, max_new_tokens)
-        except (urllib.error.URLError, http.client.HTTPException, ConnectionError) as exc:
+        except (urllib.error.URLError, http.client.HTTPException, OSError, json.JSONDecodeError, KeyError) as exc:
             self._log.seek(0)
             raise DFlashError(f"llama-server failed ({exc}): {_last_error(self._log.read())}") from None
 

@@ -57,9 +57,10 @@ def _refuse_own_rewrites(passes: tuple[str, ...]) -> None:
                           "--kv-buffer); --passes takes the portable passes, e.g. rope-fusion,ort-fusions")
 
 
-def pipeline(options: OrtOptions, block_size: int, experts: bool = False) -> tuple[list[str], dict[str, dict]]:
+def pipeline(options: OrtOptions, block_size: int, experts: bool = False,
+             quantized: bool = False) -> tuple[list[str], dict[str, dict]]:
     """The passes the lowering runs, in order, and their options (`experts`: the target has mixture-of-experts
-    nodes, which become ONNX Runtime's MoE)."""
+    nodes, which become ONNX Runtime's MoE; `quantized`: int4/int8 MatMulNBits, whose siblings are packed)."""
     names = list(options.passes)
     rewrites = ["moe-fusion"] if experts else []
     if "ort-fusions" in names:  # it fuses the MultiHeadAttention draft-attention rewrites
@@ -68,8 +69,8 @@ def pipeline(options: OrtOptions, block_size: int, experts: bool = False) -> tup
         # a cos/sin cache needs a bound on positions: the buffer form's capacity (a draft block runs past it)
         rewrites += ["rope-cache"] if "rope-fusion" in names else []
         rewrites += ["kv-buffer", "draft-rows"]
-    rewrites.append("sibling-matmuls")  # quantized projections that share their input (none: nothing to do)
-    names += [*rewrites, "tidy"]
+    rewrites += ["sibling-matmuls"] if quantized else []
+    names += [*rewrites, "tidy"] if rewrites else []
     return names, {"kv-buffer": {"ctx_len": str(options.ctx_len)},
                    "rope-cache": {"rows": str(options.ctx_len + block_size)}}
 
@@ -111,7 +112,8 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
     widened = options.provider == "cpu" and manifest.dtype == "float16" and not manifest.weight_quantization
     memory = 2.9 if widened else 1.3 if manifest.weight_quantization else 1.8
     with lowered_output(source, out, request, size_factor=2.2, memory_factor=memory) as tmp:
-        names, pass_options = pipeline(options, manifest.block_size, experts=manifest.experts is not None)
+        names, pass_options = pipeline(options, manifest.block_size, experts=manifest.experts is not None,
+                                       quantized=manifest.weight_quantization is not None)
         fused_dir, fused, rewrites = tmp / "fused", manifest, {}
         if names:
             fused, report = apply_pipeline(Path(source), names, fused_dir, pass_options, progress=request.progress,
