@@ -4,7 +4,10 @@ full blocks and for `--verify auto`; where the recording has both (a DSpark draf
 draft's confidence head and once the argmax probability of its logits. Prints the table docs/verify-policy.md
 shows.
 
-    python benchmarks/policy_replay.py [--trace tests/data/demo_trace.json]
+    python benchmarks/policy_replay.py [--trace tests/data/demo_trace.json] [--cost-model NAME=FILE ...]
+
+`--cost-model NAME=FILE` adds a measured curve (JSON with verify_ms for T = 1..B and draft_ms, as `generate
+--cost-model` reads), e.g. one lowering's recorded `costs` and a peer's measured step times.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_onnx.figures import markdown_table, provenance
+from runtime.costs import read_costs
 from runtime.manifest import CostModel
 from runtime.policy import simulate
 
@@ -37,12 +41,23 @@ def recorded_steps(trace: dict, key: str = "confidence") -> list[tuple[np.ndarra
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--cost-model", action="append", default=[], metavar="NAME=FILE",
+                        help="a measured curve to replay beside the three kinds (repeatable)")
     args = parser.parse_args(argv)
     trace = json.loads(args.trace.read_text())
+    block = trace.get("verify_rows", trace["block_size"])
+    measured = {}
+    for given in args.cost_model:
+        name, _, path = given.partition("=")
+        if not path:
+            parser.error(f"--cost-model {given}: give NAME=FILE")
+        costs = read_costs(Path(path), block)
+        first = costs.verify_ms[0]  # relative to one decode step, as the three kinds are
+        measured[name] = CostModel([t / first for t in costs.verify_ms[:block]], costs.draft_ms / first)
     steps = recorded_steps(trace)
     both = trace.get("draft_kind") == "dspark" and "argmax_probability" in trace["steps"][0]
     rows = []
-    for name, costs in curves(trace.get("verify_rows", trace["block_size"])).items():
+    for name, costs in {**curves(block), **measured}.items():
         auto, full = simulate("auto", costs, steps), simulate("full", costs, steps)
         row = [name, f"{full['full_rate'] / full['greedy_rate']:.2f}x", f"{auto['rate'] / auto['greedy_rate']:.2f}x"]
         if both:

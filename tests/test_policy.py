@@ -133,3 +133,14 @@ def test_right_lookup_guesses_raise_the_bar_that_drafting_must_clear():
     for _ in range(40):
         policy.observe_guess(False)
     assert policy.guess_hits < 0.05
+
+
+def test_the_replay_takes_a_measured_curve(tmp_path, capsys):
+    """`policy_replay --cost-model NAME=FILE` replays a measured curve (relative to its one-token step) beside the
+    three kinds: a flat measured curve gives the flat kind's full-block speedup."""
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps({"verify_ms": [2.0] * B, "draft_ms": 0.6}))
+    REPLAY.main(["--cost-model", f"measured flat={curve}"])
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "x |" in line}
+    assert rows["measured flat"] == rows["flat (AI 100-like)"]
