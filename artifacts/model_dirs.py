@@ -109,3 +109,13 @@ def export_bytes(directories: list[Path], itemsize: int) -> int:
 def largest_tensor_bytes(directories: list[Path], itemsize: int) -> int:
     """Bytes of the largest tensor of these directories at `itemsize` bytes per element (from the headers)."""
     return max(_tensor_elements(directories), default=0) * itemsize
+
+
+def checkpoint_stamp(digest, directory: Path):
+    """`digest` updated with a checkpoint's identity, cheap for multi-GB weights: its resolved path, and the name,
+    size and modification time of its weights and JSON files (a rewritten checkpoint is a new one)."""
+    digest.update(str(Path(directory).resolve()).encode())
+    for file in sorted(Path(directory).glob("*.safetensors")) + sorted(Path(directory).glob("*.json")):
+        stat = file.stat()
+        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest

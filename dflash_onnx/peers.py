@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from artifacts.model_dirs import read_config, weight_files
+from artifacts.model_dirs import checkpoint_stamp, read_config, weight_files
 from runtime.errors import DFlashError
 from runtime.manifest import Manifest
 
@@ -103,10 +103,7 @@ def genai_model_dir(target_dir: Path, precision: str, provider: str, block_size:
 
     from .demo import cache_root
 
-    digest = hashlib.sha256(str(Path(target_dir).resolve()).encode())
-    for file in sorted(Path(target_dir).glob("*.safetensors")) + [Path(target_dir) / "config.json"]:
-        stat = file.stat()
-        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    digest = checkpoint_stamp(hashlib.sha256(), Path(target_dir))
     blocks = f"-b{block_size}" if block_size else ""
     out = cache_root() / "ort-genai" / f"{digest.hexdigest()[:12]}-{precision}-{provider}{blocks}"
     if (out / "genai_config.json").is_file():

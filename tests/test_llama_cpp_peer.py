@@ -151,6 +151,6 @@ def test_the_converters_refusal_names_the_statement_that_raised():
     """A bare AssertionError from inside llama.cpp's converter is reported with where it came from."""
     traceback = ('Traceback (most recent call last):\n  File "conversion/base.py", line 1588, in get_vocab_base\n'
                  '    assert max(tokenizer.vocab.values()) < vocab_size\nAssertionError\n')
-    assert gguf._reason(traceback) == ("AssertionError in get_vocab_base: assert max(tokenizer.vocab.values()) "
+    assert build.failure_line(traceback) == ("AssertionError in get_vocab_base: assert max(tokenizer.vocab.values()) "
                                        "< vocab_size")
-    assert gguf._reason("loading\nerror: unknown type\nbye") == "error: unknown type"
+    assert build.failure_line("loading\nerror: unknown type\nbye") == "error: unknown type"

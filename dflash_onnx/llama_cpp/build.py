@@ -71,7 +71,7 @@ def cached(cache: Path, progress: bool = True) -> LlamaCpp:
                    "cores) ...")
     configure = ["cmake", "-S", str(source), "-B", str(source / "build"), "-DCMAKE_BUILD_TYPE=Release",
                  "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
-    build = ["cmake", "--build", str(source / "build"), "-j", str(_jobs()), "--target", *TOOLS]
+    build = ["cmake", "--build", str(source / "build"), "-j", str(allowed_cpus()), "--target", *TOOLS]
     log = root / "build.log"
     with open(log, "a") as sink:
         for command in (configure, build):
@@ -103,10 +103,24 @@ def _unpack(root: Path, progress: bool) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def _jobs() -> int:
+def allowed_cpus() -> int:
+    """The CPUs this process may run on."""
     import os
 
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def failure_line(output: str) -> str:
+    """The line of a tool's output that says why it failed: for a Python traceback its exception with the statement
+    that raised it (a bare AssertionError names nothing by itself), else the last error line, else the last line."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    frames = [i for i, line in enumerate(lines) if line.startswith('File "')]
+    if frames and frames[-1] + 1 < len(lines) - 1:
+        where = lines[frames[-1]].split(", in ")[-1]
+        return f"{lines[-1]} in {where}: {lines[frames[-1] + 1]}"[:400]
+    words = ("error", "failed", "assert", "not supported")
+    reasons = [line for line in lines if any(word in line.lower() for word in words)]
+    return (reasons or lines or ["no output"])[-1][:400]
 
 
 def _say(progress: bool, message: str) -> None:

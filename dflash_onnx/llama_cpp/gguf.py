@@ -11,10 +11,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from artifacts.model_dirs import checkpoint_stamp
 from runtime.errors import DFlashError
 from runtime.manifest import Manifest
 
-from .build import LlamaCpp
+from .build import LlamaCpp, failure_line
 
 FLOAT_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
@@ -74,18 +75,6 @@ def precision_for(manifest: Manifest, tied: bool = False) -> Precision:
     return Precision(weights, output, embedding, float_type, note)
 
 
-def _digest(*parts: object) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        if isinstance(part, Path):
-            for file in sorted(part.glob("*.safetensors")) + sorted(part.glob("*.json")):
-                stat = file.stat()
-                digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-            part = part.resolve()
-        digest.update(str(part).encode())
-    return digest.hexdigest()[:12]
-
-
 def ggufs(llama: LlamaCpp, target_dir: Path, draft_dir: Path | None, precision: Precision, cache: Path,
           progress: bool = True) -> tuple[Path, Path | None]:
     """The target and draft GGUF files at `precision` (made once, cached; each written whole or not at all); no
@@ -98,7 +87,10 @@ def ggufs(llama: LlamaCpp, target_dir: Path, draft_dir: Path | None, precision: 
         if checkpoint is None:
             made.append(None)
             continue
-        key = _digest(checkpoint, target_dir if kind == "draft" else "", version)
+        digest = hashlib.sha256(f"{version}:{kind}".encode())
+        for directory in (checkpoint, target_dir) if kind == "draft" else (checkpoint,):
+            checkpoint_stamp(digest, directory)
+        key = digest.hexdigest()[:12]
         plain = folder / f"{kind}-{key}-{precision.base}.gguf"
         if not plain.is_file():
             _say(progress, f"llama.cpp: converting the {kind} {checkpoint} to GGUF ({precision.base}) ...")
@@ -136,19 +128,7 @@ def _run(command: list[str], failure: str, partial: Path) -> None:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise DFlashError(f"{failure}: {_reason(done.stderr + done.stdout)[:400]}")
-
-
-def _reason(output: str) -> str:
-    """The line that says why: an error line, and for a Python traceback its exception with the statement that
-    raised it (a bare AssertionError names nothing by itself)."""
-    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
-    frames = [i for i, line in enumerate(lines) if line.startswith('File "')]
-    if frames and frames[-1] + 1 < len(lines) - 1:
-        where = lines[frames[-1]].split(", in ")[-1]
-        return f"{lines[-1]} in {where}: {lines[frames[-1] + 1]}"
-    reasons = [line for line in lines if "error" in line.lower() or "not supported" in line.lower()]
-    return (reasons or lines or ["no output"])[-1]
+        raise DFlashError(f"{failure}: {failure_line(done.stderr + done.stdout)}")
 
 
 def _say(progress: bool, message: str) -> None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ def physical_cores() -> int:
                 block = {}
     except OSError:
         pass
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    allowed = build.allowed_cpus()
     return max(1, min(len(cores) or allowed, allowed))
 
 

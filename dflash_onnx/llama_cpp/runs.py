@@ -19,7 +19,7 @@ import numpy as np
 
 from runtime.errors import DFlashError
 
-from .build import LlamaCpp
+from .build import LlamaCpp, failure_line
 
 START_TIMEOUT_S = 180.0
 
@@ -32,11 +32,11 @@ def bench_greedy_step(llama: LlamaCpp, target: Path, threads: int, tokens: int, 
                "-n", str(tokens), "-d", str(depth), "-r", str(max(1, repeats)), "-o", "json"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise DFlashError(f"llama-bench failed: {_last_error(done.stderr + done.stdout)}")
+        raise DFlashError(f"llama-bench failed: {failure_line(done.stderr + done.stdout)}")
     try:
         tests = json.loads(done.stdout)
     except json.JSONDecodeError:
-        raise DFlashError(f"llama-bench printed no JSON: {_last_error(done.stdout + done.stderr)}") from None
+        raise DFlashError(f"llama-bench printed no JSON: {failure_line(done.stdout + done.stderr)}") from None
     generation = [t for t in tests if t.get("n_gen")]
     batch = [t for t in tests if t.get("n_prompt") and not t.get("n_gen")]
     step_ms = 1000 / float(generation[0]["avg_ts"])
@@ -56,7 +56,7 @@ class Server:
             return complete(self.url, ids, max_new_tokens)
         except (urllib.error.URLError, http.client.HTTPException, OSError, json.JSONDecodeError, KeyError) as exc:
             self._log.seek(0)
-            raise DFlashError(f"llama-server failed ({exc}): {_last_error(self._log.read())}") from None
+            raise DFlashError(f"llama-server failed ({exc}): {failure_line(self._log.read())}") from None
 
 
 @contextmanager
@@ -115,7 +115,7 @@ def _wait_ready(url: str, process: subprocess.Popen, log) -> None:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             log.seek(0)
-            raise DFlashError(f"llama-server exited ({process.returncode}): {_last_error(log.read())}")
+            raise DFlashError(f"llama-server exited ({process.returncode}): {failure_line(log.read())}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
@@ -130,12 +130,6 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def _last_error(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if any(word in line.lower() for word in ("error", "failed", "assert"))]
-    return (errors or lines or ["no output"])[-1][:300]
 
 
 def median_depth(prompts: list[dict]) -> int:
