@@ -3,6 +3,9 @@
 `--family moe`: a mixture-of-experts target (Qwen3-MoE) with `--experts` experts of `--moe-intermediate` each,
 `--per-token` of them routed to per token, against a dense Qwen3 with one MLP of per_token x moe_intermediate,
 so a token reads as many MLP weights in both (the goal: MoE decode per token within 1.3x of the dense model's).
+`--family gemma4-moe`: Gemma 4's MoE layers (a dense MLP of `--intermediate` beside `--experts` routed experts,
+`--per-token` chosen by Gemma 4's own router; sliding and global layers of their own head sizes) against Gemma 4
+with the dense MLP widened by per_token x moe_intermediate and no experts: the same weights read per token.
 `--family hybrid`: a Gated-DeltaNet hybrid (Qwen3.5: three linear-attention layers to one full) against the same
 Qwen3.5 shape with every layer full attention: what the linear layers' recurrent state costs a decode step and a
 verify step (each token's update, and the commit's pending rows), against K/V attention at `--context` tokens.
@@ -12,7 +15,7 @@ Both are random-weight pairs from exporter/tiny.py; each is built, exported, qua
 (greedy and DFlash tokens/s, the target's step for 1 and block tokens), quiet and with `--load 1`. Prints the
 table in the docs' format.
 
-    python benchmarks/family_decode.py --family moe|hybrid --work /tmp/familybench [--precision int4|float32]
+    python benchmarks/family_decode.py --family moe|gemma4-moe|hybrid --work /tmp/familybench [--precision int4|float32]
         [--rounds 2] [--json FILE]
 """
 
@@ -43,6 +46,15 @@ def specs(args: argparse.Namespace) -> dict[str, TinySpec]:
                          linear_head_dim=args.linear_head_dim)
         return {"hybrid": replace(shape, full_attention_interval=4, multimodal="ort-genai" in args.peers),
                 "dense": replace(shape, full_attention_interval=1)}
+    if args.family == "gemma4-moe":
+        shape = TinySpec(model_type="gemma4_text", vocab_size=args.vocab, hidden_size=args.hidden, num_heads=8,
+                         num_kv_heads=4, head_dim=128, global_head_dim=256, global_kv_heads=2, k_eq_v=True,
+                         target_layers=args.layers, draft_layers=1, target_layer_ids=[1, args.layers - 2],
+                         block_size=16, agree=True, tie_embeddings=False, damp_layers=0.002, max_positions=4096,
+                         target_sliding_window=128, final_logit_softcapping=30.0, intermediate_size=args.intermediate)
+        return {"moe": replace(shape, num_experts=args.experts, experts_per_token=args.per_token,
+                               moe_intermediate_size=args.moe_intermediate),
+                "dense": replace(shape, intermediate_size=args.intermediate + args.per_token * args.moe_intermediate)}
     shape = TinySpec(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=16, num_kv_heads=8, head_dim=128,
                      target_layers=args.layers, draft_layers=1, target_layer_ids=[1, args.layers - 2],
                      block_size=16, agree=True, tie_embeddings=False, damp_layers=0.002, max_positions=4096)
@@ -120,7 +132,7 @@ def peer_rows(reports: list[dict], loaded: bool) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", choices=("moe", "hybrid"), default="moe")
+    parser.add_argument("--family", choices=("moe", "gemma4-moe", "hybrid"), default="moe")
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--precision", choices=("int4", "float32"), default="int4")
     parser.add_argument("--rounds", type=int, default=2)
@@ -130,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--per-token", type=int, default=4)
     parser.add_argument("--moe-intermediate", type=int, default=768)
+    parser.add_argument("--intermediate", type=int, default=768, help="gemma4-moe: the dense MLP beside the experts")
     parser.add_argument("--linear-heads", type=lambda text: tuple(int(n) for n in text.split(",")), default=(8, 16),
                         help="hybrid: linear-attention key heads,value heads")
     parser.add_argument("--linear-head-dim", type=int, default=128)
@@ -161,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
             ratio = ours / dense if key.startswith("step") else dense / ours  # the family's time over dense time
             rows.append([f"{title}{', loaded' if loaded else ''}", f"{ours:.1f}", f"{dense:.1f}", f"{ratio:.2f}x"])
     if family == "moe":
-        header = [f"{args.precision}, {args.experts} experts / {args.per_token} per token vs dense", "MoE", "dense",
+        header = [f"{args.precision}, {args.family}, {args.experts} experts / {args.per_token} per token vs dense",
+                  "MoE", "dense",
                   "MoE time / dense time"]
     else:
         header = [f"{args.precision}, 3 linear : 1 full attention vs all full", "hybrid", "dense",

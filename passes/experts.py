@@ -43,7 +43,9 @@ def _interleaved(gate_up: np.ndarray) -> np.ndarray:
                                 .reshape(experts, rows, hidden))
 
 
-def _lazy(model: ir.Model, name: str, dtype: ir.DataType, shape: list[int], read: Callable[[], np.ndarray]) -> ir.Value:
+def lazy_initializer(model: ir.Model, name: str, dtype: ir.DataType, shape: list[int],
+                     read: Callable[[], np.ndarray]) -> ir.Value:
+    """An initializer computed when the graph is written (`read`), so a pass never holds every weight at once."""
     tensor = ir.LazyTensor(lambda: ir.Tensor(read(), name=name), dtype=dtype, shape=ir.Shape(shape), name=name)
     value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape), const_value=tensor)
     model.graph.register_initializer(value)
@@ -223,7 +225,7 @@ def fuse(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     for node in nodes:
         gate_up, down = _weights(node)
         source = gate_up.const_value
-        fc1 = _lazy(model, f"{gate_up.name}.interleaved", source.dtype, list(source.shape),
+        fc1 = lazy_initializer(model, f"{gate_up.name}.interleaved", source.dtype, list(source.shape),
                     lambda source=source: _interleaved(source.numpy()))
         _replace(model, node, "MoE", [node.inputs[0], node.inputs[1], fc1, None, down], {}, expand=True)
     swiglu = moe_nodes(model, MOE_DOMAIN, SWIGLU_MOE_OP)
@@ -237,7 +239,7 @@ def fuse(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     return model, {"moe_nodes": len(nodes) + len(swiglu)} if nodes or swiglu else {}
 
 
-class _QuantizedExperts:
+class QuantizedExperts:
     """One [E, rows, K] expert weight quantized by ORT's MatMulNBits kernel, one expert at a time, on demand: the
     packed weights and the scales, kept until both are read once."""
 
@@ -307,11 +309,11 @@ def quantize(model: ir.Model, bits: int, block_size: int, quantizer,
         for value, relayout in ((fc1, interleave), (fc2, False)):
             source = value.const_value
             experts, rows, k = source.shape
-            parts = _QuantizedExperts(source, relayout, quantizer)
-            inputs.append(_lazy(model, f"{value.name}_Q{bits}", ir.DataType.UINT8,
-                                [experts, rows, k * bits // 8], parts.part(0)))
-            inputs.append(_lazy(model, f"{value.name}_scales", source.dtype, [experts, rows, k // block_size],
-                                parts.part(1)))
+            parts = QuantizedExperts(source, relayout, quantizer)
+            inputs.append(lazy_initializer(model, f"{value.name}_Q{bits}", ir.DataType.UINT8,
+                                           [experts, rows, k * bits // 8], parts.part(0)))
+            inputs.append(lazy_initializer(model, f"{value.name}_scales", source.dtype,
+                                           [experts, rows, k // block_size], parts.part(1)))
         (w1, s1), (w2, s2) = inputs[:2], inputs[2:]
         swiglu = swiglu_attributes(node) if node.op_type == SWIGLU_MOE_OP else {}
         if node.domain == "com.microsoft":  # a fused MoE keeps its activation attributes

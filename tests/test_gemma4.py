@@ -162,9 +162,81 @@ def test_gemma4s_experts_export_as_one_node_per_layer_and_the_buffer_form_decode
     buffers = decoder.target.kv_buffers()
     assert buffers["past_key_values.0.key"].shape[1::2] == (2, 16) and buffers["past_key_values.1.key"].shape[1::2] \
         == (1, 32)
+    # int4: the experts' gathered weights read through GatherBlockQuantized (the function inlined); the lowering
+    # of it decodes the same tokens greedy and with DFlash
+    assert main(["optimize", str(tmp_path / "out"), "--passes", "int4", "--pass-option", "int4.block_size=16",
+                 "--out", str(tmp_path / "int4")]) == 0
+    ops = _ops(tmp_path / "int4" / "target.onnx")
+    assert ops.count(("com.microsoft", "GatherBlockQuantized")) == 2 * MOE_SPEC.target_layers
+    assert ("dflash", "GeluTanhExperts") not in ops
+    lower_ort(tmp_path / "int4", tmp_path / "int4_ort", OrtOptions(ctx_len=128), LowerRequest(progress=False))
+    quantized = open_decoder(tmp_path / "int4_ort")
+    for prompt in PROMPTS:
+        greedy = quantized.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens
+        assert quantized.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == greedy
 
 
 def _ops(path) -> list[tuple[str, str]]:
     import onnx
 
     return [(node.domain, node.op_type) for node in onnx.load(str(path), load_external_data=False).graph.node]
+
+
+def test_the_experts_function_reads_the_chosen_experts_only_and_equals_the_torch_op():
+    """dflash::GeluTanhExperts' body against its torch op (the gather form the export traces): equal; and the
+    experts no token chose may hold NaN without reaching the output, so their weights are never multiplied."""
+    import numpy as np
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from exporter.models import gelu_experts
+    from exporter.models.experts import add_moe_function
+
+    generator = torch.Generator().manual_seed(3)
+    tokens, hidden, inter, experts = 3, 16, 8, 6
+    x = torch.randn(tokens, hidden, generator=generator)
+    index = torch.tensor([[4, 1], [1, 2], [2, 4]])
+    weights = torch.rand(tokens, 2, generator=generator)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=generator)
+    down = torch.randn(experts, hidden, inter, generator=generator)
+    gate_up[[0, 3, 5]], down[[0, 3, 5]] = float("nan"), float("nan")  # never chosen
+    chosen = torch.tensor([1, 2, 4])
+    remapped = torch.searchsorted(chosen, index)  # the torch op on the chosen experts alone (no NaN in it)
+    want = torch.ops.dflash.gelu_tanh_experts(x, remapped, weights, gate_up[chosen], down[chosen])
+
+    values = [ir.Value(name=n, type=ir.TensorType(t), shape=ir.Shape(s)) for n, t, s in (
+        ("x", ir.DataType.FLOAT, [tokens, hidden]), ("index", ir.DataType.INT64, [tokens, 2]),
+        ("weights", ir.DataType.FLOAT, [tokens, 2]), ("gate_up", ir.DataType.FLOAT, [experts, 2 * inter, hidden]),
+        ("down", ir.DataType.FLOAT, [experts, hidden, inter]))]
+    node = ir.node(gelu_experts.OP, values, domain="dflash", num_outputs=1)
+    node.outputs[0].name = "out"
+    graph = ir.Graph(values, node.outputs, nodes=[node], opset_imports={"": 21, "dflash": 1})
+    model = ir.Model(graph, ir_version=10)
+    assert add_moe_function(model)
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"x": x.numpy(), "index": index.numpy(), "weights": weights.numpy(), "gate_up": gate_up.numpy(),
+             "down": down.numpy()}
+    got = session.run(None, feeds)[0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_family_benchmarks_dense_gemma4_reads_the_same_mlp_weights_per_token():
+    """benchmarks/family_decode.py --family gemma4-moe: the dense counterpart's MLP is the MoE layer's dense MLP
+    widened by the chosen experts' (per_token x moe_intermediate), and nothing else differs."""
+    from conftest import benchmark_script
+    from transformers import AutoConfig
+
+    from exporter.tiny import _target_config
+
+    script = benchmark_script("family_decode")
+    args = script.argparse.Namespace(family="gemma4-moe", vocab=512, hidden=256, layers=4, experts=16, per_token=4,
+                                     moe_intermediate=64, intermediate=96, peers="")
+    pair = script.specs(args)
+    configs = {name: AutoConfig.for_model(spec.model_type, **_target_config(spec)) for name, spec in pair.items()}
+    assert configs["moe"].enable_moe_block and configs["moe"].num_experts == 16 and configs["moe"].top_k_experts == 4
+    assert not configs["dense"].enable_moe_block and configs["dense"].intermediate_size == 96 + 4 * 64
+    assert configs["moe"].intermediate_size == 96
+    kept = ("num_experts", "experts_per_token", "moe_intermediate_size", "intermediate_size")
+    assert {k: v for k, v in vars(pair["moe"]).items() if k not in kept} == \
+        {k: v for k, v in vars(pair["dense"]).items() if k not in kept}

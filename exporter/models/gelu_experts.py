@@ -6,9 +6,11 @@ router module computes that (traceable: TopK); the experts module receives the c
 loops over the experts hit, which torch.onnx cannot trace. During export that module calls one custom op
 instead, `dflash::GeluTanhExperts(input, top_k_index, top_k_weights, gate_up_proj, down_proj)`: per token, the
 weighted sum over its chosen experts of down(gelu_tanh(gate(x)) * up(x)), the weights as the router gave them.
-Its function body computes every expert for every token, each weighted by its routing weight (zero where a
-token is not routed): exact and portable, at the cost of every expert per call. No ONNX Runtime kernel takes
-routing given as indices and weights with this activation, so the ORT lowering keeps the function.
+Its function body gathers the experts the call's tokens chose and computes each on every token of the call,
+weighted by its routing weight (zero where a token is not routed): exact and portable, and a decode step reads
+its k experts' weights, not all of them (plus the copy Gather makes of them). No ONNX Runtime kernel takes
+routing given as indices and weights with this activation, so the ORT lowering keeps the function; the int4
+pass quantizes the gathered weights (passes/routed_experts.py).
 
 Weights keep transformers' fused layout: gate_up_proj [experts, 2 * intermediate, hidden] (gate rows, then up
 rows), down_proj [experts, hidden, intermediate].
@@ -76,7 +78,11 @@ def gemma4_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_
 
 
 def gelu_tanh_experts_function(opset: int) -> ir.Function:
-    """dflash::GeluTanhExperts' body in standard ops: every expert on every token, weighted by the routing."""
+    """dflash::GeluTanhExperts' body in standard ops: the experts some token of the call chose (`Unique`), their
+    weights gathered, each on every token of the call, weighted by the routing (zero where a token did not choose
+    it) and summed in expert order. A decode step reads k experts' weights, not all of them; each expert's matmul
+    has the call's tokens as its columns whichever experts are chosen, so a token's result does not depend on what
+    the other tokens of its call chose (as it did not when every expert ran)."""
     x, index, given, gate_up, down = (ir.Value(name=name) for name in INPUTS)
     body = FunctionBody()
     add, ints = body.add, body.ints
@@ -88,16 +94,18 @@ def gelu_tanh_experts_function(opset: int) -> ir.Function:
     tokens = add("Slice", add("Shape", x), ints([0]), ints([1]))
     zeros = add("ConstantOfShape", add("Concat", tokens, experts, axis=0),
                 value=ir.tensor([0.0], dtype=ir.DataType.FLOAT))
-    routing = add("CastLike", add("ScatterElements", zeros, index, add("Cast", given, to=ir.DataType.FLOAT), axis=1),
-                  x)  # [tokens, experts]
+    routing = add("ScatterElements", zeros, index, add("Cast", given, to=ir.DataType.FLOAT), axis=1)  # [T, E]
+    chosen = add("Unique", add("Reshape", index, ints([-1])), sorted=1, outputs=4)[0]  # [U], ascending
     columns = add("Transpose", x, perm=[1, 0])  # [hidden, tokens]
-    gate, up = add("Split", add("MatMul", gate_up, columns), axis=1, num_outputs=2, outputs=2)  # [E, I, tokens]
+    gate, up = add("Split", add("MatMul", add("Gather", gate_up, chosen, axis=0), columns), axis=1, num_outputs=2,
+                   outputs=2)  # [U, I, tokens]
     # gelu, tanh form: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as torch's approximate="tanh"
     cubed = add("Mul", add("Mul", gate, gate), gate)
     inner = add("Mul", scalar(math.sqrt(2.0 / math.pi)), add("Add", gate, add("Mul", scalar(0.044715), cubed)))
     gelu = add("Mul", add("Mul", scalar(0.5), gate), add("Add", scalar(1.0), add("Tanh", inner)))
-    per_expert = add("MatMul", down, add("Mul", gelu, up))  # [experts, hidden, tokens]
-    weights = add("Unsqueeze", add("Transpose", routing, perm=[1, 0]), ints([1]))  # [experts, 1, tokens]
+    per_expert = add("MatMul", add("Gather", down, chosen, axis=0), add("Mul", gelu, up))  # [U, hidden, tokens]
+    weights = add("CastLike", add("Gather", routing, chosen, axis=1), x)  # [T, U]
+    weights = add("Unsqueeze", add("Transpose", weights, perm=[1, 0]), ints([1]))  # [U, 1, tokens]
     summed = add("ReduceSum", add("Mul", per_expert, weights), ints([0]), keepdims=0)  # [hidden, tokens]
     out = add("Transpose", summed, perm=[1, 0])
     out.name = "output"
