@@ -59,7 +59,7 @@ def _weights(node: ir.Node) -> tuple[ir.Value, ir.Value]:
     return gate_up, down
 
 
-def _int64(values: list[int] | int) -> ir.Value:
+def int64s(values: list[int] | int) -> ir.Value:
     return ir.node("Constant", [], {"value": ir.tensor(values, dtype=ir.DataType.INT64)}).outputs[0]
 
 
@@ -73,7 +73,7 @@ def _new_constants(nodes: list[ir.Node]) -> list[ir.Node]:
     return ordered
 
 
-def _insert(model: ir.Model, before: ir.Node, nodes: list[ir.Node]) -> ir.Value:
+def insert_nodes(model: ir.Model, before: ir.Node, nodes: list[ir.Node]) -> ir.Value:
     """`nodes` (with their new constants) before `before`; the last node's output."""
     model.graph.insert_before(before, _new_constants(nodes))
     return nodes[-1].outputs[0]
@@ -93,7 +93,7 @@ def _routing_weights(logits: ir.Value, indices: ir.Value, values: ir.Value, norm
 REAL_ROWS, RESULT_ROWS = "moe_real_rows", "moe_result_rows"
 
 
-def _kept_rows(model: ir.Model) -> tuple[ir.Value, ir.Value] | None:
+def kept_rows(model: ir.Model) -> tuple[ir.Value, ir.Value] | None:
     """The flattened call's real rows [R] (those whose position differs from the row before it in its sequence:
     padding rows come last and repeat it) and, for every row [B * S], the index among those of the row its result
     is (itself, or the last real row before a padding row); computed once per graph from `position_ids` [B, S],
@@ -105,52 +105,60 @@ def _kept_rows(model: ir.Model) -> tuple[ir.Value, ir.Value] | None:
     positions = next((value for value in model.graph.inputs if value.name == "position_ids"), None)
     if positions is None:
         return None
-    first = ir.node("Slice", [positions, _int64([0]), _int64([1]), _int64([1])])
-    before_first = ir.node("Sub", [first.outputs[0], _int64(1)])  # a sequence's first row is always real
-    earlier = ir.node("Slice", [positions, _int64([0]), _int64([-1]), _int64([1])])
+    first = ir.node("Slice", [positions, int64s([0]), int64s([1]), int64s([1])])
+    before_first = ir.node("Sub", [first.outputs[0], int64s(1)])  # a sequence's first row is always real
+    earlier = ir.node("Slice", [positions, int64s([0]), int64s([-1]), int64s([1])])
     previous = ir.node("Concat", [before_first.outputs[0], earlier.outputs[0]], {"axis": 1})
     repeated = ir.node("Equal", [positions, previous.outputs[0]])
     real = ir.node("Not", [repeated.outputs[0]])
-    flat = ir.node("Reshape", [real.outputs[0], _int64([-1])])
+    flat = ir.node("Reshape", [real.outputs[0], int64s([-1])])
     size = ir.node("Size", [positions])
-    every = ir.node("Range", [_int64(0), size.outputs[0], _int64(1)])
+    every = ir.node("Range", [int64s(0), size.outputs[0], int64s(1)])
     kept = ir.node("Compress", [every.outputs[0], flat.outputs[0]], {"axis": 0})
     counted = ir.node("Cast", [flat.outputs[0]], {"to": ir.DataType.INT64})
-    rank = ir.node("CumSum", [counted.outputs[0], _int64(0)])
-    result = ir.node("Sub", [rank.outputs[0], _int64(1)])  # a padding row: the rank of the real row before it
+    rank = ir.node("CumSum", [counted.outputs[0], int64s(0)])
+    result = ir.node("Sub", [rank.outputs[0], int64s(1)])  # a padding row: the rank of the real row before it
     kept.outputs[0].name, result.outputs[0].name = REAL_ROWS, RESULT_ROWS
     nodes = [first, before_first, earlier, previous, repeated, real, flat, size, every, kept, counted, rank, result]
-    _insert(model, next(iter(model.graph)), nodes)
+    insert_nodes(model, next(iter(model.graph)), nodes)
     return kept.outputs[0], result.outputs[0]
+
+
+def expanded_rows(model: ir.Model, node: ir.Node, x: ir.Value, indices: ir.Value, like: ir.Value, k: int,
+                  hidden: int, experts: int) -> tuple[ir.Value, ir.Value]:
+    """Rows [2kT, H] (each token once per chosen expert, twice) and their one-hot routes [2kT, E] in `like`'s
+    dtype, for the chosen experts `indices` [T, k]."""
+    on_off = ir.node("Constant", [], {"value": ir.tensor(np.array([0, 1], np.float32))}).outputs[0]
+    onehot = ir.node("OneHot", [indices, int64s(experts), on_off], {"axis": -1})  # [T, k, E]
+    routes = [onehot, ir.node("CastLike", [onehot.outputs[0], like])]
+    routes.append(ir.node("Unsqueeze", [routes[-1].outputs[0], int64s([2])]))
+    routes.append(ir.node("Expand", [routes[-1].outputs[0], int64s([1, 1, 2, 1])]))
+    routes.append(ir.node("Reshape", [routes[-1].outputs[0], int64s([-1, experts])]))
+    rows = [ir.node("Unsqueeze", [x, int64s([1, 2])])]  # [T, 1, 1, H] -> [T, k, 2, H] -> [2kT, H]
+    rows.append(ir.node("Expand", [rows[-1].outputs[0], int64s([1, k, 2, 1])]))
+    rows.append(ir.node("Reshape", [rows[-1].outputs[0], int64s([-1, hidden])]))
+    return insert_nodes(model, node, rows), insert_nodes(model, node, routes)
 
 
 def _expanded_inputs(model: ir.Model, node: ir.Node, x: ir.Value, logits: ir.Value, k: int, hidden: int,
                      experts: int, normalize: bool) -> tuple[ir.Value, ir.Value, ir.Value]:
     """Rows [2kT, H] (each token once per chosen expert, twice), their one-hot routes [2kT, E], and the tokens'
     routing weights [T, k] (float32), ranked as TopK ranks the experts."""
-    topk = ir.node("TopK", [logits, _int64([k])], {"axis": -1}, num_outputs=2)
+    topk = ir.node("TopK", [logits, int64s([k])], {"axis": -1}, num_outputs=2)
     values, indices = topk.outputs
-    weights = _insert(model, node, [topk, *_routing_weights(logits, indices, values, normalize)])
-    on_off = ir.node("Constant", [], {"value": ir.tensor(np.array([0, 1], np.float32))}).outputs[0]
-    onehot = ir.node("OneHot", [indices, _int64(experts), on_off], {"axis": -1})  # [T, k, E]
-    routes = [onehot, ir.node("CastLike", [onehot.outputs[0], logits])]
-    routes.append(ir.node("Unsqueeze", [routes[-1].outputs[0], _int64([2])]))
-    routes.append(ir.node("Expand", [routes[-1].outputs[0], _int64([1, 1, 2, 1])]))
-    routes.append(ir.node("Reshape", [routes[-1].outputs[0], _int64([-1, experts])]))
-    rows = [ir.node("Unsqueeze", [x, _int64([1, 2])])]  # [T, 1, 1, H] -> [T, k, 2, H] -> [2kT, H]
-    rows.append(ir.node("Expand", [rows[-1].outputs[0], _int64([1, k, 2, 1])]))
-    rows.append(ir.node("Reshape", [rows[-1].outputs[0], _int64([-1, hidden])]))
-    return _insert(model, node, rows), _insert(model, node, routes), weights
+    weights = insert_nodes(model, node, [topk, *_routing_weights(logits, indices, values, normalize)])
+    rows, routes = expanded_rows(model, node, x, indices, logits, k, hidden, experts)
+    return rows, routes, weights
 
 
-def _weighted_sum(model: ir.Model, after: ir.Node, result: ir.Value, weights: ir.Value, k: int, hidden: int,
+def weighted_sum(model: ir.Model, after: ir.Node, result: ir.Value, weights: ir.Value, k: int, hidden: int,
                   like: ir.Value, rows: ir.Value | None) -> ir.Value:
     """The kernel's [2kT, H] results -> [T, H]: one copy of each row, weighted, the k added in rank order (in
     float32, as the kernel accumulates), in `like`'s dtype; then, given `rows`, the results at those rows."""
-    nodes = [ir.node("Reshape", [result, _int64([-1, k, 2, hidden])])]
-    nodes.append(ir.node("Gather", [nodes[-1].outputs[0], _int64(0)], {"axis": 2}))  # [T, k, H]
+    nodes = [ir.node("Reshape", [result, int64s([-1, k, 2, hidden])])]
+    nodes.append(ir.node("Gather", [nodes[-1].outputs[0], int64s(0)], {"axis": 2}))  # [T, k, H]
     nodes.append(ir.node("Cast", [nodes[-1].outputs[0]], {"to": ir.DataType.FLOAT}))
-    scale = ir.node("Unsqueeze", [weights, _int64([2])])
+    scale = ir.node("Unsqueeze", [weights, int64s([2])])
     nodes += [scale, ir.node("Mul", [nodes[-1].outputs[0], scale.outputs[0]])]
     parts = ir.node("Split", [nodes[-1].outputs[0]], {"axis": 1, "num_outputs": k}, num_outputs=k)
     nodes.append(parts)
@@ -158,7 +166,7 @@ def _weighted_sum(model: ir.Model, after: ir.Node, result: ir.Value, weights: ir
     for part in parts.outputs[1:]:
         nodes.append(ir.node("Add", [total, part]))
         total = nodes[-1].outputs[0]
-    nodes.append(ir.node("Squeeze", [total, _int64([1])]))
+    nodes.append(ir.node("Squeeze", [total, int64s([1])]))
     if rows is not None:
         nodes.append(ir.node("Gather", [nodes[-1].outputs[0], rows], {"axis": 0}))
     nodes.append(ir.node("CastLike", [nodes[-1].outputs[0], like]))
@@ -180,19 +188,19 @@ def _replace(model: ir.Model, node: ir.Node, op: str, inputs: list[ir.Value | No
     attributes = {"k": k, "normalize_routing_weights": int(normalize), **SWIGLU, **attributes}
     hidden, experts = inputs[2].shape[2] if op == "MoE" else inputs[5].shape[1], inputs[2].shape[0]
     output, x = node.outputs[0], inputs[0]
-    kept = expand and _kept_rows(model)
+    kept = expand and kept_rows(model)
     if expand:
         tokens, logits = x, inputs[1]
         if kept:  # padding rows skip the experts (see the module's docstring)
-            tokens, logits = (_insert(model, node, [ir.node("Gather", [value, kept[0]], {"axis": 0})])
+            tokens, logits = (insert_nodes(model, node, [ir.node("Gather", [value, kept[0]], {"axis": 0})])
                               for value in (x, logits))
         rows, routes, weights = _expanded_inputs(model, node, tokens, logits, k, hidden, experts, normalize)
         inputs = [rows, routes, *inputs[2:]]
         attributes.update(k=1, normalize_routing_weights=1)  # one expert per row, its weight exactly 1
     replacement = ir.node(op, inputs, attributes, domain="com.microsoft", name=node.name, num_outputs=1)
-    result = _insert(model, node, [replacement])
+    result = insert_nodes(model, node, [replacement])
     if expand:
-        result = _weighted_sum(model, replacement, result, weights, k, hidden, x, kept[1] if kept else None)
+        result = weighted_sum(model, replacement, result, weights, k, hidden, x, kept[1] if kept else None)
     result.type, result.shape, result.name, output.name = output.type, output.shape, output.name, None
     output.replace_all_uses_with(result, replace_graph_outputs=True)
     model.graph.remove(node, safe=True)

@@ -13,8 +13,8 @@ lm_head, the draft's shared projections) is quantized transposed, as `{name}.tra
 
 Mixture-of-experts layers become ONNX Runtime's QMoE with the experts in the same blocks (always symmetric, which
 is what QMoE reads; passes/experts.py). Their router is a Gemm (a linear layer over the call's flattened tokens) and
-stays in float: it chooses the experts. Gemma 4's experts, which no ONNX Runtime kernel routes, are gathered in
-the same blocks by GatherBlockQuantized (passes/routed_experts.py).
+stays in float: it chooses the experts. Gemma 4's experts, whose gelu-tanh gate no ONNX Runtime kernel has, become
+two QMoE split at the gate, or are gathered by GatherBlockQuantized (passes/routed_experts.py).
 """
 
 from __future__ import annotations
@@ -156,8 +156,8 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
         block_size=block_size, is_symmetric=True, bits=bits))
     experts_quantized, experts_kept = experts.quantize(model, bits, block_size, expert_quantizer, accuracy_level)
     why.update(experts_kept)
-    gathered, gathered_kept = routed_experts.quantize(model, bits, block_size, expert_quantizer)
-    why.update(gathered_kept)
+    routed, routed_kept = routed_experts.quantize(model, bits, block_size, expert_quantizer, accuracy_level)
+    why.update(routed_kept)
     _drop_unused(model)
     quantized = sum(n.op_type == "MatMulNBits" for n in model.graph)
     if quantized or experts_quantized:  # declared, so that ONNX's own shape inference knows the domain
@@ -166,8 +166,8 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
                "folded_weight_transposes": len(folded)}
     if experts_quantized:
         details["quantized_moe"] = experts_quantized
-    if gathered:
-        details["quantized_gathered_experts"] = gathered
+    if routed:
+        details["quantized_routed_experts"] = routed
     return model, details
 
 

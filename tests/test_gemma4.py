@@ -127,9 +127,11 @@ def test_the_architecture_checks_small_model_keeps_the_sharing_and_the_shapes(ge
 
 
 # Gemma 4's MoE layers (26B-A4B): routed experts beside each layer's dense MLP; no layer reads another's K/V
+# (experts of 32 in a hidden size of 64: their gate and up rows fit in it, as in 26B-A4B, for int4's two-QMoE form)
 MOE_SPEC = TinySpec(model_type="gemma4_text", num_heads=4, num_kv_heads=2, head_dim=16, global_head_dim=32,
-                    global_kv_heads=1, k_eq_v=True, num_experts=8, experts_per_token=2, target_sliding_window=5,
-                    final_logit_softcapping=30.0, input_embedding_scale=8.0, target_layer_ids=[1, 2], seed=29)
+                    global_kv_heads=1, k_eq_v=True, num_experts=8, experts_per_token=2, moe_intermediate_size=32,
+                    target_sliding_window=5, final_logit_softcapping=30.0, input_embedding_scale=8.0,
+                    target_layer_ids=[1, 2], seed=29)
 
 
 def test_gemma4s_experts_export_as_one_node_per_layer_and_the_buffer_form_decodes_hf_greedy(tmp_path, capsys):
@@ -162,18 +164,23 @@ def test_gemma4s_experts_export_as_one_node_per_layer_and_the_buffer_form_decode
     buffers = decoder.target.kv_buffers()
     assert buffers["past_key_values.0.key"].shape[1::2] == (2, 16) and buffers["past_key_values.1.key"].shape[1::2] \
         == (1, 32)
-    # int4: the experts' gathered weights read through GatherBlockQuantized (the function inlined); the lowering
-    # of it decodes the same tokens greedy and with DFlash
-    assert main(["optimize", str(tmp_path / "out"), "--passes", "int4", "--pass-option", "int4.block_size=16",
-                 "--out", str(tmp_path / "int4")]) == 0
-    ops = _ops(tmp_path / "int4" / "target.onnx")
-    assert ops.count(("com.microsoft", "GatherBlockQuantized")) == 2 * MOE_SPEC.target_layers
-    assert ("dflash", "GeluTanhExperts") not in ops
-    lower_ort(tmp_path / "int4", tmp_path / "int4_ort", OrtOptions(ctx_len=128), LowerRequest(progress=False))
-    quantized = open_decoder(tmp_path / "int4_ort")
-    for prompt in PROMPTS:
-        greedy = quantized.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens
-        assert quantized.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == greedy
+    # int4: each layer's experts as two QMoE split at the gate (placement and selection matrices shared by the
+    # layers); int8: the function inlined, its gathered weights read through GatherBlockQuantized. Each lowering
+    # decodes the same tokens greedy and with DFlash
+    for bits in (4, 8):
+        assert main(["optimize", str(tmp_path / "out"), "--passes", f"int{bits}", "--pass-option",
+                     f"int{bits}.block_size=16", "--out", str(tmp_path / f"int{bits}")]) == 0
+        ops = _ops(tmp_path / f"int{bits}" / "target.onnx")
+        assert ("dflash", "GeluTanhExperts") not in ops
+        assert ops.count(("com.microsoft", "QMoE")) == (2 * MOE_SPEC.target_layers if bits == 4 else 0)
+        assert ops.count(("com.microsoft", "GatherBlockQuantized")) == (0 if bits == 4 else 2 * MOE_SPEC.target_layers)
+    for bits in (4, 8):
+        lower_ort(tmp_path / f"int{bits}", tmp_path / f"int{bits}_ort", OrtOptions(ctx_len=128),
+                  LowerRequest(progress=False))
+        quantized = open_decoder(tmp_path / f"int{bits}_ort")
+        for prompt in PROMPTS:
+            greedy = quantized.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens
+            assert quantized.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == greedy
 
 
 def _ops(path) -> list[tuple[str, str]]:

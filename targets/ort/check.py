@@ -51,12 +51,20 @@ WIDENED_PREFIX = "InsertedPrecisionFreeCast_"
 
 def routers(path: Path, manifest: Manifest) -> Routers | None:
     """The export's mixture-of-experts routers, by their logits: the input of each dflash::MoE or
-    dflash::SwigluMoE node, or, once the int4 pass made them QMoE, of the TopK that picks each row's experts;
+    dflash::SwigluMoE node, or, once the int4 pass made them QMoE, of the TopK that picks each row's experts (Gemma
+    4's router's own, its indices gathered at the real rows);
     None for a dense target."""
     if manifest.experts is None:
         return None
     graph = onnx.load(str(path), load_external_data=False).graph
-    one_hot = {node.input[0] for node in graph.node if node.op_type == "OneHot"}
+    producers = {name: node for node in graph.node for name in node.output}
+    one_hot = set()
+    for node in graph.node:
+        if node.op_type == "OneHot":  # its indices, or the real rows' Gather of them (padding rows skipped)
+            name = node.input[0]
+            while name in producers and producers[name].op_type == "Gather":
+                name = producers[name].input[0]
+            one_hot.add(name)
     names = [node.input[1] for node in graph.node if node.domain == MOE_DOMAIN and node.op_type in (MOE_OP,
                                                                                                   SWIGLU_MOE_OP)]
     names += [node.input[0] for node in graph.node if node.op_type == "TopK" and node.output[1] in one_hot]
