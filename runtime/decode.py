@@ -20,7 +20,7 @@ from .costs import curve_disagreement
 from .errors import DFlashError
 from .lookup import NgramLookup
 from .manifest import CostModel, Manifest
-from .policy import VerifyPolicy
+from .policy import Calibration, VerifyPolicy
 from .runners import open_runners, open_target_runner
 from .sampling import SamplingParams, rejection_sample, sample_rows, sample_selector_chain, sampling_probs
 from .session import Session
@@ -104,6 +104,10 @@ class Decoder:
         self.costs = costs or manifest.costs
         self.batch_invariant = batch_invariant
         self.guess_padding = guess_padding
+        # how often the target accepts the draft's proposals at each confidence, learnt by the `auto` policy: a
+        # property of the pair (greedy and sampled acceptance apart), so kept across requests rather than learnt
+        # anew by each, whose first steps would otherwise draft on the prior's word
+        self.calibrations: dict[bool, Calibration] = {}
 
     @property
     def row_multiple(self) -> int:
@@ -169,8 +173,9 @@ class Decoder:
         stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
         most_rows = self.manifest.verify_rows if mode == "dflash" else 1
         costs = self.costs.padded_to(self.row_multiple) if self.costs and self.row_multiple > 1 else self.costs
-        policy = VerifyPolicy(verify, costs, self.manifest.verify_rows)
         sampling = sampling or SamplingParams()
+        policy = VerifyPolicy(verify, costs, self.manifest.verify_rows,
+                              self.calibrations.setdefault(not sampling.greedy, Calibration()))
         return self._steps(target, draft, prompt, max_new_tokens, most_rows, sampling, stops, policy,
                            self.guesses(sampling))
 

@@ -6,7 +6,8 @@ verifies the k drafted tokens (0..B-1) that maximise the expected committed toke
 steps say speculation would not beat greedy's `1 / t(1)`, drafting again now and then to notice when
 acceptance rises. E[accepted] multiplies, position by position, the probability that the target agrees with
 the proposal at that confidence; that probability is learnt online from the accept / reject outcomes the
-loop sees (monotone in confidence), so a badly calibrated draft cannot mislead it for long.
+loop sees (monotone in confidence), so a badly calibrated draft cannot mislead it for long; a decoder keeps it
+across its requests, so each request does not pay to learn it again.
 
 Where a step that verifies only its last token carries a lookup guess in its padding row (lookup.py), that
 step commits 1 + P(guess right) tokens on average: the policy keeps the guesses' running hit rate and weighs
@@ -92,7 +93,9 @@ class Calibration:
 class VerifyPolicy:
     """Per step: whether to call the draft, and how many of its tokens to verify."""
 
-    def __init__(self, mode: str | int, costs: CostModel | None, block_size: int):
+    def __init__(self, mode: str | int, costs: CostModel | None, block_size: int,
+                 calibration: Calibration | None = None):
+        """`calibration`: what earlier requests of the same pair learnt (shared, and updated by this one)."""
         self.mode = parse_verify(mode)
         if self.mode == "auto" and (costs is None or len(costs.verify_ms) < block_size):
             self.mode = "full"  # no cost curve to weigh: the reference's behaviour
@@ -100,7 +103,7 @@ class VerifyPolicy:
         if costs is not None:  # t(k + 1) + t_draft for k = 0..B-1 drafted tokens verified
             self.round_ms = np.asarray(costs.verify_ms[:block_size], np.float64) + costs.draft_ms
             self.greedy_rate = 1.0 / costs.verify_ms[0]
-        self.calibration = Calibration()
+        self.calibration = calibration or Calibration()
         self.history = np.zeros((0, block_size - 1), np.intp)  # confidence bins of the last HISTORY drafted steps
         self.recent = self.overall = 0.0  # their best expected rates, scored when the calibration last moved
         self.skipped, self.observed = 0, 0

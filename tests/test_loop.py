@@ -567,6 +567,18 @@ def test_auto_skips_the_draft_where_it_cannot_pay_and_keeps_probing():
     assert skipped > 40 and 0 < len(pair.draft.calls) < 20
 
 
+def test_the_decoder_keeps_what_the_policy_learnt_for_its_next_requests():
+    """The same never-right draft: the decoder's second request starts from the calibration the first learnt, so
+    it calls the draft less; its tokens stay the target's greedy tokens."""
+    decoder, pair = build(block=8, script=[0], costs=STEEP)
+    first = decoder.generate(PROMPT, 24, "dflash", stop_token_ids=[])
+    first_calls = len(pair.draft.calls)
+    second = decoder.generate(PROMPT, 24, "dflash", stop_token_ids=[])
+    assert first.tokens == second.tokens == reference(TokenModel(VOCAB), PROMPT, 24)
+    assert list(decoder.calibrations) == [False]  # greedy acceptance only: no sampled request ran
+    assert len(pair.draft.calls) - first_calls < first_calls
+
+
 def test_auto_verifies_whole_blocks_where_they_are_free_and_right():
     decoder, _ = build(block=8, script=[7], costs=FLAT)
     result = decoder.generate(PROMPT, 41, "dflash", stop_token_ids=[])

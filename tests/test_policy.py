@@ -144,3 +144,26 @@ def test_the_replay_takes_a_measured_curve(tmp_path, capsys):
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and "x |" in line}
     assert rows["measured flat"] == rows["flat (AI 100-like)"]
+
+
+def test_what_one_request_learnt_spares_the_next_its_lossy_first_drafts():
+    """A draft that is always confident and never right, on a curve where drafting pays only near-certain tokens:
+    a fresh policy drafts a few steps before it learns; one given the calibration an earlier request learnt (as a
+    decoder keeps it) skips the draft from the start."""
+
+    def drafted_steps(calibration: Calibration | None) -> int:
+        policy = VerifyPolicy("auto", CURVES[M2], B, calibration)
+        drafted = 0
+        for _ in range(32):
+            if policy.wants_draft(B - 1):
+                drafted += 1
+                policy.observe(policy.choose(np.full(B - 1, 0.99), B - 1), 0)
+        return drafted
+
+    shared = Calibration()
+    first = VerifyPolicy("auto", CURVES[M2], B, shared)
+    for _ in range(32):
+        if first.wants_draft(B - 1):
+            first.observe(first.choose(np.full(B - 1, 0.99), B - 1), 0)
+    assert shared.tries.sum() > BINS * 2  # the first request's outcomes went into the shared calibration
+    assert drafted_steps(None) >= 3 and drafted_steps(shared) <= 1
