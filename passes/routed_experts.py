@@ -151,8 +151,10 @@ def _two_qmoe(model: ir.Model, node: ir.Node, bits: int, block_size: int, quanti
     model.graph.remove(node, safe=True)
 
 
-def _gathered(model: ir.Model, nodes: list[ir.Node], bits: int, block_size: int, quantizer) -> int:
-    """`nodes` inlined, the weights their bodies gather read through GatherBlockQuantized; how many weights."""
+def _gathered(model: ir.Model, nodes: list[ir.Node], bits: int, block_size: int, quantizer,
+              kept: dict[str, str]) -> int:
+    """`nodes` inlined, the weights their bodies gather read through GatherBlockQuantized; how many weights (a
+    weight no Gather reads, from an export whose function ran every expert, goes into `kept`)."""
     weights = {value.name: value for node in nodes for value in node.inputs[3:5]}  # a weight once, if shared
     InlinePass(criteria=_is_gelu_experts)(model)
     done = 0
@@ -160,6 +162,8 @@ def _gathered(model: ir.Model, nodes: list[ir.Node], bits: int, block_size: int,
         gathers = [use for use, _ in value.uses() if use.op_type == "Gather" and use.domain == ""
                    and use.attributes.get_int("axis", 0) == 0 and use.inputs[0] is value]
         if not gathers:
+            kept[value.name] = ("exported before the experts' function gathered the chosen experts (every expert "
+                                "runs, in float): export again to quantize them")
             continue
         packed, scales = _quantized(model, value, bits, block_size, quantizer)
         for gather in gathers:
@@ -192,7 +196,7 @@ def quantize(model: ir.Model, bits: int, block_size: int, quantizer,
         _two_qmoe(model, node, bits, block_size, quantizer, identities, accuracy_level)
     counts = {"two_qmoe": len(qmoe)}
     if gathered:
-        counts["gathered_weights"] = _gathered(model, gathered, bits, block_size, quantizer)
+        counts["gathered_weights"] = _gathered(model, gathered, bits, block_size, quantizer, kept)
     if not calls(model):
         model.functions.pop((MOE_DOMAIN, GELU_EXPERTS_OP, ""), None)
     if not any(node.domain == MOE_DOMAIN for node in model.graph):
