@@ -1,6 +1,8 @@
 """`dflash-onnx serve` under K concurrent clients on loopback: total and per-request tokens/s, time to first token,
 p50 / p99 latency, errors and the share of outputs identical to the directory's greedy decode run alone; then the
-server's memory over many sequential requests.
+server's memory over many sequential requests. `--peers llama.cpp`: the same rounds against llama-server on the
+directory's checkpoints at its precision (GGUF files as `bench --peers llama.cpp` makes them), `-np K` slots for K
+clients, greedy and `draft-dflash`, prompts sent as our tokenizer's ids and outputs compared by token id.
 
 The server runs as its own process (`dflash-onnx serve DIR`, what a user starts); each client is a thread that
 streams completions (text prompts from `--prompts-file` or built-in code prompts, temperature 0) one after
@@ -8,7 +10,7 @@ another until the round has `--requests` of them. The solo oracle is `Decoder.ge
 directory in this process, decoded by the same tokenizer.
 
     python benchmarks/serve_load.py DIR [--clients 1,2,4,8] [--requests 16] [--max-tokens 64]
-        [--memory-requests 1000] [--load 0|1]
+        [--memory-requests 1000] [--load 0|1] [--peers llama.cpp [--llama-cpp DIR]]
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ class Server:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
 
 
 def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict:
@@ -78,7 +81,8 @@ def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dic
     first, texts, tokens = None, [], 0
     try:
         with client.stream("POST", f"{url}/v1/completions", timeout=600,
-                           json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as r:
+                           json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                                 "stream_options": {"include_usage": True}}) as r:
             if r.status_code != 200:
                 return {"error": f"HTTP {r.status_code}: {r.read().decode()[:200]}"}
             for line in r.iter_lines():
@@ -87,11 +91,13 @@ def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dic
                 payload = json.loads(line[6:])
                 if "error" in payload:
                     return {"error": payload["error"]["message"]}
+                tokens = (payload.get("usage") or {}).get("completion_tokens", tokens)  # the last chunk's, asked for
+                if not payload["choices"]:
+                    continue
                 choice = payload["choices"][0]
                 if choice["text"] and first is None:
                     first = time.perf_counter() - started
                 texts.append(choice["text"])
-                tokens = payload.get("usage", {}).get("completion_tokens", tokens)
     except httpx.HTTPError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     latency = time.perf_counter() - started
@@ -100,27 +106,14 @@ def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dic
 
 
 def _round(url: str, clients: int, prompts: list[str], requests: int, max_tokens: int) -> tuple[list[dict], float]:
-    queue = list(range(requests))
-    lock = threading.Lock()
-    results: list[dict] = []
+    local = threading.local()  # a client keeps its connection, as an application's would
 
-    def client() -> None:
-        connection = httpx.Client()  # a client keeps its connection, as an application's would
-        while True:
-            with lock:
-                if not queue:
-                    return
-                index = queue.pop(0)
-            result = _stream(connection, url, prompts[index % len(prompts)], max_tokens)
-            result["prompt"] = index % len(prompts)
-            with lock:
-                results.append(result)
+    def once(index: int) -> dict:
+        if not hasattr(local, "connection"):
+            local.connection = httpx.Client()
+        return _stream(local.connection, url, prompts[index], max_tokens)
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        for _ in range(clients):
-            pool.submit(client)
-    return results, time.perf_counter() - started
+    return _rounds_of(once, clients, len(prompts), requests)
 
 
 def _solo(directory: Path, prompts: list[str], max_tokens: int) -> list[str]:
@@ -134,6 +127,100 @@ def _solo(directory: Path, prompts: list[str], max_tokens: int) -> list[str]:
         tokens = decoder.generate(codec.encode(prompt), max_tokens, "greedy").tokens
         texts.append(codec.decode(tokens[:-1] if tokens[-1] in stops else tokens))
     return texts
+
+
+def _llama_cpp_rows(directory: Path, prompts: list[str], counts: list[int], requests: int, max_tokens: int,
+                    llama_cpp_dir: Path | None) -> list[list]:
+    """The rounds against llama-server, greedy and draft-dflash, K slots for K clients (rows as main's, the server
+    named first; a run llama.cpp cannot do becomes a row saying why)."""
+    from artifacts.model_dirs import read_config
+    from dflash_onnx.demo import cache_root
+    from dflash_onnx.llama_cpp import build, gguf, runs
+    from dflash_onnx.llama_cpp.peer import threads_of, unsupported_draft
+    from dflash_onnx.peers import same_tokens
+    from runtime.errors import DFlashError
+    from runtime.manifest import load_manifest
+    from runtime.tokenizer import TextCodec
+    from targets import open_decoder
+
+    manifest = load_manifest(directory)
+    target_dir, draft_dir = manifest.checkpoints()
+    llama = build.find(llama_cpp_dir) if llama_cpp_dir else build.cached(cache_root(), True)
+    precision = gguf.precision_for(manifest, bool(read_config(target_dir, "target").get("tie_word_embeddings")))
+    unsupported = unsupported_draft(manifest, target_dir)
+    target, draft = gguf.ggufs(llama, target_dir, None if unsupported else draft_dir, precision, cache_root())
+    codec, decoder = TextCodec(directory), open_decoder(directory)
+    ids = [list(codec.encode(prompt)) for prompt in prompts]
+    solo = [decoder.generate(prompt, max_tokens, "greedy").tokens for prompt in ids]
+    threads, stops = threads_of(manifest), list(manifest.stop_token_ids)
+    context = max(map(len, ids)) + max_tokens + manifest.block_size + 64
+    rows = []
+    for drafting in (False, True):
+        name = (f"llama-server draft-dflash, {precision.weights.upper()}" if drafting else
+                f"llama-server greedy, {precision.weights.upper()}")
+        if drafting and unsupported:
+            rows.append([name, "-", "-", "-", "-", "-", "-", "-", unsupported])
+            continue
+        for clients in counts:
+            print(f"{name}: {clients} clients ...", file=sys.stderr)
+            try:
+                with runs.server(llama, target, threads, context, draft if drafting else None,
+                                 manifest.block_size - 1, slots=clients) as server:
+                    server.complete(ids[0], 8)  # warm-up
+                    results, wall = _rounds_of(
+                        lambda index, s=server: _timed(lambda: s.complete(ids[index], max_tokens)), clients,
+                        len(prompts), requests)
+            except DFlashError as exc:
+                rows.append([name, clients, "-", "-", "-", "-", "-", "-", str(exc)])
+                continue
+            done = [r for r in results if "error" not in r]
+            same = sum(same_tokens([r["tokens"]], [solo[r["prompt"]]], stops) for r in done)
+            rows.append([name, *_figures(clients, results, done, wall, same)])
+    return rows
+
+
+def _rounds_of(once, clients: int, prompts: int, requests: int) -> tuple[list[dict], float]:
+    """`requests` calls of `once(prompt index) -> result` from `clients` threads, each result with its prompt."""
+    queue, lock, results = list(range(requests)), threading.Lock(), []
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                index = queue.pop(0)
+            result = once(index % prompts)
+            result["prompt"] = index % prompts
+            with lock:
+                results.append(result)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for _ in range(clients):
+            pool.submit(client)
+    return results, time.perf_counter() - started
+
+
+def _timed(complete) -> dict:
+    """One llama-server completion: its tokens, prefill (as its time to first token) and latency, or its error."""
+    started = time.perf_counter()
+    try:
+        tokens, prefill, _, _ = complete()
+    except Exception as exc:  # a failed request is counted, as the server's errors are
+        return {"error": str(exc)}
+    return {"tokens": tokens, "ttft": prefill, "latency": time.perf_counter() - started}
+
+
+def _figures(clients: int, results: list[dict], done: list[dict], wall: float, same: int) -> list:
+    """A round's row: clients, total and per-request tok/s, TTFT, latency p50 / p99, errors, identical share."""
+    count = (lambda r: len(r["tokens"])) if done and isinstance(done[0]["tokens"], list) else (lambda r: r["tokens"])
+    tokens = sum(count(r) for r in done)
+    return [clients, f"{tokens / wall:.1f}",
+            f"{statistics.median(count(r) / r['latency'] for r in done):.1f}" if done else "-",
+            f"{1000 * statistics.median(r['ttft'] for r in done):.0f}" if done else "-",
+            f"{_percentile([r['latency'] for r in done], 0.5):.2f}" if done else "-",
+            f"{_percentile([r['latency'] for r in done], 0.99):.2f}" if done else "-",
+            len(results) - len(done), f"{100 * same / max(1, len(results)):.0f} %"]
 
 
 def _percentile(values: list[float], share: float) -> float:
@@ -151,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
                         "check (0: skip)")
     parser.add_argument("--load", type=int, default=0, help="busy processes beside the server")
     parser.add_argument("--prompts-file", type=Path, help="one prompt per line (default: built-in code prompts)")
+    parser.add_argument("--peers", default="", help="llama.cpp: also the rounds against llama-server")
+    parser.add_argument("--llama-cpp", type=Path, help="a built llama.cpp tree (default: the cached build)")
     args = parser.parse_args(argv)
     prompts = args.prompts_file.read_text().splitlines() if args.prompts_file else PROMPTS
     counts = [int(k) for k in args.clients.split(",")]
@@ -165,14 +254,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{clients} clients ...", file=sys.stderr)
             results, wall = _round(server.url, clients, prompts, args.requests, args.max_tokens)
             done = [r for r in results if "error" not in r]
-            tokens = sum(r["tokens"] for r in done)
             same = sum(r["text"] == solo[r["prompt"]] for r in done)
-            rows.append([clients, f"{tokens / wall:.1f}",
-                         f"{statistics.median(r['tokens'] / r['latency'] for r in done):.1f}" if done else "-",
-                         f"{1000 * statistics.median(r['ttft'] for r in done):.0f}" if done else "-",
-                         f"{_percentile([r['latency'] for r in done], 0.5):.2f}" if done else "-",
-                         f"{_percentile([r['latency'] for r in done], 0.99):.2f}" if done else "-",
-                         len(results) - len(done), f"{100 * same / max(1, len(results)):.0f} %"])
+            rows.append(["dflash-onnx serve (DFlash, verify auto)", *_figures(clients, results, done, wall, same)])
         if args.memory_requests:
             print(f"{args.memory_requests} sequential requests ...", file=sys.stderr)
             before = _rss_mb(server.process.pid)
@@ -182,12 +265,17 @@ def main(argv: list[str] | None = None) -> None:
                 if index % max(1, args.memory_requests // 4) == 0:
                     samples.append(_rss_mb(server.process.pid))
             memory = (before, samples, _rss_mb(server.process.pid))
+        if "llama.cpp" in args.peers:
+            server.stop()  # its sessions' memory and threads are not llama-server's to share
+            rows += _llama_cpp_rows(args.directory, prompts, counts, args.requests, args.max_tokens, args.llama_cpp)
     finally:
         server.stop()
         for process in busy:
             process.kill()
-    print(markdown_table(["clients", "total tok/s", "per-request tok/s (median)", "TTFT ms (median)", "latency p50 s",
-                          "latency p99 s", "errors", "identical to solo greedy"], rows))
+    print(markdown_table(["server", "clients", "total tok/s", "per-request tok/s (median)", "TTFT ms (median)",
+                          "latency p50 s", "latency p99 s", "errors", "identical to solo greedy"], rows))
+    print("\n(llama-server: its time to first token is its prefill time; outputs compared by token id, a run that "
+          "stops at a stop token ours also produced there counted as ours)" if "llama.cpp" in args.peers else "")
     if memory:
         before, samples, after = memory
         print(f"\nserver RSS over {args.memory_requests} sequential requests: {before:.0f} MB before, "

@@ -317,11 +317,11 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
                                Path(draft_dir), options.llama_cpp, progress, _collect)
     for row in rows:  # every peer decodes greedily (or losslessly): its tokens must be ours
         outputs = row.pop("outputs", None)
-        row["identical_to_ours"] = None if outputs is None else _same_tokens(outputs, our_tokens, row.get("stops_at"))
+        row["identical_to_ours"] = None if outputs is None else same_tokens(outputs, our_tokens, row.get("stops_at"))
     return {"rows": rows, "ratios": _ratios(rows, ours)}
 
 
-def _same_tokens(theirs: list[list[int]], ours: list[list[int]], stops_at: list[int] | None) -> bool:
+def same_tokens(theirs: list[list[int]], ours: list[list[int]], stops_at: list[int] | None) -> bool:
     """Each prompt's tokens equal; a peer that stops at end-of-generation (`stops_at`, where ours runs on) may end
     early, right after a stop token that ours produced at the same place."""
     if stops_at is None:

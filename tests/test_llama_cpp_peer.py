@@ -15,7 +15,7 @@ import pytest
 from dflash_onnx.bench import BenchOptions, run_bench
 from dflash_onnx.llama_cpp import build, gguf, runs
 from dflash_onnx.llama_cpp.peer import llama_cpp_rows, threads_of, unsupported_draft
-from dflash_onnx.peers import _same_tokens
+from dflash_onnx.peers import same_tokens
 from runtime.errors import DFlashError
 from runtime.manifest import load_manifest
 
@@ -74,12 +74,12 @@ def test_tokens_that_end_at_end_of_generation_count_as_ours():
     """llama-server stops at an end-of-generation token where ours (stop ids off) runs on: a prefix ending there is
     ours; a prefix ending anywhere else, or a different token, is not."""
     ours = [[5, 6, 1, 7, 8], [3, 3, 3]]
-    assert _same_tokens([[5, 6, 1], [3, 3, 3]], ours, [1])
-    assert _same_tokens([[5, 6], [3, 3, 3]], ours, [1])  # stopped before printing it
-    assert not _same_tokens([[5, 6], [3, 3, 3]], ours, [2])
-    assert not _same_tokens([[5, 9, 1], [3, 3, 3]], ours, [1])
-    assert not _same_tokens([[5, 6, 1], [3, 3]], ours, [1])
-    assert _same_tokens(ours, ours, None) and not _same_tokens([[5, 6, 1], [3, 3, 3]], ours, None)
+    assert same_tokens([[5, 6, 1], [3, 3, 3]], ours, [1])
+    assert same_tokens([[5, 6], [3, 3, 3]], ours, [1])  # stopped before printing it
+    assert not same_tokens([[5, 6], [3, 3, 3]], ours, [2])
+    assert not same_tokens([[5, 9, 1], [3, 3, 3]], ours, [1])
+    assert not same_tokens([[5, 6, 1], [3, 3]], ours, [1])
+    assert same_tokens(ours, ours, None) and not same_tokens([[5, 6, 1], [3, 3, 3]], ours, None)
 
 
 def test_a_draft_llama_cpp_cannot_run_is_named_before_starting_it(exported):

@@ -338,3 +338,20 @@ def test_an_event_stream_ends_with_done(served):
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     assert all(line.startswith("data: ") for line in lines)
+
+
+def test_the_load_benchmarks_client_counts_the_tokens_and_matches_solo_greedy(served, solo):
+    """benchmarks/serve_load.py's streamed client against the server: the completion tokens the server reports
+    (asked for with stream_options, in a last chunk without choices) and the text solo greedy gives."""
+    import httpx
+    from conftest import benchmark_script
+
+    directory, _, server = served
+    script = benchmark_script("serve_load")
+    prompt = "def parse(text):"
+    with httpx.Client() as connection:
+        result = script._stream(connection, server.url, prompt, 12)
+    want, count = solo(list(TextCodec(directory).encode(prompt)), 12)
+    assert "error" not in result and result["text"] == want and result["tokens"] == count > 0
+    results, _ = script._round(server.url, 2, [prompt], 3, 12)
+    assert [r["tokens"] for r in results] == [count] * 3 and {r["prompt"] for r in results} == {0}

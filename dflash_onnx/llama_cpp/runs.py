@@ -61,12 +61,12 @@ class Server:
 
 @contextmanager
 def server(llama: LlamaCpp, target: Path, threads: int, context: int, draft: Path | None = None,
-           draft_tokens: int = 0):
-    """A llama-server on 127.0.0.1 with one slot (and the draft as `draft-dflash` with `draft_tokens` proposals a
-    step), stopped on exit."""
+           draft_tokens: int = 0, slots: int = 1):
+    """A llama-server on 127.0.0.1 with `slots` parallel slots of `context` tokens each (and the draft as
+    `draft-dflash` with `draft_tokens` proposals a step), stopped on exit."""
     port = _free_port()
     command = [str(llama.tool("llama-server")), "-m", str(target), "-t", str(threads), "-tb", str(threads),
-               "-c", str(context), "-np", "1", "--host", "127.0.0.1", "--port", str(port)]
+               "-c", str(context * slots), "-np", str(slots), "--host", "127.0.0.1", "--port", str(port)]
     if draft is not None:
         command += ["-md", str(draft), "--spec-type", "draft-dflash", "-td", str(threads), "-tbd", str(threads),
                     "--spec-draft-n-max", str(draft_tokens), "--spec-draft-n-min", "0"]
