@@ -1,6 +1,8 @@
 """`dflash-onnx serve` under K concurrent clients on loopback: total and per-request tokens/s, time to first token,
 p50 / p99 latency, errors and the share of outputs identical to the directory's greedy decode run alone; then the
-server's memory over many sequential requests. `--peers llama.cpp`: the same rounds against llama-server on the
+server's memory over many sequential requests. `--max-batch N`: the server decodes up to N requests side by side (a
+lowering with --kv-attention ragged); `--greedy`: the same rounds against the server decoding greedily (--verify 0),
+batched alike. `--peers llama.cpp`: the same rounds against llama-server on the
 directory's checkpoints at its precision (GGUF files as `bench --peers llama.cpp` makes them), `-np K` slots for K
 clients, greedy and `draft-dflash`, prompts sent as our tokenizer's ids and outputs compared by token id.
 
@@ -10,7 +12,7 @@ another until the round has `--requests` of them. The solo oracle is `Decoder.ge
 directory in this process, decoded by the same tokenizer.
 
     python benchmarks/serve_load.py DIR [--clients 1,2,4,8] [--requests 16] [--max-tokens 64]
-        [--memory-requests 1000] [--load 0|1] [--peers llama.cpp [--llama-cpp DIR]]
+        [--memory-requests 1000] [--load 0|1] [--max-batch N] [--greedy] [--peers llama.cpp [--llama-cpp DIR]]
 """
 
 from __future__ import annotations
@@ -223,6 +225,18 @@ def _figures(clients: int, results: list[dict], done: list[dict], wall: float, s
             len(results) - len(done), f"{100 * same / max(1, len(results)):.0f} %"]
 
 
+def _memory(server: Server, prompts: list[str], requests: int, max_tokens: int) -> tuple[float, list[float], float]:
+    """The server's RSS before, along and after `requests` sequential short requests."""
+    print(f"{requests} sequential requests ...", file=sys.stderr)
+    before = _rss_mb(server.process.pid)
+    samples, connection = [], httpx.Client()
+    for index in range(requests):
+        _stream(connection, server.url, prompts[index % len(prompts)], 8)
+        if index % max(1, requests // 4) == 0:
+            samples.append(_rss_mb(server.process.pid))
+    return before, samples, _rss_mb(server.process.pid)
+
+
 def _percentile(values: list[float], share: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))]
@@ -238,6 +252,10 @@ def main(argv: list[str] | None = None) -> None:
                         "check (0: skip)")
     parser.add_argument("--load", type=int, default=0, help="busy processes beside the server")
     parser.add_argument("--prompts-file", type=Path, help="one prompt per line (default: built-in code prompts)")
+    parser.add_argument("--max-batch", type=int, default=1, help="the server's --max-batch (a lowering with "
+                        "--kv-attention ragged decodes that many requests side by side)")
+    parser.add_argument("--greedy", action="store_true", help="also the rounds against the same server decoding "
+                        "greedily (--verify 0)")
     parser.add_argument("--peers", default="", help="llama.cpp: also the rounds against llama-server")
     parser.add_argument("--llama-cpp", type=Path, help="a built llama.cpp tree (default: the cached build)")
     args = parser.parse_args(argv)
@@ -246,30 +264,30 @@ def main(argv: list[str] | None = None) -> None:
     print("solo greedy outputs ...", file=sys.stderr)
     solo = _solo(args.directory, prompts, args.max_tokens)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
-    server = Server(args.directory, [])
-    rows, memory = [], None
+    batching = ["--max-batch", str(args.max_batch)] if args.max_batch > 1 else []
+    servers = [("DFlash, verify auto", ["--verify", "auto"]), ("greedy (--verify 0)", ["--verify", "0"])]
+    rows, memory, server = [], None, None
     try:
-        _round(server.url, 1, prompts, 2, args.max_tokens)  # warm-up: first calls, page faults
-        for clients in counts:
-            print(f"{clients} clients ...", file=sys.stderr)
-            results, wall = _round(server.url, clients, prompts, args.requests, args.max_tokens)
-            done = [r for r in results if "error" not in r]
-            same = sum(r["text"] == solo[r["prompt"]] for r in done)
-            rows.append(["dflash-onnx serve (DFlash, verify auto)", *_figures(clients, results, done, wall, same)])
-        if args.memory_requests:
-            print(f"{args.memory_requests} sequential requests ...", file=sys.stderr)
-            before = _rss_mb(server.process.pid)
-            samples, connection = [], httpx.Client()
-            for index in range(args.memory_requests):
-                _stream(connection, server.url, prompts[index % len(prompts)], 8)
-                if index % max(1, args.memory_requests // 4) == 0:
-                    samples.append(_rss_mb(server.process.pid))
-            memory = (before, samples, _rss_mb(server.process.pid))
+        for index, (kind, flags) in enumerate(servers if args.greedy else servers[:1]):
+            if server is not None:
+                server.stop()
+            server = Server(args.directory, [*flags, *batching])
+            name = f"dflash-onnx serve, {kind}" + (f", --max-batch {args.max_batch}" if batching else "")
+            _round(server.url, 1, prompts, 2, args.max_tokens)  # warm-up: first calls, page faults
+            for clients in counts:
+                print(f"{name}: {clients} clients ...", file=sys.stderr)
+                results, wall = _round(server.url, clients, prompts, args.requests, args.max_tokens)
+                done = [r for r in results if "error" not in r]
+                same = sum(r["text"] == solo[r["prompt"]] for r in done)
+                rows.append([name, *_figures(clients, results, done, wall, same)])
+            if index == 0 and args.memory_requests:
+                memory = _memory(server, prompts, args.memory_requests, args.max_tokens)
         if "llama.cpp" in args.peers:
             server.stop()  # its sessions' memory and threads are not llama-server's to share
             rows += _llama_cpp_rows(args.directory, prompts, counts, args.requests, args.max_tokens, args.llama_cpp)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
         for process in busy:
             process.kill()
     print(markdown_table(["server", "clients", "total tok/s", "per-request tok/s (median)", "TTFT ms (median)",

@@ -323,12 +323,12 @@ def _serve(args) -> int:
         from serving.engine import Engine
     except ModuleNotFoundError as exc:
         raise DFlashError(f"serve needs {exc.name}, which is not installed: pip install 'dflash-onnx[serve]'") from None
-    from targets import open_decoder
+    from targets import open_batch, open_decoder
 
     if not 0 <= args.port <= 65535:
         raise DFlashError(f"--port must lie in 0..65535, got {args.port}")
-    for flag, value in (("--max-queue", args.max_queue), ("--max-tokens", args.max_tokens),
-                        ("--max-body-bytes", args.max_body_bytes)):
+    for flag, value in (("--max-queue", args.max_queue), ("--max-batch", args.max_batch),
+                        ("--max-tokens", args.max_tokens), ("--max-body-bytes", args.max_body_bytes)):
         if value < 1:
             raise DFlashError(f"{flag} must be at least 1, got {value}")
     SamplingParams(args.temperature)  # the flags are checked before the sessions open
@@ -337,12 +337,14 @@ def _serve(args) -> int:
     decoder = open_decoder(args.out, backend=args.backend, batch_invariant=args.batch_invariant == "on",
                            guess_padding=args.lookup_guess == "on", **_session_overrides(args))
     decoder.costs = _cost_model(args, decoder.manifest) or decoder.costs
-    engine = Engine(decoder, codec, max_queue=args.max_queue, verify=verify)
+    batch = open_batch(decoder, args.max_batch) if args.max_batch > 1 else None  # refused here where it cannot
+    engine = Engine(decoder, codec, max_queue=args.max_queue, verify=verify, batch=batch)
     options = ServerOptions(model=args.model or args.out.resolve().name, api_key=args.api_key,
                             max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
                             temperature=args.temperature)
+    running = "one request at a time" if args.max_batch == 1 else f"up to {args.max_batch} requests side by side"
     print(f"serving {options.model} from {args.out} on http://{args.host}:{args.port}/v1 (DFlash, verify "
-          f"{args.verify}; one request at a time, {args.max_queue} may wait)", file=sys.stderr)
+          f"{args.verify}; {running}, {args.max_queue} may wait)", file=sys.stderr)
     try:
         uvicorn.run(create_app(engine, options), host=args.host, port=args.port, log_level="warning")
     finally:
@@ -590,6 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
     serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait; beyond, 429 with "
                        "Retry-After")
+    serve.add_argument("--max-batch", type=int, default=1, help="requests decoded side by side, their target calls "
+                       "joined into one per step (needs a lowering with --kv-attention ragged; 1: one at a time)")
     serve.add_argument("--max-tokens", type=int, default=512, help="a chat request's max_tokens when it sends none")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     serve.add_argument("--temperature", type=float, default=0.0,

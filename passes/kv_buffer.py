@@ -28,6 +28,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from artifacts.graph_files import MOE_DOMAIN, SINK_ATTENTION_OP
 from runtime.errors import DFlashError
 
+from . import kv_ragged
 from .base import PassContext
 from .ir_graph import add_constant, attr, made_by, readers
 from .rope_cache import rope_tables
@@ -40,6 +41,9 @@ HINT = "lower with --kv-buffer off to keep the concat form"
 # rotary cache and the lowering's capacity checks bound); GroupQueryAttention takes any buffer at least as long
 # as the call's total_sequence_length
 BUFFER_ROWS = "kv_buffer_rows"
+# gqa: com.microsoft GroupQueryAttention (one request a call); ragged: TensorScatter + ONNX Attention, opset 24
+# (a batch of requests a call: kv_ragged.py)
+ATTENTIONS = ("gqa", "ragged")
 
 
 def _only_reader(value: ir.Value, op_type: str) -> ir.Node:
@@ -128,7 +132,8 @@ class _Rewriter:
         out = ir.Value(name=name, type=self.kv_type, shape=ir.Shape([*self.row_dims, width]))
         return ir.node("Reshape", [source, self.flat_shape], outputs=[out]), out
 
-    def layer(self, layer: int) -> None:
+    def parts(self, layer: int) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value, dict[str, ir.Value], ir.Node]:
+        """Layer `layer`'s past and present K/V values, its new rows (heads-first, by role) and its attention."""
         spec = self.spec
         k_in, v_in = (self.inputs[n] for n in spec.kv_inputs[2 * layer: 2 * layer + 2])
         k_out, v_out = (self.outputs[n] for n in spec.kv_outputs[2 * layer: 2 * layer + 2])
@@ -146,6 +151,18 @@ class _Rewriter:
             if slot != (1 if role == "key" else 2):
                 raise DFlashError(f"buffer form: the {role}s of layer {layer} enter attention input {slot}")
             attention, rows[role] = found, concat.inputs[1]
+        return k_in, v_in, k_out, v_out, rows, attention
+
+    def replace_present(self, k_out: ir.Value, v_out: ir.Value, key: ir.Value, value: ir.Value) -> None:
+        """The new attention's K/V outputs become the graph's `present` outputs, under their names."""
+        for old, new in ((k_out, key), (v_out, value)):
+            name = old.name
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+            old.name, new.name, new.type = f"{name}_concat_form", name, old.type
+
+    def layer(self, layer: int) -> None:
+        spec = self.spec
+        k_in, v_in, k_out, v_out, rows, attention = self.parts(layer)
         kv_heads, head_dim = spec.kv_shape(spec.kv_inputs[2 * layer])
         heads, kv_width = attr(attention, "num_heads"), kv_heads * head_dim
         # ORT's GroupQueryAttention rotates only heads whose size is a multiple of 16
@@ -189,10 +206,7 @@ class _Rewriter:
                       name=f"gqa_buffer_{layer}")
         gqa.outputs[0].type = attention.outputs[0].type or self.kv_type
         gqa.outputs[0].shape = ir.Shape([*self.row_dims, heads * head_dim])
-        for old, new in ((k_out, gqa.outputs[1]), (v_out, gqa.outputs[2])):  # GQA writes `present` now
-            name = old.name
-            old.replace_all_uses_with(new, replace_graph_outputs=True)
-            old.name, new.name, new.type = f"{name}_concat_form", name, old.type
+        self.replace_present(k_out, v_out, gqa.outputs[1], gqa.outputs[2])  # GQA writes `present` now
         ir.convenience.replace_all_uses_with(attention.outputs[0], gqa.outputs[0])
         gqa.outputs[0].name, attention.outputs[0].name = attention.outputs[0].name, None
         self.graph.insert_before(attention, [*new_nodes, gqa])
@@ -218,16 +232,24 @@ def run(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     if context.graph != "target":
         return model, {"skipped": "the target's attention only"}
     ctx_len = context.int_option("ctx_len")  # positions the buffers may hold (the rotary cache's rows)
+    attention = context.option("attention", "gqa")
+    if attention not in ATTENTIONS:
+        raise DFlashError(f"--pass-option kv-buffer.attention={attention}: choose one of {', '.join(ATTENTIONS)}")
     spec = context.manifest.target
     rewriter = _Rewriter(model, ctx_len, spec)
+    layers = kv_ragged.RaggedRewriter(rewriter) if attention == "ragged" else rewriter
     for layer in range(spec.num_layers):
-        rewriter.layer(layer)
+        layers.layer(layer)
     rewriter.finish()
-    model.opset_imports.setdefault("com.microsoft", 1)
+    if attention == "ragged":
+        kv_ragged.declare_opset(model)
+    else:
+        model.opset_imports.setdefault("com.microsoft", 1)
     RemoveUnusedNodesPass()(model)
     others = sorted({(u.op_type, u.name) for name in spec.kv_inputs for u in readers(rewriter.inputs[name])
-                     if u.op_type != "GroupQueryAttention" and not _reads_batch_only(u)})
+                     if u.op_type not in ("GroupQueryAttention", "TensorScatter") and not _reads_batch_only(u)})
     if others:
         raise DFlashError(f"buffer form: K/V inputs still read by {others} ({HINT})")
-    return model, {"attentions": spec.num_layers, "ctx_len": ctx_len, "rotary_in_attention": rewriter.rotary_layers,
-                   "sliding_windows": rewriter.windowed_layers, "sinks": rewriter.sink_layers}
+    return model, {"attentions": spec.num_layers, "attention": attention, "ctx_len": ctx_len,
+                   "rotary_in_attention": rewriter.rotary_layers, "sliding_windows": rewriter.windowed_layers,
+                   "sinks": rewriter.sink_layers}

@@ -1,9 +1,12 @@
-"""One engine thread that owns the decoder's sessions and runs the queued requests, one at a time.
+"""The engine: it owns the decoder's sessions and runs the queued requests, one at a time or side by side.
 
 The HTTP layer (app.py) and other hosts (Ray Serve, Triton's Python backend) call `Engine.submit`, never ORT: a
-request waits in a bounded queue, then the engine thread decodes it with DFlash (`--verify auto`: never slower
-than greedy) and puts its text deltas on the request's own queue. A cancelled request (a client gone) stops at its
-next decoding step. Requests run one after another; batched DFlash is not built yet.
+request waits in a bounded queue, then is decoded with DFlash (`--verify auto`: never slower than greedy), its
+text deltas put on the request's own queue. A cancelled request (a client gone) stops at its next decoding step.
+Without a batch the engine thread decodes the requests one after another; with one (`targets.open_batch` on a
+lowering with the ragged attention) up to its slots run at once, each in its own thread with a draft session of
+its own, their target calls joined into one call per step (runtime/batching.py); a request joins or leaves
+between steps.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import asyncio
 import queue
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from runtime.batching import SlotStore, StepBatcher
 from runtime.decode import Decoder
 from runtime.errors import DFlashError
 from runtime.sampling import SamplingParams
+from runtime.session import Session
 from runtime.tokenizer import TextCodec
 
 
@@ -111,18 +116,33 @@ class _StopText:
 
 
 class Engine:
-    """`submit(request) -> Submission`; the decoder is used by the engine thread alone."""
+    """`submit(request) -> Submission`; the decoder's sessions are used by the engine's threads alone: the engine
+    thread itself with `max_batch` 1, else one thread per running request whose target calls meet in one batched
+    call per step (runtime/batching.py)."""
 
-    def __init__(self, decoder: Decoder, codec: TextCodec, max_queue: int = 16, verify: str | int = "auto"):
+    def __init__(self, decoder: Decoder, codec: TextCodec, max_queue: int = 16, verify: str | int = "auto",
+                 batch: tuple[SlotStore, Callable[[], Session | None]] | None = None):
+        """`batch`: the decoder's target as a SlotStore and a function giving each request its own draft session
+        (`targets.open_batch`): requests then run side by side, up to the store's slots; None: one at a time."""
         if max_queue < 1:
             raise DFlashError(f"--max-queue must be at least 1, got {max_queue}")
         self.decoder, self.codec, self.verify = decoder, codec, verify
         self.stop_token_ids = frozenset(decoder.stop_token_ids)
+        self.batcher: StepBatcher | None = None
+        if batch is not None:
+            store, self._draft_for_request = batch
+            self.batcher = StepBatcher(store, big_rows=_step_rows(decoder))
+        self.max_batch = self.batcher.store.slots if self.batcher else 1
         self._queue: queue.Queue[Submission | None] = queue.Queue(maxsize=max_queue)
         self.finished: Counter[str] = Counter()  # requests ended, by finish reason ("error" for failures)
+        self._counting = threading.Lock()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
-        self._thread.start()
+        # the engine's threads, each taking requests from the queue: one, or one per batch slot (kept for the
+        # server's life: ORT's per-thread state is made once per thread, a few ms on a small model)
+        self._threads = [threading.Thread(target=self._run, name=f"dflash-engine-{index}", daemon=True)
+                         for index in range(self.max_batch)]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, request: GenerationRequest) -> Submission:
         """Queue `request`; raises QueueFull when --max-queue requests wait already. Arguments the decoder
@@ -140,9 +160,10 @@ class Engine:
         return self._queue.qsize()
 
     def close(self) -> None:
-        """Stop after the request under way; requests still queued end as cancelled."""
+        """Stop after the requests under way; requests still queued end as cancelled."""
         self._stopping.set()
-        self._thread.join(timeout=60)
+        for thread in self._threads:
+            thread.join(timeout=60)
 
     def _run(self) -> None:
         while True:
@@ -154,21 +175,40 @@ class Engine:
                 continue
             if self._stopping.is_set():
                 submission.cancel()
-            try:
-                self.finished[self._decode(submission)] += 1
-            except Exception as exc:  # one request's failure must not stop the engine for the others
-                message = str(exc) if isinstance(exc, DFlashError) else f"{type(exc).__name__}: {exc}"
-                submission.put(Event("", 0, error=message))
-                self.finished["error"] += 1
+            if self.batcher is None or submission.cancelled.is_set():
+                self._finish(submission, self.decoder)  # a cancelled request ends without touching the sessions
+            else:
+                self._batched(submission)
 
-    def _decode(self, submission: Submission) -> str:
+    def _batched(self, submission: Submission) -> None:
+        """One request on a slot of the batch: the unchanged decoding loop, with a draft session of its own."""
+        slot = self.batcher.open()
+        try:
+            base = self.decoder
+            decoder = Decoder(base.manifest, slot, self._draft_for_request(), base.prefill_chunk, base.costs,
+                              base.batch_invariant, base.guess_padding)
+            decoder.calibrations = base.calibrations  # the pair's acceptance, learnt across requests
+            self._finish(submission, decoder)
+        finally:
+            slot.release()
+
+    def _finish(self, submission: Submission, decoder: Decoder) -> None:
+        try:
+            reason = self._decode(submission, decoder)
+        except Exception as exc:  # one request's failure must not stop the engine for the others
+            message = str(exc) if isinstance(exc, DFlashError) else f"{type(exc).__name__}: {exc}"
+            submission.put(Event("", 0, error=message))
+            reason = "error"
+        with self._counting:
+            self.finished[reason] += 1
+
+    def _decode(self, submission: Submission, decoder: Decoder) -> str:
         """Run one request, putting its events; returns its finish reason."""
         request = submission.request
         if submission.cancelled.is_set():  # its client left while it waited: no prefill for nobody
             submission.put(Event("", 0, finish="cancelled"))
             return "cancelled"
-        steps = self.decoder.stream(request.prompt_ids, request.max_tokens, "dflash", request.sampling, None,
-                                    self.verify)
+        steps = decoder.stream(request.prompt_ids, request.max_tokens, "dflash", request.sampling, None, self.verify)
         ids: list[int] = []
         shown = _StopText(request.stop)
         try:
@@ -191,3 +231,9 @@ class Engine:
         delta, _ = shown.advance(self.codec.decode(ids), True)
         submission.put(Event(delta, len(ids), finish="length"))
         return "length"
+
+
+def _step_rows(decoder: Decoder) -> int:
+    """The most rows a decode or verify step calls the target with (a longer call is a prefill chunk)."""
+    multiple = decoder.row_multiple
+    return max(2, -(-decoder.manifest.verify_rows // multiple) * multiple)

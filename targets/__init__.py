@@ -10,6 +10,7 @@ CoreML lowerings (their weights and packages only that backend reads).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from runtime.decode import Decoder
@@ -76,3 +77,20 @@ def open_decoder(directory: Path, backend: str | None = None, prefill_chunk: int
     draft = open_session(directory, manifest, "draft", chosen, **overrides)
     return Decoder(manifest, target, draft, prefill_chunk, batch_invariant=batch_invariant,
                    guess_padding=guess_padding)
+
+
+def open_batch(decoder: Decoder, slots: int) -> tuple[object, Callable[[], Session | None]]:
+    """For decoding up to `slots` requests side by side on `decoder`'s sessions (runtime/batching.py): a SlotStore
+    over its target session, and a function giving each request a draft session of its own (sharing the loaded
+    graph). DFlashError in one line where the directory cannot batch."""
+    from .ort.batch_session import OrtBatchSession, batch_refusal
+    from .ort.session import OrtBufferSession, OrtRowsSession
+
+    refusal = batch_refusal(decoder.manifest)
+    if refusal is None and not isinstance(decoder.target, OrtBufferSession):
+        refusal = f"batching needs the ORT buffer-form target session, not {type(decoder.target).__name__}"
+    if refusal:
+        raise DFlashError(refusal)
+    store = OrtBatchSession(decoder.target, decoder.manifest, slots)
+    draft = decoder.draft
+    return store, (draft.fork if isinstance(draft, OrtRowsSession) else lambda: draft)

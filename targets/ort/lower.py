@@ -71,7 +71,7 @@ def pipeline(options: OrtOptions, block_size: int, experts: bool = False,
         rewrites += ["kv-buffer", "draft-rows"]
     rewrites += ["sibling-matmuls"] if quantized else []
     names += [*rewrites, "tidy"] if rewrites else []
-    return names, {"kv-buffer": {"ctx_len": str(options.ctx_len)},
+    return names, {"kv-buffer": {"ctx_len": str(options.ctx_len), "attention": options.kv_attention},
                    "rope-cache": {"rows": str(options.ctx_len + block_size)}}
 
 

@@ -14,6 +14,7 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "te
              "coreml": "CoreMLExecutionProvider", "qnn": "QNNExecutionProvider"}
 LEVELS = ("disabled", "basic", "extended", "all")
 DEFAULT_PASSES = ("rope-fusion", "ort-fusions")
+ATTENTIONS = ("gqa", "ragged")  # the kv-buffer pass's attention option (passes/kv_buffer.py)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class OrtOptions:
     spinning: str = "auto"  # on | calls | off (targets/ort/spinning.py); auto: measured at lowering
     kv_buffer: bool = True  # the target's attention as GroupQueryAttention over preallocated K/V (passes/kv_buffer.py)
     ctx_len: int = 4096  # rows of each K/V buffer: prompt + new tokens must fit
+    # the buffer form's attention: gqa (com.microsoft GroupQueryAttention, one request a call) or ragged
+    # (TensorScatter + ONNX Attention, opset 24: requests batched in one call, passes/kv_ragged.py)
+    kv_attention: str = "gqa"
 
     def spinning_mode(self) -> str:
         """The sessions' spinning mode (an older lowering's allow_spinning where none was chosen)."""
@@ -44,6 +48,11 @@ class OrtOptions:
         if self.kv_buffer and "ort-fusions" not in self.passes:
             raise DFlashError("the buffer form rewrites the attention the ort-fusions pass fuses: keep ort-fusions "
                               "in --passes, or lower with --kv-buffer off")
+        if self.kv_attention not in ATTENTIONS:
+            raise DFlashError(f"--kv-attention {self.kv_attention}: choose one of {', '.join(ATTENTIONS)}")
+        if self.kv_attention != "gqa" and not self.kv_buffer:
+            raise DFlashError(f"--kv-attention {self.kv_attention} is the buffer form's attention: drop "
+                              "--kv-buffer off")
         if self.kv_buffer and self.ctx_len < 2 * block_size:
             raise DFlashError(f"--ctx-len {self.ctx_len} is below two blocks ({2 * block_size})")
 
@@ -70,5 +79,8 @@ FLAGS = (
          "kept)", choices=CHOICES),
     Flag("--kv-buffer", "kv_buffer", "target attention as GroupQueryAttention over preallocated --ctx-len K/V "
          "buffers updated in place; off keeps the concat form", choices=("on", "off"), parse=_on),
+    Flag("--kv-attention", "kv_attention", "the buffer form's attention: gqa (GroupQueryAttention, fastest for one "
+         "request at a time) or ragged (TensorScatter + ONNX Attention: `serve --max-batch` runs several requests "
+         "in one call)", choices=ATTENTIONS),
     Flag("--ctx-len", "ctx_len", "positions the K/V buffers hold: prompt + new tokens must fit", type=int),
 )

@@ -4,6 +4,7 @@ whose K/V buffers ORT updates in place (IOBinding). numpy and onnxruntime only."
 from __future__ import annotations
 
 import contextlib
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -253,6 +254,14 @@ class OrtRowsSession(OrtSession):
             (past, rows, None) for past, rows in zip(graph.kv_inputs, graph.kv_outputs)]
         self._kv = set(graph.kv_inputs) | set(graph.kv_outputs)
         self._binding = self._session.io_binding()
+
+    def fork(self) -> OrtRowsSession:
+        """Another request's draft on the same ONNX Runtime session: its own context buffers and binding (ORT runs
+        calls on one session from several threads)."""
+        twin = copy.copy(self)
+        twin._rows, twin._binding = 0, self._session.io_binding()
+        twin._buffers = [(past, rows, None) for past, rows, _ in self._buffers]
+        return twin
 
     def kv_buffers(self) -> dict[str, np.ndarray]:
         """A host copy of each context-rows buffer, by past input name (for inspection)."""

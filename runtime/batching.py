@@ -1,0 +1,195 @@
+"""Requests decoded side by side: each runs the unchanged decoding loop in its own thread, and their target calls
+meet here, one batched call per step (numpy and threading only).
+
+Each request gets a `SlotSession`, a Session whose K/V live in one slot (batch row) of a shared `SlotStore` (the
+ORT ragged-attention target: targets/ort/batch_session.py). A slot's `run` waits until every active request has a
+call waiting (the step's barrier); the last to arrive runs them all: the calls of up to `big_rows` rows (decode
+and verify steps) as one call over the active slots, each padded to the longest (its last id and position
+repeated, as runners.py pads; padding rows write K/V past the request's length, which its next call overwrites),
+and each longer call (a joining request's prefill chunk) alone on its slot, so a prefill neither pads the others'
+steps nor waits for them. A prefilling slot rides in the batched call with a placeholder row written where its
+own call writes next. Active requests fill slots 0..n-1, so a batched call binds one contiguous range: a request
+that leaves hands its slot to the last one (its K/V moved, once).
+
+A request's tokens do not depend on its neighbours: each batch row attends only to its own slot, and the
+lowering's row multiple keeps every matmul row's result independent of the call's row count (tested: each
+request's tokens equal the same request decoded alone).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from .errors import DFlashError
+
+ROW_INPUTS = ("input_ids", "position_ids")
+
+
+class SlotStore(Protocol):
+    """A target session holding K/V for `slots` requests, one per batch row."""
+
+    input_names: list[str]
+    output_names: list[str]
+    slots: int
+
+    def run_slots(self, first: int, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        """One call over slots first..first + batch - 1 (feeds [batch, rows]); outputs [batch, rows, ...]."""
+        ...
+
+    def move_slot(self, source: int, dest: int) -> None:
+        """Copy slot `source`'s K/V into slot `dest`."""
+        ...
+
+
+@dataclass
+class _Call:
+    feeds: dict[str, np.ndarray]
+    names: list[str]
+    outputs: dict[str, np.ndarray] | None = None
+    error: Exception | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.feeds["input_ids"].shape[1])
+
+    @property
+    def start(self) -> int:
+        """Where the call's rows are written: its length after the call minus its rows."""
+        return int(self.feeds["seqlens_k"][0]) + 1 - self.rows
+
+
+@dataclass
+class BatchStats:
+    """What the batcher ran: batched calls and the requests in them, lone (prefill) calls, padding rows."""
+
+    batched_calls: int = 0
+    batched_requests: int = 0
+    lone_calls: int = 0
+    padding_rows: int = 0
+    widest: int = 0
+    by_width: dict[int, int] = field(default_factory=dict)
+
+
+class SlotSession:
+    """One request's view of the store: a Session (retains_state) whose calls go through the batcher."""
+
+    retains_state = True
+
+    def __init__(self, batcher: StepBatcher, slot: int):
+        self.batcher, self.slot = batcher, slot
+        self.input_names, self.output_names = batcher.store.input_names, batcher.store.output_names
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
+        return self.batcher.call(self, feeds, list(output_names or self.output_names))
+
+    def release(self) -> None:
+        """The request is over: its slot goes to another."""
+        self.batcher.release(self)
+
+
+class StepBatcher:
+    """The step barrier over a SlotStore (see the module docstring)."""
+
+    def __init__(self, store: SlotStore, big_rows: int):
+        self.store, self.big_rows = store, big_rows
+        self._active: list[SlotSession] = []  # index = slot
+        self._pending: dict[int, _Call] = {}
+        self._condition = threading.Condition()
+        self.stats = BatchStats()
+
+    @property
+    def active(self) -> int:
+        with self._condition:
+            return len(self._active)
+
+    def open(self) -> SlotSession:
+        """A slot for a new request; DFlashError when every slot is taken."""
+        with self._condition:
+            if len(self._active) >= self.store.slots:
+                raise DFlashError(f"all {self.store.slots} batch slots are taken")
+            session = SlotSession(self, len(self._active))
+            self._active.append(session)
+            return session
+
+    def release(self, session: SlotSession) -> None:
+        with self._condition:
+            if session not in self._active:
+                return
+            slot, last = session.slot, len(self._active) - 1
+            if slot in self._pending:  # a request leaves between steps only: its thread is not waiting
+                raise DFlashError(f"slot {slot} released with a call waiting")
+            if slot != last:  # the last request moves into the freed slot, its waiting call with it
+                moved = self._active[last]
+                self.store.move_slot(last, slot)
+                moved.slot = slot
+                if last in self._pending:
+                    self._pending[slot] = self._pending.pop(last)
+                self._active[slot] = moved
+            self._active.pop()
+            self._run_when_complete()
+
+    def call(self, session: SlotSession, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        call = _Call(feeds, names)
+        with self._condition:
+            self._pending[session.slot] = call
+            self._run_when_complete()
+            while call.outputs is None and call.error is None:
+                self._condition.wait()
+        if call.error is not None:
+            raise call.error
+        return call.outputs
+
+    def _run_when_complete(self) -> None:
+        """With the lock held: when every active request has a call waiting, run them all and wake their threads."""
+        if not self._pending or len(self._pending) < len(self._active):
+            return
+        pending, self._pending = self._pending, {}
+        try:
+            self._run(pending)
+        except Exception as exc:  # every waiting request fails with the step, none hangs
+            for call in pending.values():
+                if call.outputs is None:
+                    call.error = exc
+        self._condition.notify_all()
+
+    def _run(self, pending: dict[int, _Call]) -> None:
+        small = {slot: call for slot, call in pending.items() if call.rows <= self.big_rows}
+        if small:
+            self._run_batched(pending, small)
+        for slot, call in pending.items():
+            if slot not in small:
+                call.outputs = self.store.run_slots(slot, call.feeds, call.names)
+                self.stats.lone_calls += 1
+
+    def _run_batched(self, pending: dict[int, _Call], small: dict[int, _Call]) -> None:
+        """One call over slots 0..n-1: each small call padded to the longest; a slot whose call is long (a
+        prefill chunk, run next) gets placeholder rows at its call's start, which that call overwrites."""
+        count, rows = len(pending), max(call.rows for call in small.values())
+        names = sorted({name for call in small.values() for name in call.names})
+        ids = np.zeros((count, rows), np.int64)
+        positions = np.zeros((count, rows), np.int64)
+        lengths = np.zeros(count, np.int32)
+        for slot, call in pending.items():
+            start = call.start
+            lengths[slot] = start + rows - 1
+            if slot not in small:  # placeholder rows where its own call writes next
+                positions[slot] = np.arange(start, start + rows)
+                continue
+            real = call.rows
+            ids[slot, :real], positions[slot, :real] = call.feeds["input_ids"][0], call.feeds["position_ids"][0]
+            ids[slot, real:], positions[slot, real:] = ids[slot, real - 1], positions[slot, real - 1]
+            self.stats.padding_rows += rows - real
+        feeds = {"input_ids": ids, "position_ids": positions, "seqlens_k": lengths,
+                 "total_sequence_length": np.array(lengths.max() + 1, np.int32)}
+        outputs = self.store.run_slots(0, feeds, names)
+        for slot, call in small.items():
+            call.outputs = {name: outputs[name][slot : slot + 1, : call.rows] for name in call.names
+                            if name in outputs}  # the K/V outputs stay in the store
+        self.stats.batched_calls += 1
+        self.stats.batched_requests += len(small)
+        self.stats.widest = max(self.stats.widest, len(small))
+        self.stats.by_width[len(small)] = self.stats.by_width.get(len(small), 0) + 1

@@ -1,0 +1,159 @@
+"""Requests decoded side by side (runtime/batching.py over the ragged-attention ORT lowering, passes/kv_ragged.py):
+each request's tokens equal the same request decoded alone, whatever joins or leaves beside it; directories that
+cannot batch are refused in one line."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from runtime.batching import StepBatcher
+from runtime.decode import Decoder
+from runtime.errors import DFlashError
+from runtime.sampling import SamplingParams
+from runtime.tokenizer import TextCodec
+from serving.engine import Engine, GenerationRequest, _step_rows
+from targets import LowerRequest, open_batch, open_decoder
+from targets.ort.lower import lower_ort
+from targets.ort.options import OrtOptions
+
+
+@pytest.fixture(scope="module")
+def ragged(exported, tmp_path_factory):
+    """ragged(name) -> the `lower --target ort --kv-attention ragged` directory of an exported pair."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = tmp_path_factory.mktemp("ragged") / name
+            lower_ort(exported(name).out, cache[name], OrtOptions(kv_attention="ragged", ctx_len=256),
+                      LowerRequest(progress=False))
+        return cache[name]
+
+    return get
+
+
+def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, int(rng.integers(2, 40))).tolist() for _ in range(count)]
+
+
+def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampling=None, prefill_chunk: int = 20):
+    """Each prompt decoded in its own thread on a slot of one batch, the threads started a few at a time (so
+    requests join while others decode and leave before others end); the tokens and the batcher's stats."""
+    base = open_decoder(directory, prefill_chunk=prefill_chunk)
+    store, draft_for = open_batch(base, slots)
+    batcher = StepBatcher(store, big_rows=_step_rows(base))
+    tokens: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    gate = threading.Semaphore(slots)
+
+    def one(index: int) -> None:
+        try:
+            slot = batcher.open()
+            try:
+                decoder = Decoder(base.manifest, slot, draft_for(), prefill_chunk)
+                tokens[index] = decoder.generate(prompts[index], max_new, mode, sampling).tokens
+            finally:
+                slot.release()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+        finally:
+            gate.release()
+
+    threads = []
+    for index in range(len(prompts)):
+        gate.acquire()
+        threads.append(threading.Thread(target=one, args=(index,)))
+        threads[-1].start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    return [tokens[i] for i in range(len(prompts))], batcher.stats
+
+
+@pytest.mark.parametrize("name", ["agree_b8", "llama_sliding_b16", "moe_b4"])
+def test_each_request_decodes_as_it_does_alone(ragged, name):
+    """DFlash side by side, 3 slots, 7 requests of 2-39 tokens (prefills chunked at 20 rows: those longer than a
+    step run alone beside the batched steps): every request's tokens equal its greedy decode alone, and calls were
+    really batched."""
+    directory = ragged(name)
+    alone = open_decoder(directory)
+    prompts = _prompts(alone.manifest.vocab_size, 7, seed=1)
+    want = [alone.generate(p, 24, "greedy").tokens for p in prompts]
+    got, stats = _side_by_side(directory, prompts, 3, "dflash", 24)
+    assert got == want
+    assert stats.widest >= 2 and stats.batched_calls > 0 and stats.lone_calls > 0
+
+
+def test_greedy_and_sampling_side_by_side_are_the_requests_alone(ragged):
+    """Greedy side by side equals greedy alone; a seeded sampled request draws the same tokens beside others as
+    alone (its logits are the same, bit for bit)."""
+    directory = ragged("agree_b2")
+    alone = open_decoder(directory)
+    prompts = _prompts(alone.manifest.vocab_size, 5, seed=2)
+    got, _ = _side_by_side(directory, prompts, 4, "greedy", 16)
+    assert got == [alone.generate(p, 16, "greedy").tokens for p in prompts]
+    sampling = SamplingParams(temperature=0.9, top_k=20, seed=7)
+    got, _ = _side_by_side(directory, prompts, 4, "dflash", 16, sampling)
+    assert got == [alone.generate(p, 16, "dflash", sampling).tokens for p in prompts]
+
+
+def test_the_engine_batches_requests_and_their_text_is_solo_greedy(ragged):
+    """An engine with 3 slots: 6 requests at once, each text the directory's greedy decode alone; the batcher ran
+    steps of several requests."""
+    directory = ragged("agree_b8")
+    codec, alone = TextCodec(directory), open_decoder(directory)
+    stops = set(alone.stop_token_ids)
+    prompts = _prompts(alone.manifest.vocab_size, 6, seed=3)
+    want = []
+    for prompt in prompts:
+        tokens = alone.generate(prompt, 20, "greedy").tokens
+        want.append(codec.decode(tokens[:-1] if tokens[-1] in stops else tokens))
+    decoder = open_decoder(directory)
+    engine = Engine(decoder, codec, max_queue=16, batch=open_batch(decoder, 3))
+    try:
+        submissions = [engine.submit(GenerationRequest(p, 20, SamplingParams(temperature=0.0))) for p in prompts]
+        texts = ["".join(event.text for event in submission) for submission in submissions]
+    finally:
+        engine.close()
+    assert texts == want
+    assert engine.batcher.stats.widest >= 2 and sum(engine.finished.values()) == 6
+
+
+def test_directories_that_cannot_batch_are_refused_in_one_line(exported, ort_lowered, tmp_path):
+    for directory in (exported("agree_b8").out, ort_lowered("agree_b8")):  # an export; the GroupQueryAttention form
+        with pytest.raises(DFlashError, match="--kv-attention ragged") as refused:
+            open_batch(open_decoder(directory), 2)
+        assert "\n" not in str(refused.value)
+    with pytest.raises(DFlashError, match="sliding window"):  # ONNX Attention has no window
+        lower_ort(exported("causal_gqa4_b4").out, tmp_path / "windowed",
+                  OrtOptions(kv_attention="ragged", ctx_len=256), LowerRequest(progress=False))
+    assert not (tmp_path / "windowed").exists()
+    with pytest.raises(DFlashError, match="drop --kv-buffer off"):
+        OrtOptions(kv_attention="ragged", kv_buffer=False).validate(4)
+    with pytest.raises(DFlashError, match="choose one of gqa, ragged"):
+        OrtOptions(kv_attention="paged").validate(4)
+
+
+def test_a_slot_that_leaves_hands_its_kv_to_the_last_request(ragged):
+    """Slots stay 0..n-1: when slot 0's request leaves, the request in the last slot moves there with its K/V."""
+    base = open_decoder(ragged("agree_b8"))
+    store, _ = open_batch(base, 3)
+    batcher = StepBatcher(store, big_rows=_step_rows(base))
+    first, second, third = batcher.open(), batcher.open(), batcher.open()
+    feeds = {"input_ids": np.array([[5, 6]]), "position_ids": np.array([[0, 1]]), "seqlens_k": np.array([1], np.int32),
+             "total_sequence_length": np.array(2, np.int32)}
+    callers = [threading.Thread(target=slot.run, args=(feeds,)) for slot in (first, second, third)]
+    for caller in callers:  # calls of 2 rows are small: the three run as one batched call
+        caller.start()
+    for caller in callers:
+        caller.join(timeout=60)
+    assert batcher.stats.batched_calls == 1 and batcher.stats.widest == 3
+    before = {name: buffer[2].copy() for name, buffer in store.kv_buffers().items()}
+    first.release()
+    assert (third.slot, second.slot, batcher.active) == (0, 1, 2)
+    after = store.kv_buffers()
+    assert all(np.array_equal(after[name][0], kept) for name, kept in before.items())
