@@ -103,8 +103,9 @@ class StepBatcher:
 
     @property
     def active(self) -> int:
-        with self._condition:
-            return len(self._active)
+        """Requests holding a slot now (read without the lock: each step reads it, and a stale count only prices
+        one step on the neighbouring width)."""
+        return len(self._active)
 
     def open(self) -> SlotSession:
         """A slot for a new request; DFlashError when every slot is taken."""

@@ -108,6 +108,9 @@ class Decoder:
         # property of the pair (greedy and sampled acceptance apart), so kept across requests rather than learnt
         # anew by each, whose first steps would otherwise draft on the prior's word
         self.calibrations: dict[bool, Calibration] = {}
+        # decoding beside other requests (runtime/batching.py): how many share each step, so that the `auto`
+        # policy weighs this request's share of a batched step (CostModel.shared_by) rather than a call alone
+        self.batch_width: Callable[[], int] | None = None
 
     @property
     def row_multiple(self) -> int:
@@ -215,7 +218,13 @@ class Decoder:
         sampled_chain = next((int(t.shape[1]) for t in self.manifest.draft.inputs if t.name == "sample_uniform"), 0)
         chain_sampling = SamplingParams(temperature=sampling.temperature) if not greedy else None
         pending = out.context  # the target's features of committed tokens the draft has not seen yet
+        priced, shares = 1, {}
         while start + 1 < max_length and not stopped:
+            if self.batch_width is not None and self.costs is not None and (width := self.batch_width()) != priced:
+                if width not in shares:
+                    shares[width] = self.costs.shared_by(width, self.row_multiple)
+                policy.reprice(shares[width])
+                priced = width
             # drafted tokens a step could keep: up to a draft call's proposals, and no more than the tokens still
             # wanted besides the target's bonus token
             most = min(most_rows, max_length - start - 1) - 1

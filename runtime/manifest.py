@@ -101,6 +101,21 @@ class CostModel:
         padded = [self.verify_ms[min(-(-t // multiple) * multiple, last) - 1] for t in range(1, last + 1)]
         return replace(self, verify_ms=padded)
 
+    def shared_by(self, requests: int, multiple: int = 1) -> CostModel:
+        """Each request's share of a step that `requests` requests take together, each verifying T tokens padded
+        to `multiple` rows: t(requests x T') / requests, where the curve past its last measured row count goes on
+        along its last half's slope (a batched call's cost follows its rows). Its draft step stays whole: each
+        request drafts for itself."""
+        last = len(self.verify_ms)
+        half = max(1, last // 2)
+        slope = (self.verify_ms[-1] - self.verify_ms[half - 1]) / max(1, last - half)
+
+        def at(rows: int) -> float:
+            return self.verify_ms[rows - 1] if rows <= last else self.verify_ms[-1] + slope * (rows - last)
+
+        shared = [at(requests * -(-t // multiple) * multiple) / requests for t in range(1, last + 1)]
+        return replace(self, verify_ms=shared)
+
 
 @dataclass
 class Lowering:

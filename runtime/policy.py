@@ -99,10 +99,8 @@ class VerifyPolicy:
         self.mode = parse_verify(mode)
         if self.mode == "auto" and (costs is None or len(costs.verify_ms) < block_size):
             self.mode = "full"  # no cost curve to weigh: the reference's behaviour
-        self.costs = costs
-        if costs is not None:  # t(k + 1) + t_draft for k = 0..B-1 drafted tokens verified
-            self.round_ms = np.asarray(costs.verify_ms[:block_size], np.float64) + costs.draft_ms
-            self.greedy_rate = 1.0 / costs.verify_ms[0]
+        self.block_size = block_size
+        self.reprice(costs)
         self.calibration = calibration or Calibration()
         self.history = np.zeros((0, block_size - 1), np.intp)  # confidence bins of the last HISTORY drafted steps
         self.recent = self.overall = 0.0  # their best expected rates, scored when the calibration last moved
@@ -110,6 +108,20 @@ class VerifyPolicy:
         self._bins: np.ndarray | None = None  # the last choice's confidence bins, for its observation
         self.guess_hits = 0.0  # running share of right lookup guesses (0 while no step has guessed)
         self.guessing = False  # whether this step, drafting nothing, would verify a lookup guess
+
+    def reprice(self, costs: CostModel | None) -> None:
+        """Weigh another cost curve from now on (a batched request's share changes as requests join and leave)."""
+        self.costs = costs
+        if costs is not None:  # t(k + 1) + t_draft for k = 0..B-1 drafted tokens verified
+            self.round_ms = np.asarray(costs.verify_ms[: self.block_size], np.float64) + costs.draft_ms
+            self.greedy_rate = 1.0 / costs.verify_ms[0]
+        if getattr(self, "history", None) is not None and len(self.history):
+            self._rescore()
+
+    def _rescore(self) -> None:
+        """The recent and overall expected rates of the drafted steps in the history, at the current costs."""
+        best = self.rates(self.history, self.calibration.optimistic).max(axis=-1)
+        self.recent, self.overall = float(best[-RECENT:].mean()), float(best.mean())
 
     def _guess_gain(self) -> float:
         """Tokens a step without drafted tokens commits beyond its own: the guess's hit rate where it guesses."""
@@ -167,8 +179,7 @@ class VerifyPolicy:
             self.history = np.concatenate([self.history[1 - HISTORY:], self._bins[None]])
         self.observed += 1
         if self.observed % 2 == 1 or len(self.history) < 2:  # rescored every other step: it drifts slowly
-            best = self.rates(self.history, self.calibration.optimistic).max(axis=-1)
-            self.recent, self.overall = float(best[-RECENT:].mean()), float(best.mean())
+            self._rescore()
         self._bins = None
 
 

@@ -188,6 +188,7 @@ class Engine:
             decoder = Decoder(base.manifest, slot, self._draft_for_request(), base.prefill_chunk, base.costs,
                               base.batch_invariant, base.guess_padding)
             decoder.calibrations = base.calibrations  # the pair's acceptance, learnt across requests
+            decoder.batch_width = lambda: self.batcher.active  # its policy weighs its share of each step
             self._finish(submission, decoder)
         finally:
             slot.release()

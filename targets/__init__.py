@@ -10,6 +10,7 @@ CoreML lowerings (their weights and packages only that backend reads).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,5 +93,25 @@ def open_batch(decoder: Decoder, slots: int) -> tuple[object, Callable[[], Sessi
     if refusal:
         raise DFlashError(refusal)
     store = OrtBatchSession(decoder.target, decoder.manifest, slots)
-    draft = decoder.draft
-    return store, (draft.fork if isinstance(draft, OrtRowsSession) else lambda: draft)
+    draft, turn = decoder.draft, threading.Lock()
+
+    def draft_for_request() -> Session | None:
+        if draft is None:
+            return None
+        return _OneAtATime(draft.fork() if isinstance(draft, OrtRowsSession) else draft, turn)
+
+    return store, draft_for_request
+
+
+class _OneAtATime:
+    """A request's draft session whose calls take turns with the other requests' (one lock): each call gets the
+    intra-op threads to itself instead of several calls oversubscribing the cores."""
+
+    def __init__(self, session: Session, turn: threading.Lock):
+        self.session, self.turn = session, turn
+        self.input_names, self.output_names = session.input_names, session.output_names
+        self.retains_state = session.retains_state
+
+    def run(self, feeds, output_names=None):
+        with self.turn:
+            return self.session.run(feeds, output_names)

@@ -167,3 +167,26 @@ def test_what_one_request_learnt_spares_the_next_its_lossy_first_drafts():
             first.observe(first.choose(np.full(B - 1, 0.99), B - 1), 0)
     assert shared.tries.sum() > BINS * 2  # the first request's outcomes went into the shared calibration
     assert drafted_steps(None) >= 3 and drafted_steps(shared) <= 1
+
+
+def test_a_batched_request_pays_its_share_of_the_step():
+    """shared_by(n, m): each of n requests verifying T tokens padded to m rows pays t(n * T') / n, the curve going on
+    along its last half's slope past its measured rows; one request alone pays the padded curve."""
+    costs = CostModel([1.0, 2.0, 3.0, 4.0], 0.5)
+    assert costs.shared_by(2, 2).verify_ms == [2.0, 2.0, 4.0, 4.0]  # t(4) / 2, t(4) / 2, t(8) / 2 with t(8) = 8
+    assert costs.shared_by(1, 2).verify_ms == costs.padded_to(2).verify_ms
+    assert costs.shared_by(3).draft_ms == 0.5
+
+
+def test_beside_other_requests_auto_verifies_less():
+    """A step whose fixed cost is large beside its per-row cost: alone, verifying the whole block is nearly free;
+    shared by 8 requests the fixed part is split and each drafted row costs what it does, so the same confidences
+    earn fewer verified tokens (and repricing back restores the choice)."""
+    costs = CostModel([10.0 + t for t in range(1, 17)], 1.0)
+    policy = VerifyPolicy("auto", costs, 16)
+    confidences = np.full(15, 0.6, np.float32)
+    alone = policy.choose(confidences, 15)
+    policy.reprice(costs.shared_by(8))
+    shared = policy.choose(confidences, 15)
+    policy.reprice(costs)
+    assert shared < alone == policy.choose(confidences, 15)
