@@ -35,6 +35,7 @@ class SlotStore(Protocol):
     input_names: list[str]
     output_names: list[str]
     slots: int
+    active: int  # slots 0..active-1 hold requests now (set by the batcher)
 
     def run_slots(self, first: int, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
         """One call over slots first..first + batch - 1 (feeds [batch, rows]); outputs [batch, rows, ...]."""
@@ -114,6 +115,7 @@ class StepBatcher:
                 raise DFlashError(f"all {self.store.slots} batch slots are taken")
             session = SlotSession(self, len(self._active))
             self._active.append(session)
+            self.store.active = len(self._active)
             return session
 
     def release(self, session: SlotSession) -> None:
@@ -131,6 +133,7 @@ class StepBatcher:
                     self._pending[slot] = self._pending.pop(last)
                 self._active[slot] = moved
             self._active.pop()
+            self.store.active = len(self._active)
             self._run_when_complete()
 
     def call(self, session: SlotSession, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:

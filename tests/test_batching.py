@@ -157,3 +157,27 @@ def test_a_slot_that_leaves_hands_its_kv_to_the_last_request(ragged):
     assert (third.slot, second.slot, batcher.active) == (0, 1, 2)
     after = store.kv_buffers()
     assert all(np.array_equal(after[name][0], kept) for name, kept in before.items())
+
+
+def test_ragged_buffers_follow_the_context_in_use(exported, tmp_path):
+    """ONNX Attention pays for every buffer row on each call: after a long request the buffers shrink back for a
+    short one (alone and in the batch store), in steps of 128 rows, and the short request's tokens are the same
+    over either size."""
+    directory = tmp_path / "ragged"
+    lower_ort(exported("agree_b8").out, directory, OrtOptions(kv_attention="ragged", ctx_len=768),
+              LowerRequest(progress=False))
+    alone = open_decoder(directory)
+    short, long = [5, 6, 7], [int(i % 90) + 1 for i in range(300)]
+    first = alone.generate(short, 8, "greedy").tokens
+    assert alone.target._rows == 256
+    alone.generate(long, 8, "greedy")
+    assert alone.target._rows == 384  # 308 rows in steps of 128
+    assert alone.generate(short, 8, "greedy").tokens == first and alone.target._rows == 256
+    store, draft_for = open_batch(alone, 2)
+    batcher = StepBatcher(store, big_rows=_step_rows(alone))
+    for prompt, rows in ((long, 384), (short, 256)):
+        slot = batcher.open()
+        got = Decoder(alone.manifest, slot, draft_for(), 256).generate(prompt, 8, "greedy").tokens
+        slot.release()
+        assert store._rows == rows
+    assert got == first

@@ -2,7 +2,8 @@
 head_dim] buffers, one slot (batch row) per request, bound as both input and output so that TensorScatter writes
 them in place. A call over slots first..first + batch - 1 binds views of those slots (the slot is the buffers'
 outermost axis, so any contiguous range is one block of memory); runtime/batching.py decides which calls run
-together. The buffers' row count grows with the longest context, as the single-request session's does."""
+together. The buffers' row count follows the longest context in use, in steps (targets/kv_rows.rows_in_steps): ONNX
+Attention reads every row of them on each call."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import onnxruntime as ort
 from runtime.errors import DFlashError
 from runtime.manifest import Manifest
 
-from ..kv_rows import rows_to_hold
-from .session import OrtBufferSession
+from ..kv_rows import STEP_ROWS, rows_in_steps
+from .session import OrtBufferSession, buffer_attention
 
 
 def batch_refusal(manifest: Manifest) -> str | None:
@@ -21,7 +22,7 @@ def batch_refusal(manifest: Manifest) -> str | None:
     if manifest.backend != "ort" or manifest.form != "buffer":
         return (f"batching needs an ORT lowering in the buffer form (this directory: {manifest.backend or 'export'}, "
                 f"{manifest.form} form): lower with --target ort --kv-attention ragged")
-    if (manifest.lowering.rewrites.get("kv-buffer", {}).get("target", {}).get("attention")) != "ragged":
+    if buffer_attention(manifest) != "ragged":
         return ("batching needs the ragged attention (TensorScatter + ONNX Attention; GroupQueryAttention takes one "
                 "request a call): lower again with --kv-attention ragged")
     if manifest.target.recurrent:
@@ -40,6 +41,7 @@ class OrtBatchSession:
         self._session, self.path = single._session, single.path
         self.input_names, self.output_names = single.input_names, single.output_names
         self.slots, self.capacity = slots, single.capacity
+        self.active = 0  # slots 0..active-1 hold requests (the batcher sets it; see the shrinking in run_slots)
         self._graph, self._dtype = manifest.target, manifest.numpy_dtype
         self._pairs = list(zip(self._graph.kv_inputs, self._graph.kv_outputs))
         self._buffers: dict[str, np.ndarray] = {}
@@ -51,13 +53,15 @@ class OrtBatchSession:
         self._outputs: dict[tuple[str, int, int], np.ndarray] = {}  # per output, batch and rows: written by ORT
         self._bound: tuple | None = None
 
-    def _grow_to(self, rows: int) -> None:
+    def _resize(self, rows: int) -> None:
+        """Buffers of `rows` rows holding the first rows of the old ones."""
+        kept = min(rows, self._rows)
         for past, _ in self._pairs:
             heads, dim = self._graph.kv_shape(past)
-            grown = np.zeros((self.slots, heads, rows, dim), self._dtype)
+            resized = np.zeros((self.slots, heads, rows, dim), self._dtype)
             if past in self._buffers:
-                grown[:, :, : self._rows] = self._buffers[past]
-            self._buffers[past] = grown
+                resized[:, :, :kept] = self._buffers[past][:, :, :kept]
+            self._buffers[past] = resized
         self._rows = rows
 
     def move_slot(self, source: int, dest: int) -> None:
@@ -75,7 +79,11 @@ class OrtBatchSession:
             raise DFlashError(f"slots {first}..{first + count - 1} lie outside the {self.slots} this session holds")
         needed = int(feeds["total_sequence_length"])
         if needed > self._rows:
-            self._grow_to(rows_to_hold(needed, self._rows, self.capacity, self.path.name))
+            self._resize(rows_in_steps(needed, self.capacity, self.path.name))
+        elif first == 0 and count == self.active and self._rows - needed >= 2 * STEP_ROWS:
+            # a call over every active slot shows the longest context in use: the buffers shrink to it (each call
+            # pays for every row they hold), free slots hold nothing
+            self._resize(rows_in_steps(needed, self.capacity, self.path.name))
         rows = int(feeds["input_ids"].shape[1])
         key = (first, count, rows, tuple(names), self._rows)
         if key != self._bound:  # a step like the last (same slots, rows, outputs) binds nothing anew

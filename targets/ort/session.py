@@ -17,7 +17,7 @@ from runtime.manifest import Manifest
 from runtime.recurrent import output_names as recurrent_outputs
 
 from ..backend import recorded_options
-from ..kv_rows import rows_to_hold
+from ..kv_rows import STEP_ROWS, rows_in_steps, rows_to_hold
 from .options import LEVELS, PROVIDERS, OrtOptions
 from .spinning import session_settings
 
@@ -122,11 +122,12 @@ class OrtSession:
 
 
 def _grown(value: ort.OrtValue | None, shape: tuple[int, ...], dtype, device: str) -> ort.OrtValue:
-    """A zeroed buffer of `shape` on `device` that starts with `value`'s contents (None: empty)."""
+    """A zeroed buffer of `shape` on `device` that starts with `value`'s contents, as much as fits (None: empty)."""
     array = np.zeros(shape, dtype)
     if value is not None:
         kept = value.numpy()  # a view on CPU, a host copy from a device: growing is rare (doubling)
-        array[tuple(slice(0, n) for n in kept.shape)] = kept
+        common = tuple(slice(0, min(n, m)) for n, m in zip(kept.shape, shape))  # a smaller buffer keeps the first
+        array[common] = kept[common]
     return ort.OrtValue.ortvalue_from_numpy(array, device, 0)
 
 
@@ -157,9 +158,21 @@ class OrtBufferSession(OrtSession):
         self._bound: tuple | None = None
         self._inputs: dict[str, tuple[np.ndarray, object]] = {}  # per input: the array bound last, refilled
         declared = next(i.shape[2] for i in self._session.get_inputs() if i.name == graph.kv_inputs[0])
+        # ONNX Attention (the ragged attention) pays for every row of its buffers on each call: they follow the
+        # context in steps, down as well as up (kv_rows.rows_in_steps)
+        self._ragged = buffer_attention(manifest) == "ragged" and not isinstance(declared, int)
         if isinstance(declared, int):  # a graph with fixed rows takes buffers of exactly that size
             self.capacity = declared
             self._grow_to(declared)
+
+    def _fit(self, needed: int) -> None:
+        """Buffers that hold `needed` rows (the call's total length)."""
+        if self._ragged:
+            rows = rows_in_steps(needed, self.capacity, self.path.name)
+            if rows > self._rows or self._rows - needed >= 2 * STEP_ROWS:  # one request: nothing lies past needed
+                self._grow_to(rows)
+        elif needed > self._rows:
+            self._grow_to(rows_to_hold(needed, self._rows, self.capacity, self.path.name))
 
     def _grow_to(self, rows: int) -> None:
         """Replace every buffer by one of `rows` rows holding its contents, and bind it."""
@@ -187,8 +200,7 @@ class OrtBufferSession(OrtSession):
         if self._state.intersection(names):
             return self._run_with_state(feeds, names)
         rows, needed = int(feeds["input_ids"].shape[1]), int(feeds["total_sequence_length"])
-        if needed > self._rows:
-            self._grow_to(rows_to_hold(needed, self._rows, self.capacity, self.path.name))
+        self._fit(needed)
         binding = self._binding
         for name, value in feeds.items():  # same shape as last call (every decode or verify step): copy, no bind
             kept = self._inputs.get(name)
@@ -213,9 +225,7 @@ class OrtBufferSession(OrtSession):
     def _run_with_state(self, feeds: dict[str, np.ndarray], names: tuple[str, ...]) -> dict[str, np.ndarray]:
         """A call that also returns a hybrid target's linear-attention state (conv rows past + new, states,
         pending rows): K/V in place as in `run`, every input and output bound anew on the host."""
-        needed = int(feeds["total_sequence_length"])
-        if needed > self._rows:
-            self._grow_to(rows_to_hold(needed, self._rows, self.capacity, self.path.name))
+        self._fit(int(feeds["total_sequence_length"]))
         binding = self._binding
         binding.clear_binding_outputs()
         kept = {name: np.ascontiguousarray(value) for name, value in feeds.items()}  # alive until the run ends
@@ -295,6 +305,12 @@ class OrtRowsSession(OrtSession):
             raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
         values = binding.get_outputs()[len(self._buffers):]  # in binding order: the rows first
         return {name: value.numpy() for name, value in zip(names, values)}
+
+
+def buffer_attention(manifest: Manifest) -> str:
+    """The buffer form's attention (passes/kv_buffer.py): gqa, or ragged."""
+    rewrites = manifest.lowering.rewrites if manifest.lowering else {}
+    return rewrites.get("kv-buffer", {}).get("target", {}).get("attention", "gqa")
 
 
 def open_session(directory: Path, manifest: Manifest, graph: str, **overrides) -> OrtSession:
