@@ -19,6 +19,7 @@ request's tokens equal the same request decoded alone).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -75,6 +76,41 @@ class BatchStats:
     by_width: dict[int, int] = field(default_factory=dict)
 
 
+class SpeculationSwitch:
+    """Whether the batch's requests draft, per batch width, from the tokens per second the batch's own steps
+    commit in each mode. A request's verify policy weighs its share of the target's cost curve, but a batched step
+    also waits for every request's draft and per-step work, which the curve does not hold (on the demo pair at 8
+    requests, drafting steps committed less than greedy ones). Each mode's rate is measured on its own steps: the
+    mode not in use is tried for PROBE_STEPS steps, first after FIRST_PROBE steps at a width, then every
+    PROBE_EVERY steps. Tokens do not depend on it: drafted tokens are verified, greedy steps are greedy."""
+
+    FIRST_PROBE, PROBE_EVERY, PROBE_STEPS = 8, 64, 4
+    WEIGHT = 0.3  # of the newest step in each running rate
+
+    def __init__(self):
+        self.rates: dict[tuple[int, bool], float] = {}  # (width, drafting) -> tokens per second
+        self.drafting = True
+        self._steps: dict[int, int] = {}  # steps measured at each width
+        self._probe = 0  # steps of the probed mode still to run
+
+    def observe(self, width: int, drafting: bool, tokens: int, seconds: float) -> None:
+        """A step of `width` requests in mode `drafting` committed `tokens` in `seconds`; then choose the mode of
+        the next step at that width."""
+        if seconds <= 0:
+            return
+        rate, key = tokens / seconds, (width, drafting)
+        self.rates[key] = rate if key not in self.rates else self.rates[key] + self.WEIGHT * (rate - self.rates[key])
+        steps = self._steps[width] = self._steps.get(width, 0) + 1
+        if self._probe:
+            self._probe -= 1
+            if self._probe:
+                return
+        elif steps == self.FIRST_PROBE or steps % self.PROBE_EVERY == 0:
+            self.drafting, self._probe = not drafting, self.PROBE_STEPS
+            return
+        self.drafting = self.rates.get((width, True), float("inf")) >= self.rates.get((width, False), 0.0)
+
+
 class SlotSession:
     """One request's view of the store: a Session (retains_state) whose calls go through the batcher."""
 
@@ -101,6 +137,9 @@ class StepBatcher:
         self._pending: dict[int, _Call] = {}
         self._condition = threading.Condition()
         self.stats = BatchStats()
+        self.switch = SpeculationSwitch()
+        # the last batched step: when it ran, in which mode, and where each request's rows started
+        self._last: tuple[float, bool, dict[SlotSession, int]] | None = None
 
     @property
     def active(self) -> int:
@@ -160,6 +199,23 @@ class StepBatcher:
                     call.error = exc
         self._condition.notify_all()
 
+    @property
+    def drafting(self) -> bool:
+        """Whether the batch's requests draft this step (SpeculationSwitch)."""
+        return self.switch.drafting
+
+    def _measure(self, pending: dict[int, _Call], small: dict[int, _Call]) -> None:
+        """Tokens the requests committed since the last batched step, over its time, to the switch; only when the
+        same requests took part in both steps and none prefilled (a joining or prefilling request's tokens are not
+        a step's)."""
+        now = time.perf_counter()
+        starts = {self._active[slot]: call.start for slot, call in small.items()}
+        last, self._last = self._last, (now, self.switch.drafting, starts)
+        if last is None or len(small) < len(pending) or starts.keys() != last[2].keys():
+            return
+        tokens = sum(start - last[2][session] for session, start in starts.items())
+        self.switch.observe(len(starts), last[1], tokens, now - last[0])
+
     def _run(self, pending: dict[int, _Call]) -> None:
         small = {slot: call for slot, call in pending.items() if call.rows <= self.big_rows}
         if small:
@@ -189,6 +245,7 @@ class StepBatcher:
             self.stats.padding_rows += rows - real
         feeds = {"input_ids": ids, "position_ids": positions, "seqlens_k": lengths,
                  "total_sequence_length": np.array(lengths.max() + 1, np.int32)}
+        self._measure(pending, small)
         outputs = self.store.run_slots(0, feeds, names)
         for slot, call in small.items():
             call.outputs = {name: outputs[name][slot : slot + 1, : call.rows] for name in call.names

@@ -111,6 +111,8 @@ class Decoder:
         # decoding beside other requests (runtime/batching.py): how many share each step, so that the `auto`
         # policy weighs this request's share of a batched step (CostModel.shared_by) rather than a call alone
         self.batch_width: Callable[[], int] | None = None
+        # and whether the batch drafts this step (its SpeculationSwitch measures which mode commits faster)
+        self.batch_drafts: Callable[[], bool] | None = None
 
     @property
     def row_multiple(self) -> int:
@@ -233,7 +235,7 @@ class Decoder:
             drafted, confidence = 0, None
             guess = lookup.guess() if lookup is not None else None
             policy.guessing = guess is not None and start + 2 < max_length  # a step without drafts would guess
-            if policy.wants_draft(most):
+            if policy.wants_draft(most if self.batch_drafts is None or self.batch_drafts() else 0):
                 chained = None if greedy or not sampled_chain else (rng.random(sampled_chain), sampling.temperature)
                 proposal = draft.propose(block, pending, want_logits=not greedy, sample=chained)
                 pending = None

@@ -189,6 +189,7 @@ class Engine:
                               base.batch_invariant, base.guess_padding)
             decoder.calibrations = base.calibrations  # the pair's acceptance, learnt across requests
             decoder.batch_width = lambda: self.batcher.active  # its policy weighs its share of each step
+            decoder.batch_drafts = lambda: self.batcher.drafting  # the batch's measured choice
             self._finish(submission, decoder)
         finally:
             slot.release()

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from runtime.batching import StepBatcher
+from runtime.batching import SpeculationSwitch, StepBatcher
 from runtime.decode import Decoder
 from runtime.errors import DFlashError
 from runtime.sampling import SamplingParams
@@ -181,3 +181,37 @@ def test_ragged_buffers_follow_the_context_in_use(exported, tmp_path):
         slot.release()
         assert store._rows == rows
     assert got == first
+
+
+def test_the_switch_drafts_where_drafting_steps_commit_faster():
+    """Each mode's rate is measured on its own steps: the other mode is tried after 8 steps at a width (4 steps),
+    then the faster one is kept, per width, and tried again every 64 steps."""
+    switch = SpeculationSwitch()
+
+    def run(width: int, steps: int, drafting_rate: float, greedy_rate: float) -> list[bool]:
+        modes = []
+        for _ in range(steps):
+            mode = switch.drafting
+            modes.append(mode)
+            switch.observe(width, mode, 100, 100 / (drafting_rate if mode else greedy_rate))
+        return modes
+
+    modes = run(8, 20, drafting_rate=1000.0, greedy_rate=1500.0)  # the demo at 8 requests: greedy is faster
+    assert modes[:8] == [True] * 8 and modes[8:12] == [False] * 4 and not any(modes[12:])
+    assert switch.rates[(8, False)] > switch.rates[(8, True)]
+    modes = run(2, 20, drafting_rate=2000.0, greedy_rate=1200.0)  # another width: measured apart
+    assert modes[0] is False  # the last choice carries over until this width's own steps say otherwise
+    assert switch.drafting and (2, True) in switch.rates
+    switch.observe(8, True, 100, 0.0)  # a step of no measurable time changes nothing
+    assert switch.drafting
+
+
+def test_a_batch_that_does_not_draft_decodes_greedily(ragged):
+    """With the batch's switch on greedy, a DFlash request calls no draft and its tokens are greedy's."""
+    directory = ragged("agree_b8")
+    decoder = open_decoder(directory)
+    prompt = [3, 1, 4, 1, 5]
+    want = decoder.generate(prompt, 20, "greedy").tokens
+    decoder.batch_drafts = lambda: False
+    result = decoder.generate(prompt, 20, "dflash")
+    assert result.tokens == want and not any(result.verified)
