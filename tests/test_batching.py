@@ -161,7 +161,7 @@ def test_a_slot_that_leaves_hands_its_kv_to_the_last_request(ragged):
 
 def test_ragged_buffers_follow_the_context_in_use(exported, tmp_path):
     """ONNX Attention pays for every buffer row on each call: after a long request the buffers shrink back for a
-    short one (alone and in the batch store), in steps of 128 rows, and the short request's tokens are the same
+    short one (alone and in the batch store), in steps of 64 rows, and the short request's tokens are the same
     over either size."""
     directory = tmp_path / "ragged"
     lower_ort(exported("agree_b8").out, directory, OrtOptions(kv_attention="ragged", ctx_len=768),
@@ -169,13 +169,13 @@ def test_ragged_buffers_follow_the_context_in_use(exported, tmp_path):
     alone = open_decoder(directory)
     short, long = [5, 6, 7], [int(i % 90) + 1 for i in range(300)]
     first = alone.generate(short, 8, "greedy").tokens
-    assert alone.target._rows == 256
+    assert alone.target._rows == 64
     alone.generate(long, 8, "greedy")
-    assert alone.target._rows == 384  # 308 rows in steps of 128
-    assert alone.generate(short, 8, "greedy").tokens == first and alone.target._rows == 256
+    assert alone.target._rows == 320  # 308 rows in steps of 64
+    assert alone.generate(short, 8, "greedy").tokens == first and alone.target._rows == 64
     store, draft_for = open_batch(alone, 2)
     batcher = StepBatcher(store, big_rows=_step_rows(alone))
-    for prompt, rows in ((long, 384), (short, 256)):
+    for prompt, rows in ((long, 320), (short, 64)):
         slot = batcher.open()
         got = Decoder(alone.manifest, slot, draft_for(), 256).generate(prompt, 8, "greedy").tokens
         slot.release()
