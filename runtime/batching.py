@@ -205,16 +205,17 @@ class StepBatcher:
         return self.switch.drafting
 
     def _measure(self, pending: dict[int, _Call], small: dict[int, _Call]) -> None:
-        """Tokens the requests committed since the last batched step, over its time, to the switch; only when the
-        same requests took part in both steps and none prefilled (a joining or prefilling request's tokens are not
-        a step's)."""
+        """Tokens the requests of the last batched step committed since, over its time, to the switch (at the
+        last step's width): requests that joined since are left out, and a step beside a lone prefill call is not
+        measured. Under load requests come and go at most steps, so a step is measured on those that stayed."""
         now = time.perf_counter()
         starts = {self._active[slot]: call.start for slot, call in small.items()}
         last, self._last = self._last, (now, self.switch.drafting, starts)
-        if last is None or len(small) < len(pending) or starts.keys() != last[2].keys():
+        stayed = [session for session in starts if last is not None and session in last[2]]
+        if not stayed or len(small) < len(pending):
             return
-        tokens = sum(start - last[2][session] for session, start in starts.items())
-        self.switch.observe(len(starts), last[1], tokens, now - last[0])
+        tokens = sum(starts[session] - last[2][session] for session in stayed)
+        self.switch.observe(len(last[2]), last[1], tokens * len(last[2]) / len(stayed), now - last[0])
 
     def _run(self, pending: dict[int, _Call]) -> None:
         small = {slot: call for slot, call in pending.items() if call.rows <= self.big_rows}
