@@ -45,7 +45,6 @@ class OrtBatchSession:
         self._graph, self._dtype = manifest.target, manifest.numpy_dtype
         self._pairs = list(zip(self._graph.kv_inputs, self._graph.kv_outputs))
         self._buffers: dict[str, np.ndarray] = {}
-        self._values: dict[str, ort.OrtValue] = {}
         self._rows = 0
         self._binding = self._session.io_binding()
         self._specs = {t.name: t for t in self._graph.outputs if t.name not in set(self._graph.kv_outputs)}
