@@ -215,3 +215,29 @@ def test_a_batch_that_does_not_draft_decodes_greedily(ragged):
     decoder.batch_drafts = lambda: False
     result = decoder.generate(prompt, 20, "dflash")
     assert result.tokens == want and not any(result.verified)
+
+
+def test_a_cancelled_request_leaves_the_batch_and_the_others_finish_as_alone(ragged):
+    """A request cancelled after its first event stops at its next step and frees its slot; the requests beside it
+    and one queued behind it still give their solo greedy text."""
+    directory = ragged("agree_b8")
+    codec, alone = TextCodec(directory), open_decoder(directory)
+    stops = set(alone.stop_token_ids)
+    prompts = _prompts(alone.manifest.vocab_size, 4, seed=5)
+    want = []
+    for prompt in prompts[1:]:
+        tokens = alone.generate(prompt, 24, "greedy").tokens
+        want.append(codec.decode(tokens[:-1] if tokens[-1] in stops else tokens))
+    decoder = open_decoder(directory)
+    engine = Engine(decoder, codec, max_queue=16, batch=open_batch(decoder, 2))
+    try:
+        doomed = engine.submit(GenerationRequest(prompts[0], 200, SamplingParams(temperature=0.0)))
+        others = [engine.submit(GenerationRequest(p, 24, SamplingParams(temperature=0.0))) for p in prompts[1:]]
+        first = doomed.next_event(timeout=60)
+        doomed.cancel()
+        events = [first] if first.finish else [first, *doomed]  # (a request that ended by itself has no more)
+        texts = ["".join(event.text for event in submission) for submission in others]
+    finally:
+        engine.close()
+    assert events[-1].finish == "cancelled" and events[-1].completion_tokens < 200
+    assert texts == want and engine.finished["cancelled"] == 1 and engine.batcher.active == 0
