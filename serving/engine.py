@@ -116,9 +116,9 @@ class _StopText:
 
 
 class Engine:
-    """`submit(request) -> Submission`; the decoder's sessions are used by the engine's threads alone: the engine
-    thread itself with `max_batch` 1, else one thread per running request whose target calls meet in one batched
-    call per step (runtime/batching.py)."""
+    """`submit(request) -> Submission`; the decoder's sessions are used by the engine's threads alone: one thread
+    without a batch, else one per batch slot, each decoding a request at a time, their target calls met in one
+    batched call per step (runtime/batching.py)."""
 
     def __init__(self, decoder: Decoder, codec: TextCodec, max_queue: int = 16, verify: str | int = "auto",
                  batch: tuple[SlotStore, Callable[[], Session | None]] | None = None):
@@ -185,8 +185,12 @@ class Engine:
         slot = self.batcher.open()
         try:
             base = self.decoder
-            decoder = Decoder(base.manifest, slot, self._draft_for_request(), base.prefill_chunk, base.costs,
-                              base.batch_invariant, base.guess_padding)
+            try:
+                decoder = Decoder(base.manifest, slot, self._draft_for_request(), base.prefill_chunk, base.costs,
+                                  base.batch_invariant, base.guess_padding)
+            except Exception as exc:  # the request fails, the engine's thread goes on
+                self._failed(submission, exc)
+                return
             decoder.calibrations = base.calibrations  # the pair's acceptance, learnt across requests
             decoder.batch_width = lambda: self.batcher.active  # its policy weighs its share of each step
             decoder.batch_drafts = lambda: self.batcher.drafting  # the batch's measured choice
@@ -198,11 +202,16 @@ class Engine:
         try:
             reason = self._decode(submission, decoder)
         except Exception as exc:  # one request's failure must not stop the engine for the others
-            message = str(exc) if isinstance(exc, DFlashError) else f"{type(exc).__name__}: {exc}"
-            submission.put(Event("", 0, error=message))
-            reason = "error"
+            self._failed(submission, exc)
+            return
         with self._counting:
             self.finished[reason] += 1
+
+    def _failed(self, submission: Submission, exc: Exception) -> None:
+        message = str(exc) if isinstance(exc, DFlashError) else f"{type(exc).__name__}: {exc}"
+        submission.put(Event("", 0, error=message))
+        with self._counting:
+            self.finished["error"] += 1
 
     def _decode(self, submission: Submission, decoder: Decoder) -> str:
         """Run one request, putting its events; returns its finish reason."""

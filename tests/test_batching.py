@@ -241,3 +241,33 @@ def test_a_cancelled_request_leaves_the_batch_and_the_others_finish_as_alone(rag
         engine.close()
     assert events[-1].finish == "cancelled" and events[-1].completion_tokens < 200
     assert texts == want and engine.finished["cancelled"] == 1 and engine.batcher.active == 0
+
+
+def test_a_request_whose_draft_cannot_open_fails_alone(ragged):
+    """A draft session that cannot be opened fails its request with the reason; the slot is freed and the next
+    request still decodes as alone."""
+    directory = ragged("agree_b8")
+    codec, alone = TextCodec(directory), open_decoder(directory)
+    stops = set(alone.stop_token_ids)
+    prompt = _prompts(alone.manifest.vocab_size, 1, seed=9)[0]
+    tokens = alone.generate(prompt, 16, "greedy").tokens
+    want = codec.decode(tokens[:-1] if tokens[-1] in stops else tokens)
+    decoder = open_decoder(directory)
+    store, draft_for_request = open_batch(decoder, 2)
+    calls = iter([RuntimeError("no memory for a draft session")])
+
+    def flaky_draft():
+        failure = next(calls, None)
+        if failure is not None:
+            raise failure
+        return draft_for_request()
+
+    engine = Engine(decoder, codec, max_queue=16, batch=(store, flaky_draft))
+    try:
+        failed = engine.submit(GenerationRequest(prompt, 16, SamplingParams(temperature=0.0))).next_event(timeout=60)
+        text = "".join(event.text for event in engine.submit(GenerationRequest(prompt, 16,
+                                                                               SamplingParams(temperature=0.0))))
+    finally:
+        engine.close()
+    assert failed.error == "RuntimeError: no memory for a draft session"
+    assert text == want and engine.finished["error"] == 1 and engine.batcher.active == 0
