@@ -252,7 +252,7 @@ class _Retained:
         self.ctx_len = int(manifest.ctx_len)
         functions = manifest.lowering.functions.get(graph_name) if manifest.lowering is not None else None
         self.sizes = sorted(set(functions["rows"].values()) if functions else
-                            {manifest.block_size, int(manifest.prefill_len)})
+                            {manifest.verify_rows, int(manifest.prefill_len)})
         self.scratch = self.ctx_len - 1
         self.consecutive = manifest.lowering is not None and manifest.lowering.padding == "consecutive"
         # a padded call's slots (consecutive), or the scratch slot and the draft's block past the last token
@@ -333,13 +333,15 @@ class RetainedDraft(_Retained):
 
     def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool,
                 sample: tuple[np.ndarray, float] | None = None) -> Proposal:
-        """`sample` is never given: the retained forms have no DSpark draft (refuse_unbuilt_draft)."""
+        """As ConcatDraft.propose; the context rows go in as many calls as the specializations need, each drafting
+        the block, the last call's proposal kept."""
         start = self.length + len(context)
         block_positions = np.arange(start, start + len(block), dtype=np.int64)[None]  # inside: see capacity
+        chain = sampling_feeds(self.graph, *(sample or ()))
         for begin, end, size in self.chunks(len(context)):
             feeds = {"input_ids": block[None], "context_hidden": _pad(context[begin:end], size, 0)[None],
                      "ctx_position_ids": self.positions(self.length + begin, end - begin, size),
-                     "position_ids": block_positions, **self.read_feed(start + len(block))}
+                     "position_ids": block_positions, **self.read_feed(start + len(block)), **chain}
             out = self.run(feeds, _draft_names(self.graph, want_logits))
         self.length = start
         return _proposal(out)

@@ -59,15 +59,6 @@ def refuse_unbuilt(manifest: Manifest, target: str, title: str) -> None:
                           "lowering does not build yet; lower it with --target ort")
 
 
-def refuse_unbuilt_draft(manifest: Manifest, target: str, title: str) -> None:
-    """One line for a draft a re-exporting lowering (AI 100, CoreML: their own draft wrappers, built from z-lab's
-    config layout) has no form for yet: DFlash2, DSpark, or any draft in the speculators layout."""
-    if manifest.draft_kind != "dflash" or manifest.draft_layout != "zlab":
-        what = f"a {manifest.draft_kind} draft" if manifest.draft_kind != "dflash" else "a speculators-format draft"
-        raise DFlashError(f"lower --target {target}: this export has {what}, which the {title} lowering does not "
-                          "re-export yet; lower it with --target ort or mlx")
-
-
 def decode_seconds(manifest: Manifest, target: Session) -> float:
     """One decode call's wall time on the lowered `target`; a first call over a second (compiling included) is
     timed again."""

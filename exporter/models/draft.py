@@ -240,24 +240,37 @@ class DraftLayer(nn.Module):
                 block_size: int | None = None):
         """The block's hidden states; only the block's rows pass the convolutions, never the context's.
         `block_size`: hidden holds many blocks packed in one row (training), each convolved on its own."""
+        present: list[torch.Tensor] = []
+
+        def attend(normed: torch.Tensor) -> torch.Tensor:
+            out, key, value = self.self_attn(normed, context, cos, sin, past_key, past_value, mask)
+            present.extend((key, value))
+            return out
+
+        hidden = self.around(hidden, attend, block_size)
+        return hidden, present[0], present[1]
+
+    def around(self, hidden: torch.Tensor, attend, block_size: int | None = None) -> torch.Tensor:
+        """The layer's residual body around `attend(normed) -> attention output`, DFlash2's convolutions
+        included: the graph forms that keep K/V their own way (retained, stateful) pass their attention here."""
         convolved = hasattr(self, "attention_conv")
         normed = self.input_layernorm(hidden)
+        packed = (lambda x: x.reshape(hidden.shape)) if block_size else (lambda x: x)  # no traced shape otherwise
         if convolved:
             normed, delta = self.attention_conv.prepare(_per_block(normed, block_size))
-            normed = normed.reshape(hidden.shape)
-        attn, present_key, present_value = self.self_attn(normed, context, cos, sin, past_key, past_value, mask)
+            normed = packed(normed)
+        attn = attend(normed)
         if convolved:
-            attn = self.attention_conv.finish(_per_block(attn, block_size), delta).reshape(hidden.shape)
+            attn = packed(self.attention_conv.finish(_per_block(attn, block_size), delta))
         hidden = hidden + attn
         normed = self.post_attention_layernorm(hidden)
         if convolved:
             normed, delta = self.mlp_conv.prepare(_per_block(normed, block_size))
-            normed = normed.reshape(hidden.shape)
+            normed = packed(normed)
         out = self.mlp(normed)
         if convolved:
-            out = self.mlp_conv.finish(_per_block(out, block_size), delta).reshape(hidden.shape)
-        hidden = hidden + out
-        return hidden, present_key, present_value
+            out = packed(self.mlp_conv.finish(_per_block(out, block_size), delta))
+        return hidden + out
 
 
 class DFlashDraft(nn.Module):
@@ -403,7 +416,8 @@ class DFlashDraft(nn.Module):
         if self.spec.kind == "dflash2":
             candidates, scores, ids, chosen = self.candidate_selector.lattice(logits, hidden[:, first:], anchor)
             rows = torch.cat([torch.zeros_like(chosen[:, :1]), chosen[:, :-1]], dim=1)  # each slot's previous pick
-            picked = scores.gather(2, rows[:, :, None, None].expand(-1, -1, 1, scores.shape[-1]))[:, :, 0]
+            top_k = self.spec.selector_top_k  # a Python int: an int read from a traced shape does not convert
+            picked = scores.gather(2, rows[:, :, None, None].expand(-1, -1, 1, top_k))[:, :, 0]
             sure = torch.softmax(picked, dim=-1).gather(2, chosen[:, :, None])[..., 0]
             return logits, ids, sure, candidates, scores
         return logits, torch.argmax(logits, dim=-1), confidence(logits)

@@ -39,11 +39,18 @@ class GroupedDynamicCausalConv(nn.Module):
         return out
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
-        return self._convolve(x, delta[..., 0, :, :], self.base_kernel[0]), delta[..., 1, :, :]
+        return self(x)
 
     def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        return self._convolve(y, delta, self.base_kernel[1])
+        return self(y, delta)
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None):
+        """`prepare` without `delta`, `finish` with it: both pass through the module's call, so weights loaded
+        per call (exporter/lazy_weights.py) are there."""
+        if delta is not None:
+            return self._convolve(x, delta, self.base_kernel[1])
+        delta = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, self.groups))
+        return self._convolve(x, delta[..., 0, :, :], self.base_kernel[0]), delta[..., 1, :, :]
 
 
 class CandidateSelector(nn.Module):
@@ -58,6 +65,10 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
     def lattice(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor):
+        """forward(), through the module's call (weights loaded per call are there)."""
+        return self(logits, hidden, anchor)
+
+    def forward(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor):
         """For positions j of logits [b, P, V] and hidden [b, P, H]: the candidates [b, P, k] and every
         (previous candidate i, candidate c) score [b, P, k, k] (position 0's rows all follow the anchor [b]), and
         the greedy chain from the anchor: ids [b, P] and the chosen index per position [b, P]."""

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .draft import DFlashDraft, _rope, confidence, visible
+from .draft import DFlashDraft, _rope, visible
 from .target import TappedTarget
 
 
@@ -111,13 +111,19 @@ class RetainedTarget(nn.Module):
 
 
 class RetainedDraft(nn.Module):
-    """forward(input_ids, context_hidden, ctx_position_ids, position_ids, comp_ctx_lengths, *past)
-    -> draft_ids, draft_confidence, [logits], *retained.
+    """forward(input_ids, context_hidden, ctx_position_ids, position_ids, comp_ctx_lengths, *past, [*sampling])
+    -> draft_ids, draft_confidence, [logits, *extra outputs], *retained.
 
     Context rows (already hidden_norm(fc(.)) from the target graph) are written into the cache at their
     positions and the block's K/V at the block's positions, then every layer attends over the first CCL slots:
     no per-layer concatenation of the cache with the block. The block's slots hold noise afterwards, which no
     later query reads: the next call writes its context rows there before its block can see them.
+
+    Each layer's body (DFlash2's convolutions included) and the proposal (DFlash's argmax, DFlash2's selector
+    chain, DSpark's Markov chain and confidence head) are the draft's own (draft.py), so every kind has this form.
+    With `with_logits` (sampling) the graph also returns what sampling reads besides the logits (DFlash2's
+    candidates and their scores) and a DSpark draft with a Markov head takes `sample_uniform` and
+    `sample_temperature` to draw its chain inside the call; without it, a greedy graph, the chain is argmax only.
     """
 
     def __init__(self, draft: DFlashDraft, ctx_len: int, with_logits: bool = False):
@@ -126,36 +132,54 @@ class RetainedDraft(nn.Module):
         self.with_logits = with_logits
         draft.rotary_emb = RotaryTable(draft.rotary_emb, ctx_len)
 
-    def forward(self, input_ids, context_hidden, ctx_position_ids, position_ids, comp_ctx_lengths, *past):
+    def extra_inputs(self) -> list[str]:
+        return self.draft.extra_inputs() if self.with_logits else []
+
+    def output_names(self) -> list[str]:
+        """The graph's outputs before the retained K/V."""
+        return ["draft_ids", "draft_confidence", *(["logits", *self.draft.extra_outputs()] if self.with_logits
+                                                   else [])]
+
+    def forward(self, input_ids, context_hidden, ctx_position_ids, position_ids, comp_ctx_lengths, *rest):
         draft = self.draft
+        count = 2 * len(draft.layers)
+        past, sampling = rest[:count], tuple(rest[count:]) or None
         read = comp_ctx_lengths.shape[0]
         hidden = F.embedding(input_ids, draft.embed_tokens) * draft.spec.input_embedding_scale
         cos_c, sin_c = draft.rotary_emb(hidden, ctx_position_ids)
         cos_b, sin_b = draft.rotary_emb(hidden, position_ids)
         key_pos = torch.arange(past[0][:, :, :read].shape[2], device=hidden.device)[None, None, :]
         block_end = position_ids[:, -1:, None]
+        anchor = position_ids[:, :1, None]
         query_pos = position_ids[:, :, None]
         retained: list[torch.Tensor] = []
         for i, layer in enumerate(draft.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(hidden)
-            q = _rope(attn.q_norm(attn._heads(attn.q_proj(h), attn.num_heads)), cos_b, sin_b).transpose(1, 2)
-            k_ctx = _rope(attn.k_norm(attn._heads(attn.k_proj(context_hidden), attn.num_kv_heads)), cos_c, sin_c)
-            v_ctx = attn._heads(attn.v_proj(context_hidden), attn.num_kv_heads)
-            k_blk = _rope(attn.k_norm(attn._heads(attn.k_proj(h), attn.num_kv_heads)), cos_b, sin_b)
-            v_blk = attn._heads(attn.v_proj(h), attn.num_kv_heads)
-            keys = scatter_positions(past[2 * i], k_ctx.transpose(1, 2), ctx_position_ids)
-            values = scatter_positions(past[2 * i + 1], v_ctx.transpose(1, 2), ctx_position_ids)
-            keys = scatter_positions(keys, k_blk.transpose(1, 2), position_ids)
-            values = scatter_positions(values, v_blk.transpose(1, 2), position_ids)
-            retained += [keys, values]
-            mask = (visible(query_pos, key_pos, attn.is_causal, attn.sliding_window) & (key_pos <= block_end))[:, None]
-            out = F.scaled_dot_product_attention(
-                q, keys[:, :, :read], values[:, :, :read], attn_mask=mask,
-                scale=attn.head_dim**-0.5, enable_gqa=attn.num_heads != attn.num_kv_heads,
-            )
-            out = out.transpose(1, 2).reshape(hidden.shape[0], hidden.shape[1], -1)
-            hidden = hidden + attn.o_proj(out)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        logits = draft.logits(draft.norm(hidden)[:, 1:])
-        return (_ids(logits), confidence(logits), *([logits] if self.with_logits else []), *retained)
+
+            def attend(h: torch.Tensor, attn=attn, i=i) -> torch.Tensor:
+                q = _rope(attn.q_norm(attn._heads(attn.q_proj(h), attn.num_heads)), cos_b, sin_b).transpose(1, 2)
+                k_ctx = _rope(attn.k_norm(attn._heads(attn.k_proj(context_hidden), attn.num_kv_heads)), cos_c,
+                              sin_c)
+                v_ctx = attn._heads(attn.v_proj(context_hidden), attn.num_kv_heads)
+                k_blk = _rope(attn.k_norm(attn._heads(attn.k_proj(h), attn.num_kv_heads)), cos_b, sin_b)
+                v_blk = attn._heads(attn.v_proj(h), attn.num_kv_heads)
+                keys = scatter_positions(past[2 * i], k_ctx.transpose(1, 2), ctx_position_ids)
+                values = scatter_positions(past[2 * i + 1], v_ctx.transpose(1, 2), ctx_position_ids)
+                keys = scatter_positions(keys, k_blk.transpose(1, 2), position_ids)
+                values = scatter_positions(values, v_blk.transpose(1, 2), position_ids)
+                retained.extend((keys, values))
+                seen = visible(query_pos, key_pos, attn.is_causal, attn.sliding_window,
+                               anchor if attn.window_from_anchor else None)
+                mask = (seen & (key_pos <= block_end))[:, None]
+                out = F.scaled_dot_product_attention(
+                    q, keys[:, :, :read], values[:, :, :read], attn_mask=mask,
+                    scale=attn.head_dim**-0.5, enable_gqa=attn.num_heads != attn.num_kv_heads,
+                )
+                return attn.o_proj(out.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
+
+            hidden = layer.around(hidden, attend)
+        logits, ids, sure, *extras = draft.propose(draft.norm(hidden), input_ids[:, 0], sampling)
+        visible_outputs = [ids.to(torch.int32), sure.float()]
+        if self.with_logits:
+            visible_outputs += [logits, *extras]
+        return (*visible_outputs, *retained)

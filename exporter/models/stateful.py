@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from runtime.errors import DFlashError
 
-from .draft import DFlashDraft, confidence, visible
+from .draft import DFlashDraft, visible
 from .target import TappedTarget
 
 
@@ -153,8 +153,14 @@ class StatefulTarget(nn.Module):
 
 
 class StatefulDraft(nn.Module):
-    """forward(input_ids [1, B], context_hidden [1, T, H], ctx_position_ids [1, T], position_ids [1, B])
-    -> draft_ids, logits. Context K/V are written into state; block K/V are attended, never cached."""
+    """forward(input_ids [1, B], context_hidden [1, T, H], ctx_position_ids [1, T], position_ids [1, B],
+    [*sampling]) -> draft_ids, draft_confidence, logits, [*extra outputs]. Context K/V are written into state;
+    block K/V are attended, never cached.
+
+    Each layer's body (DFlash2's convolutions included) and the proposal (DFlash's argmax, DFlash2's selector
+    chain, DSpark's Markov chain and confidence head) are the draft's own (draft.py); the outputs after the logits
+    are what sampling reads (DFlash2's candidates and their scores), and a DSpark draft with a Markov head takes
+    `sample_uniform` and `sample_temperature` to draw its chain inside the call (temperature 0: greedy)."""
 
     def __init__(self, draft: DFlashDraft, ctx_len: int, block_size: int, dtype=torch.float16):
         super().__init__()
@@ -165,7 +171,13 @@ class StatefulDraft(nn.Module):
         self.register_buffer("inv_freq", draft.rotary_emb.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling = float(getattr(draft.rotary_emb, "attention_scaling", 1.0))
 
-    def forward(self, input_ids, context_hidden, ctx_position_ids, position_ids):
+    def extra_inputs(self) -> list[str]:
+        return self.draft.extra_inputs()
+
+    def output_names(self) -> list[str]:
+        return ["draft_ids", "draft_confidence", "logits", *self.draft.extra_outputs()]
+
+    def forward(self, input_ids, context_hidden, ctx_position_ids, position_ids, *sampling):
         draft = self.draft
         hidden = F.embedding(input_ids, draft.embed_tokens) * draft.spec.input_embedding_scale
         cos_c, sin_c = _cos_sin(ctx_position_ids, self.inv_freq, self.rope_scaling, hidden.dtype)
@@ -177,25 +189,30 @@ class StatefulDraft(nn.Module):
         steps = self.block_size  # a Python int: ints read from traced shapes do not convert
         for i, layer in enumerate(draft.layers):
             attn = layer.self_attn
-            heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            keys, values = getattr(self, self.state_names[2 * i]), getattr(self, self.state_names[2 * i + 1])
-            h = layer.input_layernorm(hidden)
-            q = _rotate(attn.q_norm(attn.q_proj(h).view(1, steps, heads, dim)).transpose(1, 2), cos_b, sin_b, dim // 2)
-            k_ctx = attn.k_norm(attn.k_proj(context_hidden).view(1, -1, kv_heads, dim)).transpose(1, 2)
-            v_ctx = attn.v_proj(context_hidden).view(1, -1, kv_heads, dim).transpose(1, 2)
-            keys[:, :, start:end] = _rotate(k_ctx, cos_c, sin_c, dim // 2).to(keys.dtype)
-            values[:, :, start:end] = v_ctx.to(values.dtype)
-            k_blk = _rotate(attn.k_norm(attn.k_proj(h).view(1, steps, kv_heads, dim)).transpose(1, 2), cos_b, sin_b,
+
+            def attend(h: torch.Tensor, attn=attn, i=i) -> torch.Tensor:
+                heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+                keys, values = getattr(self, self.state_names[2 * i]), getattr(self, self.state_names[2 * i + 1])
+                q = _rotate(attn.q_norm(attn.q_proj(h).view(1, steps, heads, dim)).transpose(1, 2), cos_b, sin_b,
                             dim // 2)
-            v_blk = attn.v_proj(h).view(1, steps, kv_heads, dim).transpose(1, 2)
-            cached = visible(query_pos, key_pos, attn.is_causal, attn.sliding_window) & (key_pos < block_start)
-            in_block = visible(query_pos, position_ids[:, None, :], attn.is_causal, attn.sliding_window)
-            mask = torch.cat([cached, in_block], dim=-1)[:, None]
-            all_keys = torch.cat([keys.to(q.dtype), k_blk], dim=2)
-            all_values = torch.cat([values.to(q.dtype), v_blk], dim=2)
-            out = grouped_attention(q, all_keys, all_values, mask, dim**-0.5, heads, kv_heads, dim)
-            out = out.transpose(1, 2).reshape(1, steps, heads * dim)
-            hidden = hidden + attn.o_proj(out)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        logits = draft.logits(draft.norm(hidden)[:, 1:])
-        return torch.argmax(logits, dim=-1).to(torch.int32), confidence(logits), logits
+                k_ctx = attn.k_norm(attn.k_proj(context_hidden).view(1, -1, kv_heads, dim)).transpose(1, 2)
+                v_ctx = attn.v_proj(context_hidden).view(1, -1, kv_heads, dim).transpose(1, 2)
+                keys[:, :, start:end] = _rotate(k_ctx, cos_c, sin_c, dim // 2).to(keys.dtype)
+                values[:, :, start:end] = v_ctx.to(values.dtype)
+                k_blk = _rotate(attn.k_norm(attn.k_proj(h).view(1, steps, kv_heads, dim)).transpose(1, 2), cos_b,
+                                sin_b, dim // 2)
+                v_blk = attn.v_proj(h).view(1, steps, kv_heads, dim).transpose(1, 2)
+                anchor = block_start if attn.window_from_anchor else None
+                cached = visible(query_pos, key_pos, attn.is_causal, attn.sliding_window, anchor) & \
+                    (key_pos < block_start)
+                in_block = visible(query_pos, position_ids[:, None, :], attn.is_causal, attn.sliding_window, anchor)
+                # a rule that does not depend on the query (a window counted from the anchor) gives one row
+                mask = torch.cat([cached.expand(1, steps, -1), in_block.expand(1, steps, -1)], dim=-1)[:, None]
+                all_keys = torch.cat([keys.to(q.dtype), k_blk], dim=2)
+                all_values = torch.cat([values.to(q.dtype), v_blk], dim=2)
+                out = grouped_attention(q, all_keys, all_values, mask, dim**-0.5, heads, kv_heads, dim)
+                return attn.o_proj(out.transpose(1, 2).reshape(1, steps, heads * dim))
+
+            hidden = layer.around(hidden, attend)
+        logits, ids, sure, *extras = draft.propose(draft.norm(hidden), input_ids[:, 0], tuple(sampling) or None)
+        return (ids.to(torch.int32), sure, logits, *extras)

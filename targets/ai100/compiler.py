@@ -30,8 +30,9 @@ def smallest_covering(lengths: list[int], needed: int) -> int:
 def specializations(manifest: Manifest, options: Ai100Options) -> dict[str, list[tuple[str, dict[str, str]]]]:
     """(name, symbols) per graph: each call size at each compute-context length; symbols are the graphs' dynamic
     dims, as strings."""
-    sizes = {"target": (("prefill", options.prefill_len), ("verify", manifest.block_size)),
-             "draft": (("ingest", options.prefill_len), ("step", manifest.block_size))}
+    rows = manifest.verify_rows  # a verify's tokens, and the context rows the draft's next step ingests
+    sizes = {"target": (("prefill", options.prefill_len), ("verify", rows)),
+             "draft": (("ingest", options.prefill_len), ("step", rows))}
     return {graph: [(f"{name}_ccl{ccl}", {"batch_size": "1", "seq_len": str(seq_len), "ctx_len": str(options.ctx_len),
                                           "comp_ctx_lengths": str(ccl)})
                     for name, seq_len in sizes[graph] for ccl in options.compute_context_lengths()]

@@ -18,6 +18,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from runtime.decode import Decoder
+from runtime.feeds import sampling_feeds
 from runtime.manifest import Manifest
 
 from .compiler import smallest_covering
@@ -39,7 +40,7 @@ def _round_trip(name: str, rounded: str) -> list[onnx.NodeProto]:
 
 def emulated_graph(model: onnx.ModelProto, keep_fp32: set[str], round_to_fp16: bool = True) -> onnx.ModelProto:
     """A copy of `model` (loaded without its weights) computing as the float16 device would, with the logits
-    (the first ArgMax's input) exposed as an output; `round_to_fp16=False` gives the float32 twin."""
+    (the first ArgMax's or TopK's input) exposed as an output; `round_to_fp16=False` gives the float32 twin."""
     graph = model.graph
     floats = _float32_values(model) if round_to_fp16 else set()
     sources = [v.name for v in graph.input] + [t.name for t in graph.initializer]
@@ -54,7 +55,9 @@ def emulated_graph(model: onnx.ModelProto, keep_fp32: set[str], round_to_fp16: b
         nodes.append(copy)
         for output in rounded:
             nodes += _round_trip(f"{output}__exact", output)
-    argmax = next(n for n in graph.node if n.op_type == "ArgMax")
+    # the logits: the first ArgMax's input (DFlash; DSpark's first slot, biased by its Markov head) or TopK's
+    # (DFlash2's selector takes each position's top-k before its chain's ArgMaxes)
+    argmax = next(n for n in graph.node if n.op_type in ("ArgMax", "TopK"))
     emulated = onnx.ModelProto()
     emulated.CopyFrom(model)
     del emulated.graph.node[:]
@@ -119,7 +122,7 @@ def _probe_feeds(manifest: Manifest, graph: str, position: int, lengths: list[in
         return {**feeds, "input_ids": ids, "position_ids": positions}
     context = rng.standard_normal((1, block, manifest.draft_hidden_size)).astype(np.float16).astype(np.float32)
     return {**feeds, "input_ids": ids, "position_ids": positions, "context_hidden": context,
-            "ctx_position_ids": positions - block}
+            "ctx_position_ids": positions - block, **sampling_feeds(spec)}
 
 
 def _probe_outputs(sessions: dict[str, GraphSession], manifest: Manifest, graph: str, position: int,

@@ -36,7 +36,7 @@ from runtime.manifest import Lowering, Manifest
 from targets.fp16_calibration import calibrate_for_fp16
 
 from ..backend import LowerRequest
-from ..lowering import lowered_output, refuse_unbuilt, refuse_unbuilt_draft, start_lowering
+from ..lowering import lowered_output, refuse_unbuilt, start_lowering
 from .compiler import (
     check_graph,
     compile_commands,
@@ -68,12 +68,12 @@ def kv_names(num_layers: int) -> tuple[list[str], list[str]]:
 def round_traffic(manifest: Manifest, hidden_size: int, itemsize: int = 4) -> dict[str, int]:
     """Host<->device bytes of one greedy DFlash round (draft step + target verify) with retained state on
     the device: what this design moves, and what shipping the draft's logits instead of ids would add."""
-    block, ids, positions = manifest.block_size, 4, 8
-    draft_in = block * positions + block * hidden_size * itemsize + 2 * block * positions  # ids, rows, positions
-    draft_out = (block - 1) * (ids + itemsize)  # int32 ids and their confidences
-    target_in = 2 * block * positions
-    target_out = block * ids + block * hidden_size * itemsize  # greedy ids + context rows for the next step
-    logits = (block - 1) * manifest.vocab_size * itemsize
+    block, rows, ids, positions = manifest.block_size, manifest.verify_rows, 4, 8  # rows: a verify's tokens
+    draft_in = block * positions + rows * hidden_size * itemsize + (rows + block) * positions  # ids, rows, positions
+    draft_out = (rows - 1) * (ids + itemsize)  # int32 ids and their confidences
+    target_in = 2 * rows * positions
+    target_out = rows * ids + rows * hidden_size * itemsize  # greedy ids + context rows for the next step
+    logits = (rows - 1) * manifest.vocab_size * itemsize
     return {"draft_in": draft_in, "draft_out": draft_out, "target_in": target_in, "target_out": target_out,
             "round_total": draft_in + draft_out + target_in + target_out,
             "draft_logits_if_shipped": logits}
@@ -127,11 +127,14 @@ def export_retained(tapped, draft, manifest: Manifest, options: Ai100Options, ou
 
     n = len(draft.layers)
     kv_in, kv_out = kv_names(n)
-    _save(draft_module, (block_ids, hidden, ctx_positions, block_positions, read, *draft_buffers),
-          ["input_ids", "context_hidden", "ctx_position_ids", "position_ids", "comp_ctx_lengths", *kv_in],
-          ["draft_ids", "draft_confidence", *logits, *kv_out],
+    sampling = (torch.full((2, draft.spec.proposals(block)), 0.5), torch.ones(2)) if draft_module.extra_inputs() \
+        else ()
+    _save(draft_module, (block_ids, hidden, ctx_positions, block_positions, read, *draft_buffers, *sampling),
+          ["input_ids", "context_hidden", "ctx_position_ids", "position_ids", "comp_ctx_lengths", *kv_in,
+           *draft_module.extra_inputs()],
+          [*draft_module.output_names(), *kv_out],
           ({0: batch}, {0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch}, {0: ccl},
-           tuple({0: batch, 2: ctx} for _ in range(2 * n))),
+           (*({0: batch, 2: ctx} for _ in range(2 * n)), *({0: batch} for _ in sampling))),
           options.opset, out / "draft.onnx", draft_weights, written)
 
 
@@ -186,7 +189,6 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options | None = None,
     options, request = options or Ai100Options(), request or LowerRequest()
     manifest, (target_dir, draft_dir) = start_lowering(source, out, options, request, reexport=True)
     refuse_unbuilt(manifest, "ai100", "Cloud AI 100")
-    refuse_unbuilt_draft(manifest, "ai100", "Cloud AI 100")
     out = Path(out)
     stages = Stages(6, enabled=request.progress)
     compiler = find_compiler()

@@ -128,7 +128,7 @@ def check_packages(directory: Path, manifest: Manifest, target_module, draft_mod
     given = _reference_weights(weights, bits, group_size)
     reference = _sequence(manifest,
                           TorchStatefulSession(target_module, ["greedy_ids", "logits", "context_hidden"], given),
-                          TorchStatefulSession(draft_module, ["draft_ids", "draft_confidence", "logits"], given))
+                          TorchStatefulSession(draft_module, draft_module.output_names(), given))
     functions = manifest.lowering.functions
     got = _sequence(manifest, *(MilSession(part_packages(Path(directory), functions[graph],
                                                          getattr(manifest, graph).file), functions[graph])

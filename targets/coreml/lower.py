@@ -6,8 +6,8 @@ export (the checkpoints recorded in OUT's manifest, the same weights) with `torc
 int4/int8 weights (`--bits`). The modules are the conversion-friendly forms in exporter/models/stateful.py
 (the same math as the HF model; tested against it). Each call size is its own function with fixed shapes
 (coremltools' recommendation for LLMs: the Neural Engine takes fixed shapes): the target's `decode` (1
-token), `verify` (block_size) and `prefill` (--prefill-len), the draft's `draft` (up to a block of new
-context rows) and `draft_prefill` (a prefill chunk of them). `ct.utils.save_multifunction` writes them into
+token), `verify` (a verify's tokens: block_size, or block_size + 1 for a DSpark draft) and `prefill`
+(--prefill-len), the draft's `draft` (up to a verify's new context rows) and `draft_prefill` (a prefill chunk of them). `ct.utils.save_multifunction` writes them into
 model.mlpackage with each weight stored once: the three target functions share theirs, and the draft's
 embedding and lm_head are the target's. Target functions share one state object (its K/V), the draft's
 theirs; the retained runners pad a call to the smallest function with consecutive positions. The package
@@ -40,7 +40,7 @@ from runtime.manifest import GraphSpec, Lowering, Manifest, TensorSpec
 from targets.fp16_calibration import calibrate_for_fp16
 
 from ..backend import LowerRequest
-from ..lowering import lowered_output, refuse_unbuilt, refuse_unbuilt_draft, start_lowering
+from ..lowering import lowered_output, refuse_unbuilt, start_lowering
 from .check import PART_OUTPUTS, check_packages
 from .options import CoremlOptions
 from .session import import_coremltools, part_functions, target_parts
@@ -63,8 +63,36 @@ def _quantized(model, bits: int, group_size: int):
         raise DFlashError(f"coremltools could not quantize to {bits} bits: {exc} ({ct.__version__})") from exc
 
 
+def _float32_after(inputs: set[str]):
+    """coremltools' compute precision: float16, except every op that depends on one of `inputs` (a DSpark chain's
+    uniforms and temperature). Its draw (softmax / temperature, running sum, the uniform's point) then runs in
+    float32 from the row it returns as `logits`, and every row after a draw, biased by the token drawn, is computed
+    and returned in float32: rejection sampling reads the very rows each token was drawn from."""
+    ct = import_coremltools()
+    if not inputs:
+        return ct.precision.FLOAT16
+    known: dict[int, bool] = {}
+
+    def depends(var) -> bool:
+        if var.name in inputs:
+            return True
+        producer = var.op
+        if producer is None:
+            return False
+        if id(producer) not in known:
+            known[id(producer)] = False  # a cycle cannot occur in a block; this only bounds the recursion
+            known[id(producer)] = any(depends(v) for value in producer.inputs.values()
+                                      for v in (value if isinstance(value, (list, tuple)) else (value,)))
+        return known[id(producer)]
+
+    def in_float16(op) -> bool:
+        return not any(depends(v) for value in op.inputs.values()
+                       for v in (value if isinstance(value, (list, tuple)) else (value,)))
+    return ct.transform.FP16ComputePrecision(op_selector=in_float16)
+
+
 def _convert(module, example: tuple, inputs: list, outputs: list[str], path: Path,
-             bits: int | None = None, group_size: int = 32) -> None:
+             bits: int | None = None, group_size: int = 32, float32_after: tuple[str, ...] = ()) -> None:
     ct = import_coremltools()
     try:
         with torch.no_grad():
@@ -74,9 +102,13 @@ def _convert(module, example: tuple, inputs: list, outputs: list[str], path: Pat
     states = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(getattr(module, n).shape), dtype=np.float16),
                            name=n) for n in module.state_names]
     try:
-        model = ct.convert(traced, inputs=inputs, outputs=[ct.TensorType(name=n) for n in outputs], states=states,
+        # the logits of a chain drawn in float32 are returned as computed (see _float32_after)
+        wide = {"logits"} if float32_after else set()
+        model = ct.convert(traced, inputs=inputs, states=states,
+                           outputs=[ct.TensorType(name=n, **({"dtype": np.float32} if n in wide else {}))
+                                    for n in outputs],
                            minimum_deployment_target=ct.target.macOS15, convert_to="mlprogram",
-                           compute_precision=ct.precision.FLOAT16)
+                           compute_precision=_float32_after(set(float32_after)))
     except Exception as exc:  # coremltools raises many types; keep its message
         raise DFlashError(f"coremltools could not convert {type(module).__name__}: {exc} ({TESTED_WITH})") from exc
     converted = model
@@ -150,6 +182,14 @@ def _target_call(target: StatefulTarget, rows: int, dtype: torch.dtype) -> tuple
              ct.TensorType("tap_sum_in", shape=(1, rows, target.draft_width), dtype=np.float16)], outputs)
 
 
+def _selector_outputs(draft, proposals: int) -> dict[str, tuple[str, list]]:
+    """A DFlash2 draft's candidates and their scores after each previous candidate, which sampling walks."""
+    if not draft.extra_outputs():
+        return {}
+    k = draft.spec.selector_top_k
+    return {"candidates": ("int32", [1, proposals, k]), "candidate_scores": ("float16", [1, proposals, k, k])}
+
+
 def _parts_hint(num_layers: int, target_dir: Path, draft_dir: Path) -> str:
     """What to do when the whole target's conversion does not fit: convert it in parts, with their memory."""
     per_part = max(1, num_layers // 6)
@@ -166,13 +206,14 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     ct = import_coremltools()
     manifest, (target_dir, draft_dir) = start_lowering(source, out, options, request, reexport=True)
     refuse_unbuilt(manifest, "coreml", "CoreML")
-    refuse_unbuilt_draft(manifest, "coreml", "CoreML")
-    block, chunk = manifest.block_size, options.prefill_len
+    # verify_rows: a verify's tokens (a DSpark draft's anchor slot proposes too: block + 1), and the context rows the
+    # draft's next call ingests
+    block, verify_rows, chunk = manifest.block_size, manifest.verify_rows, options.prefill_len
     parts = target_parts(manifest.target.num_layers, options.layers_per_part)
-    prefill = {"prefill": chunk} if chunk != block else {}  # --prefill-len equal to the block: verify's function
-    functions = {"target": {"input": "input_ids", "rows": {"decode": 1, "verify": block, **prefill},
+    prefill = {"prefill": chunk} if chunk != verify_rows else {}  # --prefill-len of a verify: verify's function
+    functions = {"target": {"input": "input_ids", "rows": {"decode": 1, "verify": verify_rows, **prefill},
                             **({"parts": [list(p) for p in parts]} if len(parts) > 1 else {})},
-                 "draft": {"input": "context_hidden", "rows": {"draft": block,
+                 "draft": {"input": "context_hidden", "rows": {"draft": verify_rows,
                                                                **{f"draft_{k}": v for k, v in prefill.items()}}}}
     names = {graph: part_functions(spec) for graph, spec in functions.items()}
     # building or loading, calibrating, one conversion per function, writing the package(s) (in parts: one per part
@@ -233,21 +274,25 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                     _combine(converted, [names["target"][rows][k] for rows in names["target"]],
                              tmp / files["target"][k])
         stateful_draft = StatefulDraft(draft, options.ctx_len, block, trace_dtype).eval()
-        width = draft.spec.config.hidden_size
+        width, proposals = draft.spec.config.hidden_size, verify_rows - 1
         with weights(stateful_draft, trace_dtype):
-            for name, rows in functions["draft"]["rows"].items():
-                with stages.stage(f"converting the draft's {name} function ({rows} context rows)"):
+            for name, context_rows in functions["draft"]["rows"].items():
+                with stages.stage(f"converting the draft's {name} function ({context_rows} context rows)"):
                     ids = torch.zeros(1, block, dtype=torch.int32)
-                    context = torch.arange(rows, dtype=torch.int32)[None]
-                    _convert(stateful_draft, (ids, torch.zeros(1, rows, width, dtype=trace_dtype), context,
-                                              context[:, :1] + rows +
-                                              torch.arange(block, dtype=torch.int32)[None]),
+                    context = torch.arange(context_rows, dtype=torch.int32)[None]
+                    chain = [torch.full((1, proposals), 0.5), torch.zeros(1)] if stateful_draft.extra_inputs() \
+                        else []
+                    _convert(stateful_draft, (ids, torch.zeros(1, context_rows, width, dtype=trace_dtype), context,
+                                              context[:, :1] + context_rows +
+                                              torch.arange(block, dtype=torch.int32)[None], *chain),
                              [ct.TensorType("input_ids", shape=(1, block), dtype=np.int32),
-                              ct.TensorType("context_hidden", shape=(1, rows, width), dtype=np.float16),
-                              ct.TensorType("ctx_position_ids", shape=(1, rows), dtype=np.int32),
-                              ct.TensorType("position_ids", shape=(1, block), dtype=np.int32)],
-                             ["draft_ids", "draft_confidence", "logits"], converted / f"{name}.mlpackage",
-                             options.bits, options.group_size)
+                              ct.TensorType("context_hidden", shape=(1, context_rows, width), dtype=np.float16),
+                              ct.TensorType("ctx_position_ids", shape=(1, context_rows), dtype=np.int32),
+                              ct.TensorType("position_ids", shape=(1, block), dtype=np.int32),
+                              *[ct.TensorType(n, shape=tuple(t.shape), dtype=np.float32)
+                                for n, t in zip(stateful_draft.extra_inputs(), chain)]],
+                             stateful_draft.output_names(), converted / f"{name}.mlpackage",
+                             options.bits, options.group_size, tuple(stateful_draft.extra_inputs()))
         with stages.stage(f"writing {files['draft'][0]} (one copy of each weight)"):
             if streamed:  # a package per part and one for the draft: save_multifunction holds all it combines
                 _combine(converted, [fn for fns in names["draft"].values() for fn in fns], tmp / files["draft"][0])
@@ -266,9 +311,13 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
             "draft": _spec(files["draft"][0], {"input_ids": ("int32", [1, block]),
                                                "context_hidden": ("float16", [1, "seq_len", hidden_size]),
                                                "ctx_position_ids": ("int32", [1, "seq_len"]),
-                                               "position_ids": ("int32", [1, block])},
-                           {"draft_ids": ("int32", [1, block - 1]), "draft_confidence": ("float16", [1, block - 1]),
-                            "logits": ("float16", [1, block - 1, vocab])},
+                                               "position_ids": ("int32", [1, block]),
+                                               **{n: ("float32", shape) for n, shape in
+                                                  zip(stateful_draft.extra_inputs(), ([1, proposals], [1]))}},
+                           {"draft_ids": ("int32", [1, proposals]), "draft_confidence": ("float16", [1, proposals]),
+                            "logits": ("float32" if stateful_draft.extra_inputs() else "float16",
+                                       [1, proposals, vocab]),
+                            **_selector_outputs(draft, proposals)},
                            len(draft.layers), draft.num_kv_heads, draft.head_dim),
         }
         copy_tokenizer_files(source, tmp)
@@ -276,7 +325,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                           ctx_len=options.ctx_len, prefill_len=chunk, dtype="float16",
                           kv_layout="state: batch,kv_heads,ctx_len,head_dim",
                           lowering=Lowering(backend="coreml", options=asdict(options), padding="consecutive",
-                                            functions=functions, row_multiple=block,
+                                            functions=functions, row_multiple=verify_rows,
                                             calibration=calibration, report={
                                                 "states": {"target": [n for t in targets for n in t.state_names],
                                                            "draft": stateful_draft.state_names},

@@ -27,7 +27,7 @@ _BLOB_READERS = {"FLOAT16": "read_fp16_data", "FLOAT32": "read_float_data", "INT
                  "INT32": "read_int32_data", "INT16": "read_int16_data", "UINT16": "read_uint16_data"}
 VARIADIC = {"values"}  # parameters that take a list even of one tensor (concat of a single tap's features)
 _CASTS = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32, "bool": np.bool_, "int8": np.int8,
-          "uint8": np.uint8, "int16": np.int16}
+          "uint8": np.uint8, "int16": np.int16, "uint16": np.uint16}
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
@@ -105,7 +105,43 @@ def _gather(a):
     return np.take(a["x"], a["indices"].astype(np.int64), axis=axis)
 
 
-OPS: dict[str, Callable[[dict], np.ndarray]] = {
+def _pad(a):
+    """`pad` holds (before, after) pairs for the last len(pad) / 2 axes, first axis first."""
+    x, pairs = a["x"], [int(p) for p in a["pad"]]
+    widths = [(0, 0)] * (x.ndim - len(pairs) // 2) + list(zip(pairs[::2], pairs[1::2]))
+    mode = str(a.get("mode", "constant"))
+    if mode != "constant":
+        raise NotImplementedError(f"pad mode {mode}")
+    return np.pad(x, widths, constant_values=float(a.get("constant_val", 0.0)))
+
+
+def _topk(a):
+    """(values, indices): the k largest (or smallest, `ascending`) along `axis`, sorted, first index first on ties."""
+    x, k, axis = _f32(a["x"]), int(a["k"]), int(a.get("axis", -1))
+    order = np.argsort(x if a.get("ascending") else -x, axis=axis, kind="stable")
+    indices = np.take(order, np.arange(k), axis=axis)
+    return np.take_along_axis(x, indices, axis=axis), indices
+
+
+def _cumsum(a):
+    x, axis = _f32(a["x"]), int(a.get("axis", 0))
+    if a.get("reverse"):
+        x = np.flip(x, axis)
+    out = np.cumsum(x, axis=axis)
+    if a.get("exclusive"):
+        out = out - x
+    return np.flip(out, axis) if a.get("reverse") else out
+
+
+def _split(a):
+    x, axis = a["x"], int(a["axis"])
+    sizes = a.get("split_sizes")
+    if sizes is None:
+        return tuple(np.split(x, int(a["num_splits"]), axis=axis))
+    return tuple(np.split(x, np.cumsum([int(n) for n in sizes])[:-1], axis=axis))
+
+
+OPS: dict[str, Callable[[dict], np.ndarray | tuple[np.ndarray, ...]]] = {
     "add": lambda a: _f32(a["x"]) + _f32(a["y"]),
     "sub": lambda a: _f32(a["x"]) - _f32(a["y"]),
     "mul": lambda a: _f32(a["x"]) * _f32(a["y"]),
@@ -153,6 +189,15 @@ OPS: dict[str, Callable[[dict], np.ndarray]] = {
     "constexpr_blockwise_shift_scale": _blockwise,
     "shape": lambda a: np.array(a["x"].shape, np.int32),
     "identity": lambda a: a["x"],
+    "pad": _pad,
+    "fill_like": lambda a: np.full(np.shape(a["ref_tensor"]), float(a.get("value", 0.0))),
+    "stack": lambda a: np.stack(a["values"], axis=int(a["axis"])),
+    "topk": _topk,
+    "gather_along_axis": lambda a: np.take_along_axis(a["x"], a["indices"].astype(np.int64), axis=int(a["axis"])),
+    "cumsum": _cumsum,
+    "split": _split,
+    "tanh": lambda a: np.tanh(_f32(a["x"])),
+    "clip": lambda a: np.clip(_f32(a["x"]), _f32(a["alpha"]), _f32(a["beta"])),
 }
 
 
@@ -266,6 +311,7 @@ class MilProgram:
                     result = OPS[op.type](args)
                 except Exception as exc:  # numpy raises many types; name the op
                     raise DFlashError(f"MIL op {op.type} ({op.outputs[0].name}) failed in numpy: {exc}") from exc
-            declared = self._names(op.outputs[0].type.tensorType.dataType)
-            values[op.outputs[0].name] = np.asarray(result).astype(_DTYPES.get(declared, np.float32))
+            for output, value in zip(op.outputs, result if isinstance(result, tuple) else (result,)):
+                declared = self._names(output.type.tensorType.dataType)
+                values[output.name] = np.asarray(value).astype(_DTYPES.get(declared, np.float32))
         return {name: values[name] for name in self.outputs}

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.errors import DFlashError
+from runtime.feeds import SAMPLED_INPUTS
 from runtime.manifest import Manifest
 from runtime.paths import member
 
@@ -53,9 +54,10 @@ def part_packages(directory: Path, functions: dict | None, file: str) -> list[Pa
 
 
 def typed_feeds(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Feeds as the packages declare their inputs: int32 ids and positions, float16 activations."""
-    return {name: value.astype(np.int32) if value.dtype.kind == "i" else value.astype(np.float16)
-            for name, value in feeds.items()}
+    """Feeds as the packages declare their inputs: int32 ids and positions, float16 activations, a DSpark chain's
+    uniforms and temperature float32 (a draw's precision)."""
+    return {name: value.astype(np.int32) if value.dtype.kind == "i" else
+            value.astype(np.float32 if name in SAMPLED_INPUTS else np.float16) for name, value in feeds.items()}
 
 
 def run_parts(parts: list, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

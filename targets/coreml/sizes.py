@@ -38,6 +38,12 @@ def _state_bytes(config: dict, ctx_len: int) -> int:
     return 2 * config["num_hidden_layers"] * kv_heads * ctx_len * head_dim * 2
 
 
+def _draft_layers(draft_dir: Path) -> dict:
+    """The draft's layer config, whichever layout its config.json has (a speculators draft nests it)."""
+    raw = read_config(draft_dir, "draft")
+    return raw.get("transformer_layer_config", raw) if "speculators_model_type" in raw else raw
+
+
 def _vocab_tensors(shapes: dict[str, list[int]]) -> list[list[int]]:
     """The target's embedding and (when not tied) lm_head shapes."""
     return [shape for name, shape in shapes.items() if name.endswith(("embed_tokens.weight", "lm_head.weight"))]
@@ -56,7 +62,7 @@ def estimate(target_dir: Path, draft_dir: Path, options: CoremlOptions) -> dict:
                          for shape in [*shapes[kind].values(), *copies[kind]])
                for kind in ("target", "draft")}
     states = {"target": _state_bytes(text, options.ctx_len),
-              "draft": _state_bytes(read_config(Path(draft_dir), "draft"), options.ctx_len)}
+              "draft": _state_bytes(_draft_layers(Path(draft_dir)), options.ctx_len)}
     return {"method": "estimate from the checkpoints' headers (nothing converted)",
             "precision": f"int{options.bits}, blocks of {options.group_size}" if options.bits else "float16",
             "packages": f"target_part0..{count - 1}.mlpackage, draft.mlpackage" if in_parts else "model.mlpackage",
