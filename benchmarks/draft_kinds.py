@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--minutes", type=float, default=10, help="training budget of each draft")
     parser.add_argument("--work", type=Path, default=Path("/tmp/draft_kinds"))
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--confidence-target", choices=["sampled", "greedy"], default="sampled",
+                        help="what DSpark's confidence head learns (training/objectives.py)")
     args = parser.parse_args(argv)
     target = Path(__file__).resolve().parents[1] / "dflash_onnx" / "demo_pair" / "target"
     train, _ = stdlib_files()
@@ -46,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(out)
         options = DistillOptions(block_size=16, draft_layers=1, target_layer_ids=[1, 3], time_budget_min=args.minutes,
                                  seed=0, lr=1e-3, num_prompts=512, prompt_tokens=64, new_tokens=160, held_out=24,
-                                 eval_every=50, mask_token_id=256 + SPECIALS.index("<mask>"), draft_type=kind)
+                                 eval_every=50, mask_token_id=256 + SPECIALS.index("<mask>"), draft_type=kind,
+                                 confidence_target=args.confidence_target)
         report = distill(target, out, options, data_paths=train)
         rows.append([kind, report["steps"], f"{report['seconds'] / 60:.1f}", f"{report['tau_before']:.2f}",
                      f"{report['tau_after']:.2f}"])

@@ -250,7 +250,8 @@ def _distill(args) -> int:
                              new_tokens=args.new_tokens, draft_type=args.draft_type,
                              conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
                              selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
-                             markov_rank=args.markov_rank, markov_head_type=args.markov_head)
+                             markov_rank=args.markov_rank, markov_head_type=args.markov_head,
+                             confidence_target=args.confidence_target)
     report = distill(args.target, args.out, options, data_paths=args.data, prompts_file=args.prompts,
                      resume=args.resume, progress=not args.quiet)
     print(f"wrote {args.out} ({args.draft_type}): {report['steps']} steps in {report['seconds']} s; held-out tau "
@@ -569,6 +570,10 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--markov-rank", type=int, default=256, help="DSpark: the Markov bias's rank (0: none)")
     heads.add_argument("--markov-head", choices=["vanilla", "gated", "rnn"], default="vanilla",
                        help="DSpark: the Markov head's kind")
+    heads.add_argument("--confidence-target", choices=["sampled", "greedy"], default="sampled",
+                       help="DSpark: what the confidence head learns: sampled (speculators': the probability the "
+                            "draft gives the target's token) or greedy (whether its greedy proposal is that token, "
+                            "what greedy verification accepts)")
     distill.add_argument("--target-layers-tapped", default="auto", help="auto (the reference's rule) or 1,5,9")
     length = distill.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="optimizer steps (default 1000)")

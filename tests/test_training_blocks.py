@@ -93,3 +93,43 @@ def test_packed_dflash2_and_dspark_blocks_equal_one_decoding_step_per_anchor(kin
             torch.testing.assert_close(packed[0][k], step[0][0], atol=2e-5, rtol=1e-4)
             assert packed[1][k].tolist() == step[1][0].tolist()
             torch.testing.assert_close(packed[2][k], step[2][0], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["sampled", "greedy"])
+def test_dspark_confidence_head_learns_the_chosen_acceptance(target, tmp_path):
+    """The confidence head's binary cross-entropy pulls its prediction toward each proposal's acceptance: with a
+    zero head its bias's gradient is 1/2 minus the weighted mean target, which must be the probability the draft
+    gives the target's token (sampled) or the share of greedy proposals equal to it (greedy), computed here from
+    the draft's own proposals (a DSpark draft without Markov head: each slot's argmax)."""
+    from training.objectives import draft_loss
+
+    spec = TinySpec(draft_kind="dspark", draft_format="speculators", block_size=6, target_layer_ids=[0, 2], seed=5,
+                    markov_rank=0, confidence_with_markov=False)
+    target_dir, draft_dir = build_pair(spec, tmp_path)
+    lm = load_target(target_dir, "float32")
+    draft = load_draft(draft_dir, lm, "float32")
+    block, mask_id = spec.block_size, spec.vocab_size - 1
+    tokens = torch.randint(2, spec.vocab_size - 1, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        states = lm(input_ids=tokens[None], output_hidden_states=True).hidden_states
+        features = torch.cat([states[i + 1][0] for i in draft.spec.target_layer_ids], dim=-1)
+        anchors = torch.tensor([1, 9, 17, 40 - block - 2])
+        hidden = packed_hidden(draft, features, tokens, anchors, block, mask_id)
+        logits, ids, _ = draft.propose(hidden, tokens[anchors])
+    # the continuation the loss sees: the draft's own proposal at every other slot, so some are accepted
+    positions = anchors[:, None] + torch.arange(1, ids.shape[1] + 1)[None, :]
+    tokens = tokens.clone()
+    tokens[positions[:, ::2]] = ids[:, ::2]
+    labels = next_tokens(tokens, anchors, ids.shape[1])
+    weights = loss_weights(ids.shape[1] + 1, 4.0)
+    head = draft.confidence_head.proj
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+    head.bias.requires_grad_(True)
+    draft_loss(draft, hidden, tokens, anchors, weights, target).backward()
+    share = (ids == labels).float() if target == "greedy" else \
+        torch.softmax(logits.float(), -1).gather(-1, labels[..., None])[..., 0]
+    expected = 0.5 - (share * weights).sum() / (weights.sum() * share.shape[0])
+    torch.testing.assert_close(head.bias.grad[0], expected, atol=1e-6, rtol=1e-5)
+    assert 0.5 <= (ids == labels).float().mean() < 1  # accepted and rejected proposals both

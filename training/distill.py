@@ -34,6 +34,9 @@ from . import blocks, checkpoint, data, objectives
 SAVED_AWAY = ("embed_tokens", "lm_head")
 
 
+CONFIDENCE_TARGETS = ("sampled", "greedy")
+
+
 @dataclass
 class DistillOptions:
     block_size: int = 16
@@ -61,6 +64,9 @@ class DistillOptions:
     selector_top_k: int = 16
     markov_rank: int = 256
     markov_head_type: str = "vanilla"
+    # what DSpark's confidence head learns: sampled (speculators': the acceptance rate under rejection sampling,
+    # the probability the draft gives the target's token) or greedy (whether the draft's greedy proposal is it)
+    confidence_target: str = "sampled"
 
     def validate(self) -> None:
         if self.steps is None and self.time_budget_min is None:
@@ -75,6 +81,9 @@ class DistillOptions:
             raise DFlashError("--draft-layers must be at least 1")
         if self.draft_type not in KINDS:
             raise DFlashError(f"--draft-type {self.draft_type}: choose one of {', '.join(KINDS)}")
+        if self.confidence_target not in CONFIDENCE_TARGETS:
+            raise DFlashError(f"--confidence-target {self.confidence_target}: choose one of "
+                              f"{', '.join(CONFIDENCE_TARGETS)}")
 
 
 def draft_config(target_config, options: DistillOptions, mask_token_id: int) -> dict:
@@ -233,7 +242,7 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
             anchors = blocks.sample_anchors(prompt_len, len(tokens) - 1 - count, options.anchors_per_sequence,
                                             generator)
             hidden = blocks.packed_hidden(draft, features, tokens, anchors, block, mask_id)
-            loss = loss + objectives.draft_loss(draft, hidden, tokens, anchors, weights)
+            loss = loss + objectives.draft_loss(draft, hidden, tokens, anchors, weights, options.confidence_target)
         loss = loss / options.sequences_per_step
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

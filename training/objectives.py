@@ -7,7 +7,9 @@ exp(-(k-1)/gamma). What the kinds add, as speculators (vllm-project) trains them
   target's token among them.
 - DSpark: the Markov bias keyed on the true previous token (teacher forcing) is added to the logits the
   cross-entropy sees; the confidence head learns, by binary cross-entropy on its logit, the probability the
-  biased draft gives the target's token (the proposal's acceptance rate under greedy verification).
+  biased draft gives the target's token (its acceptance rate under rejection sampling, speculators' target), or
+  with confidence_target "greedy" whether the biased draft's argmax is that token (greedy verification's
+  acceptance).
 The proposals themselves (for held-out tau) are the chains decoding runs: DFlashDraft.propose.
 """
 
@@ -26,14 +28,15 @@ def proposals(draft: DFlashDraft) -> int:
 
 
 def draft_loss(draft: DFlashDraft, hidden: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
-               weights: torch.Tensor) -> torch.Tensor:
+               weights: torch.Tensor, confidence_target: str = "sampled") -> torch.Tensor:
     """The kind's training loss over packed blocks: hidden [K, B, H] of the blocks anchored at `anchors` in
-    `tokens`; weights [P], one per proposal."""
+    `tokens`; weights [P], one per proposal; `confidence_target`: what a DSpark confidence head learns (see
+    _dspark_loss)."""
     count = proposals(draft)
     first = hidden.shape[1] - count  # the anchor's slot proposes too with sample_from_anchor
     labels = next_tokens(tokens, anchors, count)
     if draft.spec.kind == "dspark":
-        return _dspark_loss(draft, hidden, tokens, anchors, labels, first, weights)
+        return _dspark_loss(draft, hidden, tokens, anchors, labels, first, weights, confidence_target)
     logits = draft.logits(hidden[:, first:])
     loss = weighted_loss(logits, labels, weights)
     if draft.spec.kind == "dflash2":
@@ -63,7 +66,12 @@ def _selector_loss(draft: DFlashDraft, logits: torch.Tensor, hidden: torch.Tenso
 
 
 def _dspark_loss(draft: DFlashDraft, hidden: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
-                 labels: torch.Tensor, first: int, weights: torch.Tensor) -> torch.Tensor:
+                 labels: torch.Tensor, first: int, weights: torch.Tensor, confidence_target: str) -> torch.Tensor:
+    """The Markov-biased cross-entropy, plus the confidence head's binary cross-entropy against the acceptance of
+    each proposal given the true tokens before it: `sampled`, the probability the biased draft gives the target's
+    token (its acceptance rate under rejection sampling against a greedy target, speculators' target); `greedy`,
+    1 where the biased draft's argmax is the target's token (what greedy verification accepts, which the verify
+    policy of a greedy run weighs)."""
     head = getattr(draft, "markov_head", None)
     rnn = head is not None and head.kind == "rnn"
     body, skipped = (hidden, first) if rnn else (hidden[:, first:], 0)  # an rnn head's state starts at slot 0
@@ -83,7 +91,10 @@ def _dspark_loss(draft: DFlashDraft, hidden: torch.Tensor, tokens: torch.Tensor,
     if confidence is not None:
         features = torch.cat([body, torch.cat(codes, 1).to(body.dtype)], -1) if draft.spec.confidence_with_markov \
             else body
-        accepted = torch.softmax(logits.detach().float(), -1).gather(-1, labels[..., None])[..., 0]
+        if confidence_target == "greedy":
+            accepted = (logits.detach().argmax(-1) == labels).float()
+        else:
+            accepted = torch.softmax(logits.detach().float(), -1).gather(-1, labels[..., None])[..., 0]
         per_position = F.binary_cross_entropy_with_logits(confidence.proj(features)[..., 0].float(), accepted,
                                                           reduction="none")
         loss = loss + _weighted_mean(per_position, weights)
