@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -276,6 +277,11 @@ def test_exported_and_ort_lowered_drafts_decode_the_targets_greedy_tokens(kind, 
     rows = spec.block_size + 1 if kind == "dspark" else spec.block_size
     specializations = json.loads((tmp_path / "ai100" / "target_specializations.json").read_text())["specializations"]
     assert str(rows) in {s["symbols"]["seq_len"] for s in specializations}  # a verify's rows: DSpark's anchor too
+    nodes = onnx.load(str(tmp_path / "ai100" / "draft.onnx"), load_external_data=False).graph.node
+    sums = [n for n in nodes if n.op_type == "CumSum"]  # the draw's running sums, and the softmax each sums
+    draw = [n.output[0] for n in sums] + [n.output[0] for n in nodes if any(n.output[0] == s.input[0] for s in sums)]
+    kept = (tmp_path / "ai100" / "draft_npi.yaml").read_text()
+    assert (kind == "dspark") == bool(draw) and all(f"  - {name}\n" in kept for name in draw)  # drawn in float32
     assert main(["lower", str(tmp_path / "out"), "--target", "coreml", "--out", str(tmp_path / "coreml"),
                  "--ctx-len", "96", "--prefill-len", "16"]) == 0
     assert load_manifest(tmp_path / "coreml").lowering.functions["target"]["rows"]["verify"] == rows

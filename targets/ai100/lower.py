@@ -50,7 +50,7 @@ from .compiler import (
 )
 from .emulate import emulation_check
 from .options import Ai100Options
-from .precision import norm_outputs, plan_report
+from .precision import draw_outputs, norm_outputs, plan_report
 from .sdk import SDK_DIR, find_compiler
 
 EMULATION_PROMPTS, EMULATION_TOKENS = 2, 24
@@ -230,7 +230,8 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options | None = None,
                                              ("draft", len(draft.layers), draft.num_kv_heads, draft.head_dim)):
                 kv_in, kv_out = kv_names(layers)
                 graphs[name] = graph_spec(tmp / f"{name}.onnx", layers, heads, dim, kv_in, kv_out)
-                fp32_outputs[name] = norm_outputs(onnx.load(str(tmp / f"{name}.onnx"), load_external_data=False))
+                graph_proto = onnx.load(str(tmp / f"{name}.onnx"), load_external_data=False)
+                fp32_outputs[name] = norm_outputs(graph_proto) + draw_outputs(graph_proto)
             lowered = replace(
                 manifest, target=graphs["target"], draft=graphs["draft"], form="retained", ctx_len=options.ctx_len,
                 costs=None, prefill_len=options.prefill_len, opset=options.opset,

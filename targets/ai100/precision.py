@@ -41,6 +41,20 @@ def norm_outputs(model: onnx.ModelProto) -> list[str]:
             for name in node.output if name in floats]
 
 
+def draw_outputs(model: onnx.ModelProto, inputs: tuple[str, ...] = ("sample_uniform", "sample_temperature")
+                 ) -> list[str]:
+    """Float outputs of the nodes that depend on `inputs` (a DSpark draft's chain: the softmax at the temperature,
+    its running sum, the uniform's point, and each row after a draw), in graph order: kept float32 so each token is
+    drawn from the row the graph returns for it, at float32's rounding as on the other backends."""
+    floats, reached = _float_values(model), set(inputs)
+    kept = []
+    for node in model.graph.node:  # graph order is topological
+        if any(name in reached for name in node.input):
+            reached.update(node.output)
+            kept += [name for name in node.output if name in floats]
+    return kept
+
+
 def plan_report(fp32_outputs: dict[str, list[str]], calibration: dict) -> dict:
     """What the plan keeps in float32 and why, with the calibration's pre-norm peak against x^2's limit."""
     peak = calibration.get("norm_input_peak", 0.0)
