@@ -7,8 +7,9 @@ int4/int8 weights (`--bits`). The modules are the conversion-friendly forms in e
 (the same math as the HF model; tested against it). Each call size is its own function with fixed shapes
 (coremltools' recommendation for LLMs: the Neural Engine takes fixed shapes): the target's `decode` (1
 token), `verify` (a verify's tokens: block_size, or block_size + 1 for a DSpark draft) and `prefill`
-(--prefill-len), the draft's `draft` (up to a verify's new context rows) and `draft_prefill` (a prefill chunk of them). `ct.utils.save_multifunction` writes them into
-model.mlpackage with each weight stored once: the three target functions share theirs, and the draft's
+(--prefill-len), the draft's `draft` (up to a verify's new context rows) and `draft_prefill` (a prefill chunk
+of them). `ct.utils.save_multifunction` writes them into model.mlpackage with each weight stored once: the
+three target functions share theirs, and the draft's
 embedding and lm_head are the target's. Target functions share one state object (its K/V), the draft's
 theirs; the retained runners pad a call to the smallest function with consecutive positions. The package
 is then evaluated in numpy from its spec against the converted modules (check.py).
@@ -71,23 +72,30 @@ def _float32_after(inputs: set[str]):
     ct = import_coremltools()
     if not inputs:
         return ct.precision.FLOAT16
-    known: dict[int, bool] = {}
+    known: dict[int, bool] = {}  # op -> whether it depends on `inputs`
 
-    def depends(var) -> bool:
-        if var.name in inputs:
-            return True
-        producer = var.op
-        if producer is None:
-            return False
-        if id(producer) not in known:
-            known[id(producer)] = False  # a cycle cannot occur in a block; this only bounds the recursion
-            known[id(producer)] = any(depends(v) for value in producer.inputs.values()
-                                      for v in (value if isinstance(value, (list, tuple)) else (value,)))
-        return known[id(producer)]
+    def arguments(op) -> list:
+        return [v for value in op.inputs.values() for v in (value if isinstance(value, (list, tuple)) else (value,))]
+
+    def depends(op) -> bool:
+        """Iteratively (a large draft's chains run deeper than Python's recursion limit)."""
+        stack = [op]
+        while stack:
+            current = stack[-1]
+            if id(current) in known:
+                stack.pop()
+                continue
+            given = arguments(current)
+            pending = [v.op for v in given if v.op is not None and id(v.op) not in known]
+            if pending and not any(v.name in inputs for v in given):
+                stack.extend(pending)
+                continue
+            known[id(current)] = any(v.name in inputs or (v.op is not None and known[id(v.op)]) for v in given)
+            stack.pop()
+        return known[id(op)]
 
     def in_float16(op) -> bool:
-        return not any(depends(v) for value in op.inputs.values()
-                       for v in (value if isinstance(value, (list, tuple)) else (value,)))
+        return not depends(op)
     return ct.transform.FP16ComputePrecision(op_selector=in_float16)
 
 
