@@ -69,22 +69,30 @@ def test_packed_blocks_equal_one_decoding_step_per_anchor(name, exported):
             torch.testing.assert_close(packed[k], step[0], atol=2e-5, rtol=1e-4)
 
 
+def _packed_blocks(spec: TinySpec, tmp_path, length: int, seed: int):
+    """A tiny pair's draft, `length` random tokens, the target's tapped features of them, four anchors (the last
+    leaving room for a DSpark draft's block_size proposals) and the packed blocks' hidden states."""
+    target_dir, draft_dir = build_pair(spec, tmp_path)
+    lm = load_target(target_dir, "float32")
+    draft = load_draft(draft_dir, lm, "float32")
+    tokens = torch.randint(2, spec.vocab_size - 1, (length,), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        states = lm(input_ids=tokens[None], output_hidden_states=True).hidden_states
+        features = torch.cat([states[i + 1][0] for i in draft.spec.target_layer_ids], dim=-1)
+        anchors = torch.tensor([1, 9, 17, length - spec.block_size - 2])
+        hidden = packed_hidden(draft, features, tokens, anchors, spec.block_size, spec.vocab_size - 1)
+    return draft, tokens, features, anchors, hidden
+
+
 @pytest.mark.parametrize("kind", ["dflash2", "dspark"])
 def test_packed_dflash2_and_dspark_blocks_equal_one_decoding_step_per_anchor(kind, tmp_path):
     """DFlash2's convolutions run within each packed block, and DSpark's chain from each block's own anchor:
     the packed blocks' proposals (logits, ids, confidences) == the draft's decoding call at each anchor."""
     spec = TinySpec(draft_kind=kind, draft_format="speculators" if kind == "dspark" else "zlab", block_size=6,
                     target_layer_ids=[0, 2], seed=4)
-    target_dir, draft_dir = build_pair(spec, tmp_path)
-    lm = load_target(target_dir, "float32")
-    draft = load_draft(draft_dir, lm, "float32")
+    draft, tokens, features, anchors, hidden = _packed_blocks(spec, tmp_path, 30, seed=0)
     block, mask_id = spec.block_size, spec.vocab_size - 1
-    tokens = torch.randint(2, spec.vocab_size - 1, (30,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        states = lm(input_ids=tokens[None], output_hidden_states=True).hidden_states
-        features = torch.cat([states[i + 1][0] for i in draft.spec.target_layer_ids], dim=-1)
-        anchors = torch.tensor([1, 9, 17, 30 - block - 1])
-        hidden = packed_hidden(draft, features, tokens, anchors, block, mask_id)
         packed = draft.propose(hidden, tokens[anchors])
         assert torch.equal(proposed_ids(draft, hidden, tokens, anchors), packed[1])
         for k, anchor in enumerate(anchors.tolist()):
@@ -105,16 +113,8 @@ def test_dspark_confidence_head_learns_the_chosen_acceptance(target, tmp_path):
 
     spec = TinySpec(draft_kind="dspark", draft_format="speculators", block_size=6, target_layer_ids=[0, 2], seed=5,
                     markov_rank=0, confidence_with_markov=False)
-    target_dir, draft_dir = build_pair(spec, tmp_path)
-    lm = load_target(target_dir, "float32")
-    draft = load_draft(draft_dir, lm, "float32")
-    block, mask_id = spec.block_size, spec.vocab_size - 1
-    tokens = torch.randint(2, spec.vocab_size - 1, (40,), generator=torch.Generator().manual_seed(1))
+    draft, tokens, _, anchors, hidden = _packed_blocks(spec, tmp_path, 40, seed=1)
     with torch.no_grad():
-        states = lm(input_ids=tokens[None], output_hidden_states=True).hidden_states
-        features = torch.cat([states[i + 1][0] for i in draft.spec.target_layer_ids], dim=-1)
-        anchors = torch.tensor([1, 9, 17, 40 - block - 2])
-        hidden = packed_hidden(draft, features, tokens, anchors, block, mask_id)
         logits, ids, _ = draft.propose(hidden, tokens[anchors])
     # the continuation the loss sees: the draft's own proposal at every other slot, so some are accepted
     positions = anchors[:, None] + torch.arange(1, ids.shape[1] + 1)[None, :]
