@@ -313,33 +313,28 @@ def _session_overrides(args) -> dict:
 
 
 def _serve(args) -> int:
-    from runtime.policy import parse_verify
     from runtime.sampling import SamplingParams
-    from runtime.tokenizer import TextCodec
 
     try:
         import uvicorn
 
         from serving.app import ServerOptions, create_app
-        from serving.engine import Engine
+        from serving.host import EngineSettings
     except ModuleNotFoundError as exc:
         raise DFlashError(f"serve needs {exc.name}, which is not installed: pip install 'dflash-onnx[serve]'") from None
-    from targets import open_batch, open_decoder
 
     if not 0 <= args.port <= 65535:
         raise DFlashError(f"--port must lie in 0..65535, got {args.port}")
-    for flag, value in (("--max-queue", args.max_queue), ("--max-batch", args.max_batch),
-                        ("--max-tokens", args.max_tokens), ("--max-body-bytes", args.max_body_bytes)):
+    for flag, value in (("--max-tokens", args.max_tokens), ("--max-body-bytes", args.max_body_bytes)):
         if value < 1:
             raise DFlashError(f"{flag} must be at least 1, got {value}")
     SamplingParams(args.temperature)  # the flags are checked before the sessions open
-    verify = parse_verify(args.verify)
-    codec = TextCodec(args.out)  # a server speaks text: the directory's tokenizer is needed
-    decoder = open_decoder(args.out, backend=args.backend, batch_invariant=args.batch_invariant == "on",
-                           guess_padding=args.lookup_guess == "on", **_session_overrides(args))
-    decoder.costs = _cost_model(args, decoder.manifest) or decoder.costs
-    batch = open_batch(decoder, args.max_batch) if args.max_batch > 1 else None  # refused here where it cannot
-    engine = Engine(decoder, codec, max_queue=args.max_queue, verify=verify, batch=batch)
+    settings = EngineSettings(args.out, backend=args.backend, max_batch=args.max_batch, max_queue=args.max_queue,
+                              verify=args.verify, batch_invariant=args.batch_invariant == "on",
+                              lookup_guess=args.lookup_guess == "on", cost_model=args.cost_model,
+                              session_options=_session_overrides(args))
+    settings.check()
+    engine = settings.open()
     options = ServerOptions(model=args.model or args.out.resolve().name, api_key=args.api_key,
                             max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
                             temperature=args.temperature)

@@ -2,5 +2,6 @@
 the decoder's sessions; the Engine is importable on its own for other hosts (Ray Serve, Triton)."""
 
 from .engine import Engine, Event, GenerationRequest, QueueFull, Submission
+from .host import EngineSettings
 
-__all__ = ["Engine", "Event", "GenerationRequest", "QueueFull", "Submission"]
+__all__ = ["Engine", "EngineSettings", "Event", "GenerationRequest", "QueueFull", "Submission"]

@@ -22,8 +22,9 @@ MAY_IMPORT = {
     "passes": {"runtime", "artifacts", "passes"},
     "targets": {"runtime", "artifacts", "exporter", "passes", "targets"},
     "commands": {"runtime", "artifacts", "exporter", "training", "passes", "targets", "commands"},
-    # the HTTP server over a decoder the CLI opens: the runtime only
-    "serving": {"runtime", "serving"},
+    # the HTTP server and its other hosts (Ray Serve, Triton): the runtime, and the targets registry to open a
+    # directory
+    "serving": {"runtime", "targets", "serving"},
     "cli": {"runtime", "artifacts", "exporter", "training", "passes", "targets", "commands", "serving"},
 }
 # third-party libraries each layer may use (besides the standard library)

@@ -5,6 +5,7 @@ tokenizer; the server's DFlash output must equal it token for token, streamed or
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -355,3 +356,180 @@ def test_the_load_benchmarks_client_counts_the_tokens_and_matches_solo_greedy(se
     assert "error" not in result and result["text"] == want and result["tokens"] == count > 0
     results, _ = script._round(server.url, 2, [prompt], 3, 12)
     assert [r["tokens"] for r in results] == [count] * 3 and {r["prompt"] for r in results} == {0}
+
+
+# Triton's Python backend: the model serving/triton.py writes, run against tests/fake_triton (Triton's
+# triton_python_backend_utils exists only inside tritonserver); its config.pbtxt parsed with Triton's own schema.
+
+FAKE_TRITON = Path(__file__).parent / "fake_triton"
+
+
+def _triton_schema():
+    """Triton's model configuration schema: tritonclient's generated model_config_pb2, loaded by its path
+    (importing tritonclient.grpc needs grpcio, and tritonclient[grpc] pins protobuf below the 7 onnx runs on
+    here; .ci/run installs tritonclient --no-deps)."""
+    import importlib.util
+
+    import tritonclient
+
+    path = Path(tritonclient.__file__).parent / "grpc" / "model_config_pb2.py"
+    spec = importlib.util.spec_from_file_location("triton_model_config_pb2", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def triton_model(served, tmp_path, monkeypatch):
+    """(model, pb_utils): a TritonPythonModel initialised as Triton would, from the repository written for the
+    served directory: config.pbtxt parsed by tritonclient's model_config_pb2 and handed over as JSON."""
+    from google.protobuf import json_format, text_format
+
+    model_config_pb2 = _triton_schema()
+    from serving.host import EngineSettings
+    from serving.triton import TritonPythonModel, write_repository
+
+    monkeypatch.syspath_prepend(str(FAKE_TRITON))
+    import triton_python_backend_utils as pb_utils
+
+    folder = write_repository(EngineSettings(served[0], max_queue=4), tmp_path / "repository", "tiny")
+    assert (folder / "1" / "model.py").read_text().count("from serving.triton import TritonPythonModel") == 1
+    config = text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert config.model_transaction_policy.decoupled and config.backend == "python" and config.max_batch_size == 0
+    model = TritonPythonModel()
+    model.initialize({"model_config": json_format.MessageToJson(config, preserving_proto_field_name=True),
+                      "model_name": "tiny", "model_instance_kind": "CPU"})
+    yield model, pb_utils
+    model.finalize()
+
+
+def _triton_request(pb_utils, text: str, parameters: dict | str | None = None, stream: bool = False):
+    import numpy as np
+
+    inputs = {"text_input": np.array([text.encode()], dtype=np.object_), "stream": np.array([stream])}
+    if parameters is not None:
+        given = parameters if isinstance(parameters, str) else json.dumps(parameters)
+        inputs["sampling_parameters"] = np.array([given.encode()], dtype=np.object_)
+    return pb_utils.InferenceRequest(inputs)
+
+
+def _outputs(request) -> list[tuple[str, str | None]]:
+    assert request.sender.done.wait(60), "no final response"
+    results = []
+    for response in request.sender.responses:
+        assert not response.has_error(), response.error().message()
+        named = {t.name(): t.as_numpy()[0].decode() for t in response.output_tensors()}
+        results.append((named["text_output"], named.get("finish_reason")))
+    return results
+
+
+def test_a_triton_model_gives_the_targets_greedy_text_streamed_or_not(triton_model, served, solo):
+    model, pb_utils = triton_model
+    prompt = "def add(a, b):"
+    want, _ = solo(list(TextCodec(served[0]).encode(prompt)), 20)
+    whole = _triton_request(pb_utils, prompt, {"max_tokens": 20})
+    streamed = _triton_request(pb_utils, prompt, {"max_tokens": 20}, stream=True)
+    assert model.execute([whole, streamed]) is None  # decoupled: the responses come from the model's threads
+    (text, finish), = _outputs(whole)
+    assert text == want and finish in ("length", "stop")
+    parts = _outputs(streamed)
+    assert "".join(text for text, _ in parts) == want and len(parts) > 1
+    assert [finish for _, finish in parts[:-1]] == [None] * (len(parts) - 1) and parts[-1][1] == finish
+
+
+def test_a_triton_request_the_model_cannot_honour_gets_one_error_response(triton_model):
+    model, pb_utils = triton_model
+    cases = ((_triton_request(pb_utils, "x = ", {"best_of": 2}), "best_of"),
+             (_triton_request(pb_utils, "x = ", "{not json"), "sampling_parameters is not valid JSON"),
+             (_triton_request(pb_utils, "x = ", {"max_tokens": 0}), "max_tokens must be at least 1"),
+             (_triton_request(pb_utils, "", {"max_tokens": 3}), "the prompt is empty"))
+    model.execute([request for request, _ in cases])
+    for request, message in cases:
+        assert request.sender.done.wait(10)
+        (response,) = request.sender.responses
+        assert response.has_error() and message in response.error().message()
+
+
+def test_a_cancelled_triton_request_stops_at_its_next_step(triton_model):
+    model, pb_utils = triton_model
+    request = _triton_request(pb_utils, "def f(x):", {"max_tokens": 400}, stream=True)
+    request.cancelled = True  # the client cancelled it (Triton's request.is_cancelled())
+    finished = model.engine.finished["cancelled"]
+    model.execute([request])
+    assert request.sender.done.wait(30)
+    last = request.sender.responses[-1]
+    assert last.has_error() and "cancelled" in last.error().message()
+    assert model.engine.finished["cancelled"] == finished + 1
+
+
+def test_a_triton_repository_is_written_only_for_settings_that_open(served, tmp_path, capsys):
+    from serving.triton import main
+
+    assert main([str(tmp_path / "missing"), str(tmp_path / "repository")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main([str(served[0]), str(tmp_path / "repository"), "--max-batch", "0"]) == 2
+    assert "--max-batch must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "repository").exists()
+    assert main([str(served[0]), str(tmp_path / "repository"), "--name", "a/b"]) == 2
+    assert not (tmp_path / "repository").exists()
+
+
+def test_engine_settings_from_strings_refuse_what_they_cannot_read(tmp_path):
+    from runtime.errors import DFlashError
+    from serving.host import EngineSettings
+
+    read = EngineSettings.from_strings({"directory": str(tmp_path), "max_batch": "4", "lookup_guess": "off",
+                                        "verify": "3", "compute_units": "cpu_only"})
+    assert (read.max_batch, read.lookup_guess, read.verify, read.session_options) == (
+        4, False, "3", {"compute_units": "cpu_only"})
+    for values, message in (({"directory": str(tmp_path), "max_bach": "4"}, "unknown engine setting(s) max_bach"),
+                            ({"max_batch": "4"}, "needs directory=PATH"),
+                            ({"directory": str(tmp_path), "max_queue": "many"}, "max_queue must be a whole number"),
+                            ({"directory": str(tmp_path), "batch_invariant": "maybe"}, "batch_invariant must be on")):
+        with pytest.raises(DFlashError, match=re.escape(message)):
+            EngineSettings.from_strings(values)
+    with pytest.raises(DFlashError, match="--verify sometimes"):
+        EngineSettings(tmp_path, verify="sometimes").check()
+
+
+def test_a_ray_serve_deployment_answers_the_openai_client_like_serve(served, solo):
+    """serving/ray_serve.py's app_builder, as `serve run serving.ray_serve:app_builder directory=DIR ...` calls it,
+    on a local Ray: the replica opens its own engine and answers the OpenAI client with the greedy text."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    from serving.ray_serve import app_builder
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app_builder({"directory": str(served[0]), "model": MODEL, "max_queue": "4", "num_cpus": "0.5"}),
+                  name="dflash", route_prefix="/")
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        prompt = "def add(a, b):"
+        want, count = solo(list(TextCodec(served[0]).encode(prompt)), 20)
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
+        assert reply.choices[0].text == want and reply.usage.completion_tokens == count
+        streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == want
+        with pytest.raises(NotFoundError):
+            client.completions.create(model="another", prompt=prompt, max_tokens=2)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_the_ray_app_builder_refuses_bad_settings_in_the_driver(served):
+    from runtime.errors import DFlashError
+    from serving.ray_serve import app_builder
+
+    for values, message in (({"directory": str(served[0]), "num_replicas": "0"}, "num_replicas must be at least 1"),
+                            ({"directory": str(served[0]), "max_tokens": "lots"}, "is not a number"),
+                            ({"directory": str(served[0]), "replicas": "2"}, "unknown engine setting(s) replicas")):
+        with pytest.raises(DFlashError, match=re.escape(message)):
+            app_builder(values)
