@@ -1,13 +1,14 @@
 """One int4 matmul, ONNX Runtime's MatMulNBits against ggml's Q4_0 matmul, at a model's shapes: how fast each kernel
-is per call (the weights hot in cache, as both harnesses run them) at 1 and 2 activation rows, and what fusing the
-projections that share an activation (q/k/v, gate/up: the sibling-matmuls pass) saves.
+is per call (the weights hot in cache, as both harnesses run them) at 1 and 2 activation rows (`--rows`: others,
+e.g. 1,16 for what a verify of 16 tokens costs against a decode step), and what fusing the projections that share an
+activation (q/k/v, gate/up: the sibling-matmuls pass) saves.
 
 ggml is timed by llama.cpp's own `test-backend-ops perf` on MUL_MAT cases written to a test file (it runs with
 hardware threads / 2; ORT runs with the same count); ORT by MatMulNBits in a one-node graph, blocks of 32,
 symmetric, accuracy level 4 (int8 activations, as our int4 pass writes them).
 
     python benchmarks/matmul_kernels.py [--hidden 1024 --heads 16 --kv-heads 8 --head-dim 128
-        --intermediate 3072 --vocab 151936] [--test-backend-ops PATH] [--threads N]
+        --intermediate 3072 --vocab 151936] [--rows 1,2] [--test-backend-ops PATH] [--threads N]
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--intermediate", type=int, default=3072)
     parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--rows", default="1,2", help="activation rows to time, comma-separated (default 1,2)")
     parser.add_argument("--test-backend-ops", type=Path, help="llama.cpp's test-backend-ops binary (ggml's side)")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="ORT's threads (default: hardware threads / 2, as test-backend-ops perf runs ggml)")
@@ -110,20 +112,29 @@ def main(argv: list[str] | None = None) -> None:
                    "gate, up (each)": ([args.intermediate], args.hidden), "down": ([args.hidden], args.intermediate),
                    "lm_head": ([args.vocab], args.hidden),
                    "q+k+v fused": ([q + 2 * kv], args.hidden), "gate+up fused": ([2 * args.intermediate], args.hidden)}
-    rows_list = (1, 2)
+    try:
+        rows_list = tuple(int(rows) for rows in args.rows.split(","))
+    except ValueError:
+        parser.error(f"--rows {args.rows}: give whole numbers, comma-separated")
+    if not rows_list or min(rows_list) < 1:
+        parser.error(f"--rows {args.rows}: each count must be at least 1")
     shapes = [(sum(widths), k, rows) for widths, k in projections.values() for rows in rows_list]
     theirs = ggml_us(args.test_backend_ops, shapes) if args.test_backend_ops else {}
     table = []
     for name, (widths, k) in projections.items():
+        first: tuple[float, float | None] | None = None  # this projection's times at the first row count
         for rows in rows_list:
             ours = ort_us(widths, k, rows, args.threads)
             ggml = theirs.get((sum(widths), k, rows))
+            first = first or (ours, ggml)
             megabytes = sum(widths) * k * Q4_0_BLOCK_BYTES / 32 / 1e6
             table.append([name, f"{sum(widths)} x {k}", str(rows), f"{ours:.0f}",
                           f"{ggml:.0f}" if ggml else "-", f"{ours / ggml:.2f}x" if ggml else "-",
-                          f"{megabytes / ours * 1e3:.1f}"])
+                          f"{megabytes / ours * 1e3:.1f}", f"{ours / first[0]:.2f}x",
+                          f"{ggml / first[1]:.2f}x" if ggml and first[1] else "-"])
     print(markdown_table(["projection", "N x K", "rows", "ORT MatMulNBits us", "ggml Q4_0 us", "ORT / ggml",
-                          "ORT GB/s (Q4_0 bytes)"], table))
+                          "ORT GB/s (Q4_0 bytes)", f"ORT / {rows_list[0]} row(s)", f"ggml / {rows_list[0]} row(s)"],
+                         table))
     print(f"\n{args.threads} thread(s). {provenance()}")
 
 

@@ -13,7 +13,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,7 @@ class BenchOptions:
     repeats: int = 3
     num_prompts: int = 4
     verify_lengths: list[int] | None = None  # None: 1, 2, 4, ... up to and including block_size
-    contexts: list[int] = field(default_factory=lambda: [256, 1024])
+    contexts: list[int] | None = None  # None: DEFAULT_CONTEXTS, those the lowering holds a verify beyond
     curve_repeats: int = 10
     verify: str | int = "auto"  # the DFlash runs' verify policy; with auto, full blocks are measured beside it
     load: int = 0  # busy processes beside a second, loaded measurement of the runs (and peers)
@@ -44,6 +44,24 @@ class BenchOptions:
     batch_invariant: bool = True  # pad target calls to the lowering's row multiple (decode.Decoder)
     lookup_guess: bool = True  # a lookup guess in the padding row of a one-token step (decode.Decoder)
     session_overrides: dict = field(default_factory=dict)  # the backend's session options (CoreML: compute_units)
+
+
+DEFAULT_CONTEXTS = (256, 1024)
+
+
+def curve_contexts(given: list[int] | None, capacity: int | None, longest_call: int) -> list[int]:
+    """The cost curve's contexts: those given (each must leave room for the longest call after it, refused in one
+    line before any run), or the default ones that do (at least the first, shortened to fit)."""
+    if given is None:
+        fitting = [c for c in DEFAULT_CONTEXTS if capacity is None or c + longest_call <= capacity]
+        return fitting or [max(0, min(DEFAULT_CONTEXTS[0], (capacity or 0) - longest_call))]
+    if capacity is not None:
+        over = [c for c in given if c + longest_call > capacity]
+        if over:
+            raise DFlashError(f"--contexts {','.join(map(str, over))}: a cost-curve call there reads up to "
+                              f"{max(over) + longest_call} positions, and this lowering holds {capacity}: give "
+                              f"contexts up to {capacity - longest_call}, or lower with a larger --ctx-len")
+    return given
 
 
 class ClockedSession:
@@ -318,6 +336,8 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
     codec = TextCodec(directory) if has_tokenizer(directory) else None
     prompts = load_prompts(prompts_file, codec, options.num_prompts, manifest.vocab_size)
     lengths = options.verify_lengths or default_verify_lengths(manifest.block_size)
+    longest = max(*lengths, manifest.verify_rows)  # the longest target call, or the draft's block
+    options = replace(options, contexts=curve_contexts(options.contexts, decoder.capacity, longest))
     curve_calls = len(options.contexts) * (len(lengths) + 1) if manifest.form in ("concat", "buffer") else 0
     total = len(bench_modes(decoder, options)) * options.repeats * len(prompts) + curve_calls
     with tqdm(total=total, disable=not progress, desc="bench", unit="run", file=sys.stderr) as bar:

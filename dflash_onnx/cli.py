@@ -284,7 +284,7 @@ def _bench(args) -> int:
     options = BenchOptions(
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_prompts=args.num_prompts,
         verify_lengths=_int_list(args.block_sizes, "--block-sizes") if args.block_sizes else None,
-        contexts=_int_list(args.contexts, "--contexts"), curve_repeats=args.curve_repeats,
+        contexts=_int_list(args.contexts, "--contexts") if args.contexts else None, curve_repeats=args.curve_repeats,
         verify=parse_verify(args.verify), load=args.load, batch_invariant=args.batch_invariant == "on",
         lookup_guess=args.lookup_guess == "on",
         session_overrides=_session_overrides(args), llama_cpp=args.llama_cpp)
@@ -498,7 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3, help="runs per prompt and mode (medians)")
     bench.add_argument("--block-sizes", help="verify lengths T of the cost curve (default 1,2,4,..,block)")
-    bench.add_argument("--contexts", default="256,1024", help="context lengths of the cost curve")
+    bench.add_argument("--contexts", help="context lengths of the cost curve (default 256,1024, those the lowering "
+                       "holds a block beyond)")
     bench.add_argument("--curve-repeats", type=int, default=10)
     bench.add_argument("--peers", help="also run hf (transformers greedy) and/or reference (dflash_generate at "
                        "block 1 and B) and/or ort-genai (greedy and n-gram speculative) and/or mlx-lm (greedy, at the "
