@@ -25,6 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
+from . import recurrent
 from .errors import DFlashError
 
 ROW_INPUTS = ("input_ids", "position_ids")
@@ -246,11 +247,17 @@ class StepBatcher:
             self.stats.padding_rows += rows - real
         feeds = {"input_ids": ids, "position_ids": positions, "seqlens_k": lengths,
                  "total_sequence_length": np.array(lengths.max() + 1, np.int32)}
+        state = sorted({name for call in small.values() for name in call.feeds if recurrent.is_state_name(name)})
+        if state:  # a hybrid target's linear-attention state, per request (recurrent.py)
+            feeds.update(recurrent.join_feeds([small[slot].feeds if slot in small else None for slot in range(count)],
+                                              state))
         self._measure(pending, small)
         outputs = self.store.run_slots(0, feeds, names)
-        for slot, call in small.items():
+        for slot, call in small.items():  # the K/V outputs stay in the store
             call.outputs = {name: outputs[name][slot : slot + 1, : call.rows] for name in call.names
-                            if name in outputs}  # the K/V outputs stay in the store
+                            if name in outputs and not recurrent.is_state_name(name)}
+            call.outputs.update(recurrent.slot_outputs({name: outputs[name] for name in call.names if name in outputs
+                                                        and recurrent.is_state_name(name)}, slot, call.rows, rows))
         self.stats.batched_calls += 1
         self.stats.batched_requests += len(small)
         self.stats.widest = max(self.stats.widest, len(small))

@@ -66,7 +66,10 @@ class RecurrentState:
         if not 0 <= rows <= self.last_rows:
             raise ValueError(f"cannot commit to length {length}: the last call ran positions {self.last_start}.."
                              f"{self.last_start + self.last_rows - 1}")
-        out, whole = self.last, rows == self.last_rows
+        # the state after all of the call's rows, where the call returned it for them (a batched call whose rows
+        # were padded beyond this request's does not: its pending rows are kept instead)
+        out = self.last
+        whole = rows == self.last_rows and all(output_names(layer)[2] in out for layer in self.spec.layers)
         for layer in self.spec.layers:
             conv, recurrent, end, *pending = output_names(layer)
             conv_in, recurrent_in, *pending_in = input_names(layer)
@@ -74,3 +77,46 @@ class RecurrentState:
             self.feeds[recurrent_in] = out[end if whole else recurrent]
             for name, given in zip(pending_in, pending):
                 self.feeds[name] = out[given][:, :0 if whole else rows]
+
+
+def is_state_name(name: str) -> bool:
+    """An input or output of the linear-attention state (input_names / output_names)."""
+    return name.startswith(("past_state.", "pending.", "present_state.", "present_pending."))
+
+
+def join_feeds(per_slot: list[dict[str, np.ndarray] | None], names: list[str]) -> dict[str, np.ndarray]:
+    """The state inputs of several requests' calls as one batched call's, a request per batch row: pending rows
+    padded to the longest with neutral rows (decay 1, key and delta 0: the state unchanged, exactly, as the graph's
+    own first row); a row without a call of its own (None: a placeholder) gets a zero state and only neutral rows."""
+    model = next(feeds for feeds in per_slot if feeds is not None)
+    joined = {}
+    for name in names:
+        pending = name.startswith("pending.")
+        longest = max((feeds[name].shape[1] for feeds in per_slot if feeds is not None), default=0) if pending else 0
+        fill = 1.0 if name.endswith(".decay") else 0.0
+        shape = (len(per_slot), longest, *model[name].shape[2:]) if pending else (len(per_slot), *model[name].shape[1:])
+        array = np.full(shape, fill, model[name].dtype) if pending else np.zeros(shape, model[name].dtype)
+        for row, feeds in enumerate(per_slot):
+            if feeds is not None:
+                given = feeds[name][0]
+                array[row, : len(given)] = given
+        joined[name] = array
+    return joined
+
+
+def slot_outputs(outputs: dict[str, np.ndarray], row: int, rows: int, batch_rows: int) -> dict[str, np.ndarray]:
+    """One request's state outputs from a batched call that padded its `rows` rows to `batch_rows`: the conv rows
+    past + its own, the state after its pending rows, its own tokens' rows; the state after all of the call's rows
+    only where no padding of the batch's followed its rows (otherwise that state is not its own)."""
+    own = {}
+    for name, value in outputs.items():
+        if name.endswith(".recurrent_end"):
+            if rows == batch_rows:
+                own[name] = value[row : row + 1]
+        elif name.endswith(".recurrent"):
+            own[name] = value[row : row + 1]
+        elif name.endswith(".conv"):
+            own[name] = value[row : row + 1, : value.shape[1] - (batch_rows - rows)]
+        else:  # present_pending.*: a row per token
+            own[name] = value[row : row + 1, :rows]
+    return own

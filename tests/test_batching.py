@@ -40,9 +40,11 @@ def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
     return [rng.integers(0, vocab, int(rng.integers(2, 40))).tolist() for _ in range(count)]
 
 
-def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampling=None, prefill_chunk: int = 20):
+def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampling=None, prefill_chunk: int = 20,
+                  decode=None):
     """Each prompt decoded in its own thread on a slot of one batch, the threads started a few at a time (so
-    requests join while others decode and leave before others end); the tokens and the batcher's stats."""
+    requests join while others decode and leave before others end); the tokens and the batcher's stats.
+    `decode(index, decoder)`: request `index`'s tokens from its decoder (default: generate in `mode`)."""
     base = open_decoder(directory, prefill_chunk=prefill_chunk)
     store, draft_for = open_batch(base, slots)
     batcher = StepBatcher(store, big_rows=_step_rows(base))
@@ -55,7 +57,8 @@ def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampl
             slot = batcher.open()
             try:
                 decoder = Decoder(base.manifest, slot, draft_for(), prefill_chunk)
-                tokens[index] = decoder.generate(prompts[index], max_new, mode, sampling).tokens
+                tokens[index] = decode(index, decoder) if decode else \
+                    decoder.generate(prompts[index], max_new, mode, sampling).tokens
             finally:
                 slot.release()
         except BaseException as exc:  # noqa: BLE001 - reported by the test
@@ -86,6 +89,50 @@ def test_each_request_decodes_as_it_does_alone(ragged, name):
     got, stats = _side_by_side(directory, prompts, 3, "dflash", 24)
     assert got == want
     assert stats.widest >= 2 and stats.batched_calls > 0 and stats.lone_calls > 0
+
+
+class _TruthfulDraft:
+    """The real draft session, its proposals replaced by the request's own greedy continuation (known from its
+    decode alone): every drafted token is accepted, so each step commits all of its rows."""
+
+    def __init__(self, session, sequence: list[int], block_size: int):
+        self.session, self.sequence, self.block = session, sequence, block_size
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+    def run(self, feeds, output_names=None):
+        out = dict(self.session.run(feeds, output_names))
+        start = int(feeds["position_ids"][0, -self.block])  # the block's first position: the committed length
+        ids = [self.sequence[start + offset] if start + offset < len(self.sequence) else 0
+               for offset in range(1, self.block)]
+        out["draft_ids"] = np.array([ids], dtype=out["draft_ids"].dtype)
+        return out
+
+
+def test_a_hybrid_targets_requests_decode_as_they_do_alone(ragged):
+    """A Gated-DeltaNet hybrid's linear-attention state per request: greedy requests beside DFlash ones verifying
+    whole blocks (so calls of 2 and 4 rows share steps, and the random draft leaves different numbers of pending
+    rows per request, padded with neutral rows); then DFlash requests whose drafts are always right, verifying 1, 2
+    or 3 tokens, so a request padded by the batch commits all of its own rows (the state after the batch's padding
+    is not its own). Every request's tokens equal its greedy decode alone."""
+    directory = ragged("hybrid_b4")
+    alone = open_decoder(directory)
+    prompts = _prompts(alone.manifest.vocab_size, 7, seed=1)
+    want = [alone.generate(p, 24, "greedy").tokens for p in prompts]
+    got, stats = _side_by_side(directory, prompts, 3, "dflash", 24, decode=lambda i, decoder: decoder.generate(
+        prompts[i], 24, "greedy" if i % 2 else "dflash", verify="full").tokens)
+    assert got == want and stats.padding_rows > 0 and stats.widest == 3
+    block = alone.manifest.block_size
+
+    def truthful(index: int, decoder: Decoder) -> list[int]:
+        decoder.draft = _TruthfulDraft(decoder.draft, prompts[index] + want[index], block)
+        result = decoder.generate(prompts[index], 24, "dflash", verify=1 + index % (block - 1))
+        assert all(a == min(1 + index % (block - 1), block - 1) + 1 for a in result.acceptance_lengths[:-1])
+        return result.tokens
+
+    got, stats = _side_by_side(directory, prompts, 3, "dflash", 24, decode=truthful)
+    assert got == want and stats.padding_rows > 0
 
 
 def test_greedy_and_sampling_side_by_side_are_the_requests_alone(ragged):

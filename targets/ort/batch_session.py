@@ -12,6 +12,7 @@ import onnxruntime as ort
 
 from runtime.errors import DFlashError
 from runtime.manifest import Manifest
+from runtime.recurrent import output_names as recurrent_outputs
 
 from ..kv_rows import STEP_ROWS, rows_in_steps
 from .session import OrtBufferSession, buffer_attention
@@ -25,8 +26,6 @@ def batch_refusal(manifest: Manifest) -> str | None:
     if buffer_attention(manifest) != "ragged":
         return ("batching needs the ragged attention (TensorScatter + ONNX Attention; GroupQueryAttention takes one "
                 "request a call): lower again with --kv-attention ragged")
-    if manifest.target.recurrent:
-        return "batching a hybrid target's linear-attention state is not built yet: serve it with --max-batch 1"
     if manifest.lowering.provider != "cpu":
         return f"batching runs on the CPU provider only so far (this lowering: {manifest.lowering.provider})"
     return None
@@ -48,6 +47,9 @@ class OrtBatchSession:
         self._rows = 0
         self._binding = self._session.io_binding()
         self._specs = {t.name: t for t in self._graph.outputs if t.name not in set(self._graph.kv_outputs)}
+        # a hybrid target's linear-attention state outputs: not sized by the call's rows alone (conv rows)
+        self._state = {n for layer in self._graph.recurrent.layers for n in recurrent_outputs(layer)} \
+            if self._graph.recurrent else set()
         self._inputs: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # per input: the array bound, refilled
         self._outputs: dict[tuple[str, int, int], np.ndarray] = {}  # per output, batch and rows: written by ORT
         self._bound: tuple | None = None
@@ -84,6 +86,8 @@ class OrtBatchSession:
             # pays for every row they hold), free slots hold nothing
             self._resize(rows_in_steps(needed, self.capacity, self.path.name))
         rows = int(feeds["input_ids"].shape[1])
+        if self._state.intersection(names):
+            return self._run_with_state(first, count, feeds, names)
         key = (first, count, rows, tuple(names), self._rows)
         if key != self._bound:  # a step like the last (same slots, rows, outputs) binds nothing anew
             self._bind(first, count, rows, names, feeds)
@@ -96,6 +100,33 @@ class OrtBatchSession:
             raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
         return {name: self._outputs[(name, count, rows)].copy() for name in names}
 
+    def _run_with_state(self, first: int, count: int, feeds: dict[str, np.ndarray],
+                        names: list[str]) -> dict[str, np.ndarray]:
+        """A call that also returns a hybrid target's linear-attention state (conv rows past + new, states,
+        pending rows: shapes the call's rows alone do not give): K/V in the slots' buffers as in run_slots, every
+        other input and output bound anew on the host."""
+        binding = self._binding
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        kept = {name: np.ascontiguousarray(value) for name, value in feeds.items()}  # alive until the run ends
+        for name, value in kept.items():
+            binding.bind_cpu_input(name, value)
+        for name in names:  # bound first: get_outputs() lists the outputs in binding order
+            binding.bind_output(name, "cpu")
+        self._bind_kv(first, count)
+        self._bound = None
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as exc:
+            raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+        return {name: value.numpy() for name, value in zip(names, binding.get_outputs())}
+
+    def _bind_kv(self, first: int, count: int) -> None:
+        for past, present in self._pairs:  # a view of the slots' block, both read and written in place
+            view = self._buffers[past][first : first + count]
+            self._binding.bind_input(past, "cpu", 0, self._dtype, list(view.shape), view.ctypes.data)
+            self._binding.bind_output(present, "cpu", 0, self._dtype, list(view.shape), view.ctypes.data)
+
     def _bind(self, first: int, count: int, rows: int, names: list[str], feeds: dict[str, np.ndarray]) -> None:
         """Bind inputs and outputs to arrays kept per shape, and the K/V to views of slots first..first+count-1."""
         binding = self._binding
@@ -107,10 +138,7 @@ class OrtBatchSession:
                 array = np.empty(value.shape, value.dtype)
                 kept = self._inputs[name] = (array, ort.OrtValue.ortvalue_from_numpy(array))
             binding.bind_ortvalue_input(name, kept[1])
-        for past, present in self._pairs:  # a view of the slots' block, both read and written in place
-            view = self._buffers[past][first : first + count]
-            binding.bind_input(past, "cpu", 0, self._dtype, list(view.shape), view.ctypes.data)
-            binding.bind_output(present, "cpu", 0, self._dtype, list(view.shape), view.ctypes.data)
+        self._bind_kv(first, count)
         for name in names:
             if (name, count, rows) not in self._outputs:
                 spec = self._specs[name]
