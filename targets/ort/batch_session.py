@@ -15,7 +15,7 @@ from runtime.manifest import Manifest
 from runtime.recurrent import output_names as recurrent_outputs
 
 from ..kv_rows import STEP_ROWS, rows_in_steps
-from .session import OrtBufferSession, buffer_attention
+from .session import OrtBufferSession, bind_host_inputs, buffer_attention, run_bound
 
 
 def batch_refusal(manifest: Manifest) -> str | None:
@@ -94,10 +94,7 @@ class OrtBatchSession:
             self._bound = key
         for name, value in feeds.items():
             np.copyto(self._inputs[name][0], value)
-        try:
-            self._session.run_with_iobinding(self._binding)
-        except Exception as exc:
-            raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+        run_bound(self._session, self._binding, self.path.name)
         return {name: self._outputs[(name, count, rows)].copy() for name in names}
 
     def _run_with_state(self, first: int, count: int, feeds: dict[str, np.ndarray],
@@ -108,17 +105,12 @@ class OrtBatchSession:
         binding = self._binding
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
-        kept = {name: np.ascontiguousarray(value) for name, value in feeds.items()}  # alive until the run ends
-        for name, value in kept.items():
-            binding.bind_cpu_input(name, value)
+        kept = bind_host_inputs(binding, feeds)  # noqa: F841 - alive until the run ends
         for name in names:  # bound first: get_outputs() lists the outputs in binding order
             binding.bind_output(name, "cpu")
         self._bind_kv(first, count)
         self._bound = None
-        try:
-            self._session.run_with_iobinding(binding)
-        except Exception as exc:
-            raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+        run_bound(self._session, binding, self.path.name)
         return {name: value.numpy() for name, value in zip(names, binding.get_outputs())}
 
     def _bind_kv(self, first: int, count: int) -> None:

@@ -121,6 +121,23 @@ class OrtSession:
         return dict(zip(names, values))
 
 
+def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, label: str) -> None:
+    """Run `session` on its bound inputs and outputs; ORT's failure said in one line naming the graph."""
+    try:
+        session.run_with_iobinding(binding)
+    except Exception as exc:
+        raise DFlashError(f"{label} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+
+
+def bind_host_inputs(binding: ort.IOBinding, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Bind every feed from host memory; the arrays returned are what ORT reads, and must stay alive until the
+    run ends."""
+    kept = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
+    for name, value in kept.items():
+        binding.bind_cpu_input(name, value)
+    return kept
+
+
 def _grown(value: ort.OrtValue | None, shape: tuple[int, ...], dtype, device: str) -> ort.OrtValue:
     """A zeroed buffer of `shape` on `device` that starts with `value`'s contents, as much as fits (None: empty)."""
     array = np.zeros(shape, dtype)
@@ -216,10 +233,7 @@ class OrtBufferSession(OrtSession):
             for past, present in self._pairs:
                 binding.bind_ortvalue_output(present, self._values[past])
             self._bound = (names, rows)
-        try:
-            self._session.run_with_iobinding(binding)
-        except Exception as exc:
-            raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+        run_bound(self._session, binding, self.path.name)
         return {name: self._output(name, rows)[0].copy() for name in names}
 
     def _run_with_state(self, feeds: dict[str, np.ndarray], names: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -228,19 +242,14 @@ class OrtBufferSession(OrtSession):
         self._fit(int(feeds["total_sequence_length"]))
         binding = self._binding
         binding.clear_binding_outputs()
-        kept = {name: np.ascontiguousarray(value) for name, value in feeds.items()}  # alive until the run ends
-        for name, value in kept.items():
-            binding.bind_cpu_input(name, value)
+        kept = bind_host_inputs(binding, feeds)  # noqa: F841 - alive until the run ends
         self._inputs.clear()
         for name in names:
             binding.bind_output(name, "cpu")
         for past, present in self._pairs:
             binding.bind_ortvalue_output(present, self._values[past])
         self._bound = None
-        try:
-            self._session.run_with_iobinding(binding)
-        except Exception as exc:
-            raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+        run_bound(self._session, binding, self.path.name)
         return {name: value.numpy() for name, value in zip(names, binding.get_outputs())}
 
 
@@ -289,9 +298,7 @@ class OrtRowsSession(OrtSession):
         binding = self._binding
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
-        kept = {name: np.ascontiguousarray(value) for name, value in feeds.items()}  # alive until the run ends
-        for name, value in kept.items():
-            binding.bind_cpu_input(name, value)
+        kept = bind_host_inputs(binding, feeds)  # noqa: F841 - alive until the run ends
         for past_name, rows_name, buffer in self._buffers:
             start, heads = buffer.data_ptr(), list(self._graph.kv_shape(past_name))
             row_bytes = heads[0] * heads[1] * np.dtype(self.dtype).itemsize
@@ -299,10 +306,7 @@ class OrtRowsSession(OrtSession):
             binding.bind_output(rows_name, self.device, 0, self.dtype, [1, rows, *heads], start + past * row_bytes)
         for name in names:
             binding.bind_output(name, "cpu")
-        try:
-            self._session.run_with_iobinding(binding)
-        except Exception as exc:
-            raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+        run_bound(self._session, binding, self.path.name)
         values = binding.get_outputs()[len(self._buffers):]  # in binding order: the rows first
         return {name: value.numpy() for name, value in zip(names, values)}
 
