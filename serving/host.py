@@ -70,6 +70,12 @@ class EngineSettings:
         parse_verify(self.verify)
         if not self.directory.is_dir():
             raise DFlashError(f"{self.directory} is not a directory: pass an exported or lowered directory")
+        if self.backend is not None:
+            from targets import get_backend
+
+            get_backend(self.backend)  # an unknown name is refused, naming the known ones
+        if self.cost_model is not None and not self.cost_model.is_file():
+            raise DFlashError(f"--cost-model {self.cost_model} is not a file: give the JSON cost curve to use")
 
     def open(self) -> Engine:
         """The engine, its sessions opened (seconds at scale); refused in one line where the directory cannot

@@ -488,8 +488,12 @@ def test_engine_settings_from_strings_refuse_what_they_cannot_read(tmp_path):
                             ({"directory": str(tmp_path), "batch_invariant": "maybe"}, "batch_invariant must be on")):
         with pytest.raises(DFlashError, match=re.escape(message)):
             EngineSettings.from_strings(values)
-    with pytest.raises(DFlashError, match="--verify sometimes"):
-        EngineSettings(tmp_path, verify="sometimes").check()
+    for settings, message in ((EngineSettings(tmp_path, verify="sometimes"), "--verify sometimes"),
+                              (EngineSettings(tmp_path, backend="gpu"), "unknown backend 'gpu'"),
+                              (EngineSettings(tmp_path, cost_model=tmp_path / "no.json"), "is not a file"),
+                              (EngineSettings(tmp_path / "missing"), "is not a directory")):
+        with pytest.raises(DFlashError, match=re.escape(message)):
+            settings.check()
 
 
 def test_a_ray_serve_deployment_answers_the_openai_client_like_serve(served, solo):
