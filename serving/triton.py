@@ -52,7 +52,9 @@ def sampling_request(prompt_ids: list[int], parameters: dict) -> GenerationReque
         raise DFlashError(f"sampling parameter(s) {', '.join(unknown)} not supported: this model takes "
                           f"{', '.join(sorted(SAMPLING_KEYS))}")
     stop = parameters.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else None
+    if stop is None or not all(isinstance(s, str) for s in stop):
+        raise DFlashError("stop must be a string or a list of strings")
     try:
         max_tokens = int(parameters.get("max_tokens", DEFAULT_MAX_TOKENS))
         sampling = SamplingParams(float(parameters.get("temperature", 0.0)), float(parameters.get("top_p", 1.0)),
@@ -112,7 +114,10 @@ class TritonPythonModel:
         text = self._scalar(request, "text_input")
         if text is None:
             raise DFlashError("the request has no text_input")
-        text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+        try:
+            text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+        except UnicodeDecodeError:
+            raise DFlashError("text_input is not valid UTF-8") from None
         stream = bool(self._scalar(request, "stream") or False)
         # the generate endpoint's "parameters", then the sampling_parameters input, as the vLLM backend reads them
         parameters = _json_object(request.parameters() if hasattr(request, "parameters") else None, "parameters")

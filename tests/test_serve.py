@@ -442,7 +442,8 @@ def test_a_triton_request_the_model_cannot_honour_gets_one_error_response(triton
     cases = ((_triton_request(pb_utils, "x = ", {"best_of": 2}), "best_of"),
              (_triton_request(pb_utils, "x = ", "{not json"), "sampling_parameters is not valid JSON"),
              (_triton_request(pb_utils, "x = ", {"max_tokens": 0}), "max_tokens must be at least 1"),
-             (_triton_request(pb_utils, "", {"max_tokens": 3}), "the prompt is empty"))
+             (_triton_request(pb_utils, "", {"max_tokens": 3}), "the prompt is empty"),
+             (_triton_request(pb_utils, "x = ", {"stop": [1]}), "stop must be a string or a list of strings"))
     model.execute([request for request, _ in cases])
     for request, message in cases:
         assert request.sender.done.wait(10)
