@@ -254,10 +254,11 @@ class StepBatcher:
         self._measure(pending, small)
         outputs = self.store.run_slots(0, feeds, names)
         for slot, call in small.items():  # the K/V outputs stay in the store
-            call.outputs = {name: outputs[name][slot : slot + 1, : call.rows] for name in call.names
-                            if name in outputs and not recurrent.is_state_name(name)}
-            call.outputs.update(recurrent.slot_outputs({name: outputs[name] for name in call.names if name in outputs
-                                                        and recurrent.is_state_name(name)}, slot, call.rows, rows))
+            own = [name for name in call.names if name in outputs]
+            call.outputs = {name: outputs[name][slot : slot + 1, : call.rows] for name in own
+                            if not recurrent.is_state_name(name)}
+            call.outputs.update(recurrent.slot_outputs({name: outputs[name] for name in own
+                                                        if recurrent.is_state_name(name)}, slot, call.rows, rows))
         self.stats.batched_calls += 1
         self.stats.batched_requests += len(small)
         self.stats.widest = max(self.stats.widest, len(small))

@@ -4,7 +4,7 @@ engine from the same flags."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from runtime.errors import DFlashError
@@ -36,8 +36,7 @@ class EngineSettings:
     def from_strings(cls, values: dict[str, str]) -> EngineSettings:
         """From string key/values, as Ray's `serve run module:app key=value` and Triton's config parameters give
         them (the keys are the field names; unknown keys are refused, naming the known ones)."""
-        known = {"directory", "backend", "max_batch", "max_queue", "verify", "batch_invariant", "lookup_guess",
-                 "cost_model", "compute_units"}
+        known = {f.name for f in fields(cls)} - {"session_options"} | {"compute_units"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise DFlashError(f"unknown engine setting(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
