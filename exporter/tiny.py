@@ -105,6 +105,11 @@ PRESETS = {
 # always, so DFlash runs at the top of its acceptance range; bench's implied speedup covers lower tau.
 PRESETS["qwen3-0.6b-shaped-agree"] = replace(PRESETS["qwen3-0.6b-shaped"], agree=True, tie_embeddings=False,
                                              damp_layers=0.002)
+# Its attention (16 query and 8 K/V heads of 128) on a small body (4 layers of width 256, 1024 tokens): its float16
+# export (21 MB) travels to a leased GPU machine in one call, where the 0.6B shape's export (1.2 GB) cannot
+PRESETS["qwen3-0.6b-attention-agree"] = replace(PRESETS["qwen3-0.6b-shaped-agree"], vocab_size=1024,
+                                                hidden_size=256, intermediate_size=384, target_layers=4,
+                                                target_layer_ids=[1, 2], max_positions=4096)
 # The seeds' workloads: Qwen3-4B with its 5-layer Qwen3-4B-DFlash-b16 draft, LLaMA-3.1-8B with z-lab's draft
 # (taps as the reference package's build_target_layer_ids gives them), bfloat16 like the published weights.
 PRESETS["qwen3-4b-shaped"] = TinySpec(

@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from conftest import KV_BUFFER
 
@@ -17,6 +18,7 @@ from runtime.manifest import load_manifest
 from targets import LowerRequest, open_decoder
 from targets.ort.lower import lower_ort
 from targets.ort.options import OrtOptions
+from targets.ort.session import OrtBufferSession
 
 QUIET = LowerRequest(progress=False)
 REWRITES = ["draft-attention", "rope-cache", "kv-buffer", "draft-rows", "tidy"]  # the lowering's own, in order
@@ -487,3 +489,45 @@ def test_the_check_holds_one_graph_session_at_a_time(exported, ort_lowered):
         tracked(lambda g: open_session(directory, manifest, g)), manifest).differences
     assert [graph for graph, _ in opened] == ["draft", "target", "draft", "target"]
     assert overlaps == [[], [], [], []] and max(d for _, d in differences) < 1e-4
+
+
+class _CopiedWhenBound:
+    """An IOBinding that does what ORT does for a host input of a graph on a device provider: the value is
+    copied when it is bound, so refilling the host array afterwards changes nothing the graph reads."""
+
+    def __init__(self, binding, kv_inputs):
+        self._binding, self._kv, self._copies = binding, set(kv_inputs), {}
+
+    def bind_ortvalue_input(self, name, value):
+        if name not in self._kv:  # the K/V buffers live on the device already: bound as they are
+            value = self._copies[name] = ort.OrtValue.ortvalue_from_numpy(value.numpy().copy())
+        self._binding.bind_ortvalue_input(name, value)
+
+    def __getattr__(self, name):
+        return getattr(self._binding, name)
+
+
+def test_inputs_copied_when_bound_are_bound_again_after_each_refill(ort_lowered):
+    """The CUDA buffer form's wrong verify and decode calls (reported as a GroupQueryAttention defect) were our
+    binding: ORT copies a host input to the device when it is bound, and the session bound each input before
+    filling it and never again while its shape held. With copy-on-bind simulated on the CPU, every call of a
+    prefill / verify / decode / decode sequence returns what a fresh session given the whole prefix returns."""
+    directory = ort_lowered("agree_b8")
+    manifest = load_manifest(directory)
+    ids = np.random.default_rng(9).integers(2, 94, size=30)
+    calls = [(0, 12), (12, 8), (20, 1), (21, 1), (22, 8)]
+
+    def run(session, start, count):
+        end = start + count
+        return session.run({"input_ids": ids[None, start:end], "position_ids": np.arange(start, end)[None],
+                            "seqlens_k": np.array([end - 1], np.int32),
+                            "total_sequence_length": np.array(end, np.int32)}, ["target_hidden"])["target_hidden"]
+
+    session = OrtBufferSession(directory / manifest.target.file, manifest)
+    session._binding = _CopiedWhenBound(session._binding, manifest.target.kv_inputs)
+    session._inputs_copied_when_bound = True  # what a session on a device provider sets
+    for start, count in calls:
+        fresh = OrtBufferSession(directory / manifest.target.file, manifest)
+        if start:
+            run(fresh, 0, start)
+        np.testing.assert_allclose(run(session, start, count), run(fresh, start, count), atol=1e-5)

@@ -174,6 +174,9 @@ class OrtBufferSession(OrtSession):
         self._outputs: dict[tuple[str, int], tuple[np.ndarray, object]] = {}
         self._bound: tuple | None = None
         self._inputs: dict[str, tuple[np.ndarray, object]] = {}  # per input: the array bound last, refilled
+        # ORT copies a host input to the provider's device when it is bound, not when the graph runs: off the CPU,
+        # a refilled array must be bound again (found on CUDA: later calls read the first call's ids and lengths)
+        self._inputs_copied_when_bound = self.device != "cpu"
         declared = next(i.shape[2] for i in self._session.get_inputs() if i.name == graph.kv_inputs[0])
         # ONNX Attention (the ragged attention) pays for every row of its buffers on each call: they follow the
         # context in steps, down as well as up (kv_rows.rows_in_steps)
@@ -219,13 +222,15 @@ class OrtBufferSession(OrtSession):
         rows, needed = int(feeds["input_ids"].shape[1]), int(feeds["total_sequence_length"])
         self._fit(needed)
         binding = self._binding
-        for name, value in feeds.items():  # same shape as last call (every decode or verify step): copy, no bind
+        for name, value in feeds.items():  # same shape as last call (a decode or verify step): refilled in place
             kept = self._inputs.get(name)
-            if kept is None or kept[0].shape != value.shape or kept[0].dtype != value.dtype:
+            fresh = kept is None or kept[0].shape != value.shape or kept[0].dtype != value.dtype
+            if fresh:
                 array = np.empty(value.shape, value.dtype)
                 kept = self._inputs[name] = (array, ort.OrtValue.ortvalue_from_numpy(array))
-                binding.bind_ortvalue_input(name, kept[1])
             np.copyto(kept[0], value)
+            if fresh or self._inputs_copied_when_bound:  # bound after it is filled
+                binding.bind_ortvalue_input(name, kept[1])
         if self._bound != (names, rows):  # only outputs asked for are bound: ORT keeps the rest internal
             binding.clear_binding_outputs()
             for name in names:
