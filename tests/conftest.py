@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnxruntime
 import pytest
 
 from exporter.export import export_pair
@@ -181,3 +182,19 @@ def ort_lowered(exported, tmp_path_factory):
         return cache[name]
 
     return get
+
+
+class CopiedWhenBound:
+    """An IOBinding that does what ORT does for a host input of a graph on a device provider: the value is
+    copied when it is bound, so refilling the host array afterwards changes nothing the graph reads."""
+
+    def __init__(self, binding, kv_inputs):
+        self._binding, self._kv, self._copies = binding, set(kv_inputs), {}
+
+    def bind_ortvalue_input(self, name, value):
+        if name not in self._kv:  # the K/V buffers live on the device already: bound as they are
+            value = self._copies[name] = onnxruntime.OrtValue.ortvalue_from_numpy(value.numpy().copy())
+        self._binding.bind_ortvalue_input(name, value)
+
+    def __getattr__(self, name):
+        return getattr(self._binding, name)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import onnxruntime as ort
 import pytest
+from conftest import CopiedWhenBound
 
 from runtime.batching import SpeculationSwitch, StepBatcher
 from runtime.decode import Decoder
@@ -41,12 +43,15 @@ def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
 
 
 def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampling=None, prefill_chunk: int = 20,
-                  decode=None):
+                  decode=None, prepare=None):
     """Each prompt decoded in its own thread on a slot of one batch, the threads started a few at a time (so
     requests join while others decode and leave before others end); the tokens and the batcher's stats.
-    `decode(index, decoder)`: request `index`'s tokens from its decoder (default: generate in `mode`)."""
+    `decode(index, decoder)`: request `index`'s tokens from its decoder (default: generate in `mode`);
+    `prepare(store)`: called on the batch's slot store before any request."""
     base = open_decoder(directory, prefill_chunk=prefill_chunk)
     store, draft_for = open_batch(base, slots)
+    if prepare:
+        prepare(store)
     batcher = StepBatcher(store, big_rows=_step_rows(base))
     tokens: dict[int, list[int]] = {}
     errors: list[BaseException] = []
@@ -89,6 +94,48 @@ def test_each_request_decodes_as_it_does_alone(ragged, name):
     got, stats = _side_by_side(directory, prompts, 3, "dflash", 24)
     assert got == want
     assert stats.widest >= 2 and stats.batched_calls > 0 and stats.lone_calls > 0
+
+
+def _slot_feeds(ids: np.ndarray, starts: list[int]) -> dict[str, np.ndarray]:
+    """One batched call's feeds: row r of `ids` continues slot r's context from starts[r]."""
+    rows = ids.shape[1]
+    lengths = np.array([start + rows - 1 for start in starts], np.int32)
+    return {"input_ids": ids, "position_ids": np.stack([np.arange(s, s + rows) for s in starts]),
+            "seqlens_k": lengths, "total_sequence_length": np.array(lengths.max() + 1, np.int32)}
+
+
+def test_a_store_on_a_device_returns_what_a_host_store_returns(ragged):
+    """The batch session off the CPU (CUDA, measured on an H200 with benchmarks/batch_check.py) keeps K/V as
+    provider values, resized and moved between slots through the host and bound by pointer, and binds its small
+    inputs again every call because ORT copies them when they are bound. Simulated on the CPU (copy-on-bind and
+    value buffers), a call sequence with repeated shapes, a slot moved when a request leaves, and buffers grown
+    past a step returns exactly what the host-array store returns."""
+    directory = ragged("llama_sliding_b16")
+    rng = np.random.default_rng(5)
+    vocab = open_decoder(directory).manifest.vocab_size
+    two = [rng.integers(0, vocab, (2, rows)) for rows in (6, 2, 2, 2)]
+    one = [rng.integers(0, vocab, (1, rows)) for rows in (2, 70, 2)]
+
+    def calls(store) -> list[np.ndarray]:
+        out, starts = [], [0, 0]
+        store.active = 2
+        for ids in two:  # both slots, the same shape three times running
+            out.append(store.run_slots(0, _slot_feeds(ids, starts), ["target_hidden"])["target_hidden"])
+            starts = [s + ids.shape[1] for s in starts]
+        store.move_slot(1, 0)  # slot 0's request left: slot 1's moves down
+        store.active = 1
+        for ids in one:  # then past STEP_ROWS rows: the buffers grow
+            out.append(store.run_slots(0, _slot_feeds(ids, starts[1:]), ["target_hidden"])["target_hidden"])
+            starts[1] += ids.shape[1]
+        return out
+
+    host = open_batch(open_decoder(directory), 2)[0]
+    device = open_batch(open_decoder(directory), 2)[0]
+    device._on_device = True
+    device._binding = CopiedWhenBound(device._binding, device._graph.kv_inputs)
+    for want, got in zip(calls(host), calls(device)):
+        np.testing.assert_array_equal(got, want)
+    assert isinstance(device._buffers[device._graph.kv_inputs[0]], ort.OrtValue)
 
 
 class _TruthfulDraft:

@@ -7,9 +7,8 @@ import shutil
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from conftest import KV_BUFFER
+from conftest import KV_BUFFER, CopiedWhenBound
 
 import targets.ort.check as ort_check
 from dflash_onnx.cli import main
@@ -491,22 +490,6 @@ def test_the_check_holds_one_graph_session_at_a_time(exported, ort_lowered):
     assert overlaps == [[], [], [], []] and max(d for _, d in differences) < 1e-4
 
 
-class _CopiedWhenBound:
-    """An IOBinding that does what ORT does for a host input of a graph on a device provider: the value is
-    copied when it is bound, so refilling the host array afterwards changes nothing the graph reads."""
-
-    def __init__(self, binding, kv_inputs):
-        self._binding, self._kv, self._copies = binding, set(kv_inputs), {}
-
-    def bind_ortvalue_input(self, name, value):
-        if name not in self._kv:  # the K/V buffers live on the device already: bound as they are
-            value = self._copies[name] = ort.OrtValue.ortvalue_from_numpy(value.numpy().copy())
-        self._binding.bind_ortvalue_input(name, value)
-
-    def __getattr__(self, name):
-        return getattr(self._binding, name)
-
-
 def test_inputs_copied_when_bound_are_bound_again_after_each_refill(ort_lowered):
     """The CUDA buffer form's wrong verify and decode calls (reported as a GroupQueryAttention defect) were our
     binding: ORT copies a host input to the device when it is bound, and the session bound each input before
@@ -524,7 +507,7 @@ def test_inputs_copied_when_bound_are_bound_again_after_each_refill(ort_lowered)
                             "total_sequence_length": np.array(end, np.int32)}, ["target_hidden"])["target_hidden"]
 
     session = OrtBufferSession(directory / manifest.target.file, manifest)
-    session._binding = _CopiedWhenBound(session._binding, manifest.target.kv_inputs)
+    session._binding = CopiedWhenBound(session._binding, manifest.target.kv_inputs)
     session._inputs_copied_when_bound = True  # what a session on a device provider sets
     for start, count in calls:
         fresh = OrtBufferSession(directory / manifest.target.file, manifest)
