@@ -8,6 +8,12 @@ side in one process. Needs onnxruntime-gpu and onnxruntime-genai-cuda (and torch
 export the pair). Each stage's log and the bench JSON are written to --out; a failed stage prints its tail.
 
     python benchmarks/gpu_bench.py --work /tmp/gpu --out results
+
+Where the GPU machine's torch is not the pinned one (a leased H200's image has torch 2.11, which cannot export
+the pair), build and export here and carry --work over: stages whose output exists are skipped.
+
+    python benchmarks/gpu_bench.py --prepare-only --preset qwen3-0.6b-attention-agree --work W   # here
+    python benchmarks/gpu_bench.py --preset qwen3-0.6b-attention-agree --work W                  # there
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where ONNX Runtime's CUDA GroupQueryAttention parts from its CPU one over the buffer form's in-place K/V.
+"""One buffer-form target on the CPU and the CUDA provider, call by call: where CUDA parts from the CPU, if it does.
 
 Runs one ORT lowering's buffer-form target (lowered with --provider cpu, so both providers can run the same
 graph) on the CPU and on the CUDA provider: by default a 20-token prefill, a 16-token verify after it and a

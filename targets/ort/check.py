@@ -125,6 +125,8 @@ def check_lowering(source: Path, exported: Manifest, directory: Path, manifest: 
         if difference > allowed:
             buffered = manifest.form == "buffer" and name.startswith("target")
             hint = "--kv-buffer off (a sliding-window target needs its mask)" if buffered else "--passes none"
+            if buffered and manifest.lowering is not None and manifest.lowering.provider != "cpu":
+                hint = "--kv-buffer off (the concat form, which keeps no buffers on the device)"
             raise DFlashError(f"the ORT lowering changes {name} by {difference:.2g} of its scale (allowed "
                               f"{allowed:g}): lower with {hint}, or report the graph")
     return max(d for _, d in differences)
