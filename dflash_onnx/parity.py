@@ -18,6 +18,7 @@ from exporter.models.hybrid import wrap_target
 from exporter.models.target import TappedTarget, hf_greedy
 from exporter.pair import LOGIT_TOLERANCE, load_draft, load_reference_draft, load_target
 from runtime.decode import Decoder
+from runtime.differences import finite_scale, max_difference
 from runtime.errors import DFlashError
 from runtime.feeds import sampling_feeds
 from runtime.manifest import Manifest
@@ -65,11 +66,11 @@ class ParityReport:
 
 
 def _max_diff(a: np.ndarray, b: torch.Tensor) -> float:
-    return float(np.max(np.abs(a.astype(np.float64) - b.detach().double().numpy())))
+    return max_difference(b.detach().double().numpy(), a)
 
 
 def _scale(b: torch.Tensor) -> float:
-    return float(b.detach().abs().max())
+    return finite_scale(b.detach().double().numpy())
 
 
 def _kv_feeds(names: list[str], tensors) -> dict[str, np.ndarray]:

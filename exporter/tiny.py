@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -73,6 +74,9 @@ class TinySpec:
     confidence_with_markov: bool = True
     sample_from_anchor: bool | None = None  # None: the kind's default (DSpark's anchor slot proposes)
     sliding_window_non_causal: bool | None = None  # speculators format; None: the kind's default
+    # speculators format, dflash: the draft proposes from this many tokens (a random subset holding the favourite,
+    # its head those rows of the target's, with speculators' t2d / d2t maps); None: the whole vocabulary
+    draft_vocab_size: int | None = None
     agree: bool = False
     # Scale of every target and draft layer's output projections (o_proj, down_proj) under `agree`: deep random
     # stacks swamp the embedding's bias otherwise (the compute is unchanged, only the values are damped).
@@ -198,7 +202,18 @@ def _speculators_config(spec: TinySpec) -> dict:
                      confidence_head_with_markov=spec.confidence_with_markov)
     from_anchor = kind == "dspark" if spec.sample_from_anchor is None else spec.sample_from_anchor
     non_causal = kind == "dflash2" if spec.sliding_window_non_causal is None else spec.sliding_window_non_causal
-    return speculators_config(_zlab_config(spec), kind, heads, from_anchor, non_causal)
+    raw = speculators_config(_zlab_config(spec), kind, heads, from_anchor, non_causal)
+    if spec.draft_vocab_size is not None:
+        raw["draft_vocab_size"] = spec.draft_vocab_size
+    return raw
+
+
+def _draft_tokens(spec: TinySpec) -> np.ndarray:
+    """The target ids a reduced-vocabulary draft proposes from: a random sorted subset holding the favourite."""
+    rng = np.random.default_rng(spec.seed + 2)
+    others = np.setdiff1d(np.arange(spec.vocab_size), [spec.favourite_token])
+    chosen = rng.choice(others, spec.draft_vocab_size - 1, replace=False)
+    return np.sort(np.append(chosen, spec.favourite_token)).astype(np.int64)
 
 
 def _draft_config(spec: TinySpec) -> dict:
@@ -308,9 +323,11 @@ def build_draft(spec: TinySpec, directory: Path, target) -> None:
     """Random draft body in a published layout (config.json, z-lab's or speculators', + model.safetensors)."""
     directory.mkdir(parents=True, exist_ok=True)
     raw = _draft_config(spec)
-    draft = DFlashDraft(
-        DraftSpec.from_dict(raw), target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    )
+    draft_spec = DraftSpec.from_dict(raw)
+    tokens = _draft_tokens(spec) if spec.draft_vocab_size is not None else None
+    if tokens is not None:
+        draft_spec = replace(draft_spec, draft_to_target=tokens)
+    draft = DFlashDraft(draft_spec, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     torch.manual_seed(spec.seed + 1)
     with torch.no_grad():
         for name, param in draft.named_parameters():
@@ -333,6 +350,11 @@ def build_draft(spec: TinySpec, directory: Path, target) -> None:
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     param.mul_(spec.damp_layers)
     state = {k: v.contiguous() for k, v in draft.state_dict().items() if k not in ("embed_tokens", "lm_head")}
+    if tokens is not None:  # speculators' maps and the reduced head it serializes
+        mask = torch.zeros(spec.vocab_size, dtype=torch.bool)
+        mask[torch.from_numpy(tokens)] = True
+        state.update(t2d=mask, d2t=torch.from_numpy(tokens - np.arange(len(tokens))),
+                     **{"lm_head.weight": target.get_output_embeddings().weight.detach()[tokens].clone()})
     save_file(state, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
 

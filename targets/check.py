@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import ml_dtypes
 import numpy as np
 
+from runtime.differences import scaled_difference
 from runtime.feeds import draft_feeds, target_feeds
 from runtime.manifest import Manifest, TensorSpec
 from runtime.runners import open_draft_runner, open_runners
@@ -219,6 +220,5 @@ def compare_lowering(exported: Manifest, open_reference: Callable[[str], Session
         if flips.get(runs.get(name)):
             rows, count = flips[runs[name]], len(reference[runs[name]][0])
             want, have = _without_rows(want, rows, count), _without_rows(have, rows, count)
-        scale = max(float(np.abs(want).max()), 1e-6)
-        differences.append((name, float(np.abs(have - want).max()) / scale))
+        differences.append((name, scaled_difference(want, have)))
     return Comparison(differences, sum(len(rows) for rows in flips.values()))

@@ -24,6 +24,7 @@ CASES = {
     "dflash": TinySpec(draft_kind="dflash", draft_format="speculators"),
     "dflash_sliding_causal": TinySpec(draft_kind="dflash", draft_format="speculators", draft_layers=2,
                                       sliding_window=3),
+    "dflash_draft_vocab": TinySpec(draft_kind="dflash", draft_format="speculators", draft_vocab_size=40),
     "dflash2_k2_g16_top4": TinySpec(draft_kind="dflash2", draft_format="speculators"),
     "dflash2_k3_g8_top8_sliding": TinySpec(draft_kind="dflash2", draft_format="speculators", draft_layers=2,
                                            sliding_window=3, conv_kernel_size=3, conv_group_size=8,
@@ -54,9 +55,13 @@ def _oracle(draft_dir: Path, target):
     config.transformer_layer_config._attn_implementation = "eager"
     model = MODELS[raw["speculators_model_type"]](config)
     head = target.get_output_embeddings().weight
-    state = {**load_file(str(draft_dir / "model.safetensors")),
-             "embed_tokens.weight": target.get_input_embeddings().weight, "lm_head.weight": head,
-             "verifier_lm_head.weight": head, "verifier_norm.weight": torch.ones(head.shape[1])}
+    state = load_file(str(draft_dir / "model.safetensors"))
+    if "t2d" in state:  # a reduced vocabulary: its own head is in the checkpoint, the verifier's is the target's rows
+        state["verifier_lm_head.weight"] = head[state["t2d"]]
+    else:
+        state.update({"lm_head.weight": head, "verifier_lm_head.weight": head})
+    state.update({"embed_tokens.weight": target.get_input_embeddings().weight,
+                  "verifier_norm.weight": torch.ones(head.shape[1])})
     model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -76,7 +81,13 @@ def _oracle_chain(model, kind, hidden, logits, anchor_id, first):
     """The oracle's greedy proposals (and, for DSpark, their biased logits and confidences) from one block."""
     anchor = torch.tensor([anchor_id])
     if kind == "dflash":
-        return logits[:, first:], logits[0, first:].argmax(-1), None
+        rows = logits[:, first:]
+        if not getattr(model, "use_draft_vocab", False):
+            return rows, rows[0].argmax(-1), None
+        targets = torch.arange(rows.shape[-1]) + model.d2t  # speculators' d2t: offsets to target ids
+        spread = torch.full((*rows.shape[:-1], model.t2d.shape[0]), float("-inf"))
+        spread[..., targets] = rows
+        return spread, targets[rows[0].argmax(-1)], None
     if kind == "dflash2":
         previous, ids = anchor, []
         for slot in range(first, logits.shape[1]):

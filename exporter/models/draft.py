@@ -7,9 +7,10 @@ parameters of this module so that the exported draft graph is self-contained.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import nn
@@ -26,6 +27,7 @@ from runtime.errors import DFlashError
 
 from .draft_formats import DFLASH2_KEYS, speculators_fields
 from .draft_heads import CandidateSelector, ConfidenceHead, GroupedDynamicCausalConv, MarkovHead
+from .draft_vocab import MAP_KEYS, read_draft_to_target, spread, target_columns
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -64,6 +66,9 @@ class DraftSpec:
     sliding_causal: bool = True  # a sliding layer's block queries see only the slots up to their own
     window_from_anchor: bool = False  # a sliding layer's window counts back from the anchor, not from each query
     layout: str = "zlab"  # the config.json's layout: zlab or speculators
+    draft_vocab: int | None = None  # tokens a reduced-vocabulary draft proposes from (draft_vocab.py); None: all
+    # each draft token's target id, read from the checkpoint (d2t / t2d) by from_dir where draft_vocab is set
+    draft_to_target: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def proposals(self, block_size: int) -> int:
         """Tokens one draft call proposes with a block of `block_size` slots."""
@@ -109,7 +114,11 @@ class DraftSpec:
 
     @classmethod
     def from_dir(cls, path: Path) -> DraftSpec:
-        return cls.from_dict(read_config(Path(path), "draft"))
+        spec = cls.from_dict(read_config(Path(path), "draft"))
+        if spec.draft_vocab is None:
+            return spec
+        return replace(spec, draft_to_target=read_draft_to_target(Path(path), spec.draft_vocab,
+                                                                  spec.config.vocab_size))
 
 
 def confidence(logits: torch.Tensor) -> torch.Tensor:
@@ -286,8 +295,16 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.embed_tokens = nn.Parameter(embed_weight, requires_grad=False)
-        self.lm_head = nn.Parameter(lm_head_weight, requires_grad=False)
         vocab, width = config.vocab_size, config.hidden_size
+        if spec.draft_vocab is None:
+            self.lm_head = nn.Parameter(lm_head_weight, requires_grad=False)
+        else:  # its own reduced head, from its checkpoint; proposals mapped back to target ids in the graph
+            if spec.draft_to_target is None:
+                raise DFlashError("a reduced-vocabulary draft needs its d2t / t2d maps (DraftSpec.from_dir reads them)")
+            self.lm_head = nn.Parameter(lm_head_weight.new_zeros(spec.draft_vocab, width), requires_grad=False)
+            self.register_buffer("draft_to_target", torch.from_numpy(spec.draft_to_target), persistent=False)
+            self.register_buffer("target_columns", torch.from_numpy(target_columns(spec.draft_to_target, vocab)),
+                                 persistent=False)
         if spec.kind == "dflash2":
             self.candidate_selector = CandidateSelector(vocab, width, spec.selector_rank, spec.selector_top_k)
         if spec.markov_rank:
@@ -312,7 +329,16 @@ class DFlashDraft(nn.Module):
                 state.update(load_file(str(file)))
             except Exception as exc:  # safetensors raises several types for corrupt files
                 raise DFlashError(f"cannot read draft weights {file}: {exc}") from None
+        reduced = self.spec.draft_vocab is not None
         own = {k for k in self.state_dict() if k not in ("embed_tokens", "lm_head")}
+        for key in MAP_KEYS if reduced else ():  # read by DraftSpec.from_dir
+            state.pop(key, None)
+        if reduced:  # its own head: one row per draft token
+            if "lm_head.weight" not in state:
+                raise DFlashError(f"draft weights in {draft_dir} lack lm_head.weight, the reduced-vocabulary head "
+                                  f"({self.spec.draft_vocab} rows)")
+            state["lm_head"] = state.pop("lm_head.weight")
+            own.add("lm_head")
         for shared in ("embed_tokens.weight", "lm_head.weight"):  # some drafts ship copies: the target's win
             state.pop(shared, None)
         missing = sorted(own - state.keys())
@@ -413,6 +439,9 @@ class DFlashDraft(nn.Module):
             skipped = first if self.spec.markov_head_type == "rnn" else 0
             return self._markov_chain(self.logits(body), body, anchor, skipped, sampling)
         logits = self.logits(hidden[:, first:])
+        if self.spec.draft_vocab is not None:  # a dflash draft (draft_formats.py): proposals as target ids
+            ids = self.draft_to_target[torch.argmax(logits, dim=-1)]
+            return spread(logits, self.target_columns), ids, confidence(logits)
         if self.spec.kind == "dflash2":
             candidates, scores, ids, chosen = self.candidate_selector.lattice(logits, hidden[:, first:], anchor)
             rows = torch.cat([torch.zeros_like(chosen[:, :1]), chosen[:, :-1]], dim=1)  # each slot's previous pick

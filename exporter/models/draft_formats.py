@@ -44,10 +44,12 @@ def speculators_fields(raw: dict) -> dict:
         config = Qwen3Config(**{k: v for k, v in layer.items() if k not in ("model_type", "transformers_version")})
     except (TypeError, ValueError) as exc:
         raise DFlashError(f"draft transformer_layer_config cannot describe the draft's layers: {exc}") from None
-    draft_vocab = raw.get("draft_vocab_size", config.vocab_size)
-    if draft_vocab != config.vocab_size:
-        raise DFlashError(f"this draft proposes from a reduced vocabulary ({draft_vocab} of {config.vocab_size} "
-                          "tokens, d2t/t2d): not supported; use a full-vocabulary draft")
+    draft_vocab = _integer(raw, "draft_vocab_size", config.vocab_size)
+    if draft_vocab > config.vocab_size:
+        raise DFlashError(f"draft_vocab_size {draft_vocab} exceeds the vocabulary ({config.vocab_size})")
+    if draft_vocab < config.vocab_size and kind != "dflash":
+        raise DFlashError(f"this {kind} draft proposes from a reduced vocabulary ({draft_vocab} of "
+                          f"{config.vocab_size} tokens, d2t/t2d): supported for dflash drafts only so far")
     taps = raw.get("aux_hidden_state_layer_ids")
     if not isinstance(taps, list) or not taps or not all(isinstance(t, int) for t in taps):
         raise DFlashError("draft config.json (speculators format) needs aux_hidden_state_layer_ids, the target "
@@ -61,7 +63,7 @@ def speculators_fields(raw: dict) -> dict:
         input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=None, kind=kind,
         sample_from_anchor=bool(raw.get("sample_from_anchor", kind == "dspark")),
         sliding_causal=not bool(raw.get("sliding_window_non_causal", kind == "dflash2")), window_from_anchor=True,
-        layout="speculators",
+        layout="speculators", draft_vocab=draft_vocab if draft_vocab < config.vocab_size else None,
     )
     if kind == "dflash2":
         fields.update({name: _integer(raw, name) for name in DFLASH2_KEYS})

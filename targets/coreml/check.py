@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime.differences import finite_scale, scaled_difference
 from runtime.errors import DFlashError
 from runtime.manifest import Manifest
 from runtime.runners import open_runners
@@ -136,8 +137,8 @@ def check_packages(directory: Path, manifest: Manifest, target_module, draft_mod
     allowed, worst = TOLERANCE, 0.0
     for name, (want_ids, want) in reference.items():
         ids, logits = got[name]
-        scale = max(float(np.abs(want).max()), 1e-6)
-        difference = float(np.abs(logits.astype(np.float64) - want).max()) / scale
+        scale = max(finite_scale(want), 1e-6)
+        difference = scaled_difference(want, logits)
         worst = max(worst, difference)
         top2 = np.sort(want, axis=-1)[..., -2:]
         clear = (top2[..., 1] - top2[..., 0]) / scale > TIE

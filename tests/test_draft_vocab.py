@@ -1,0 +1,90 @@
+"""A draft that proposes from a reduced vocabulary (speculators' draft_vocab_size with t2d / d2t): exported and
+lowered, its graph proposes target ids, its logits span the target's vocabulary (-inf off the draft's tokens), and
+DFlash decodes exactly HF greedy. (The draft against speculators' own model class: tests/test_draft_family.py.)"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from dflash_onnx.parity import run_parity
+from exporter.export import export_pair
+from exporter.models.target import hf_greedy
+from exporter.pair import load_target
+from exporter.tiny import TinySpec, build_pair
+from runtime.differences import scaled_difference
+from runtime.errors import DFlashError
+from runtime.runners import open_draft_runner
+from targets import LowerRequest, open_decoder
+from targets.ort.lower import lower_ort
+
+SPEC = TinySpec(draft_kind="dflash", draft_format="speculators", draft_vocab_size=24, agree=True,
+                tie_embeddings=False, block_size=8, target_layer_ids=[1, 2])
+PROMPTS = [[3, 14, 15, 92, 65], [2, 71, 82, 81, 82, 84, 59]]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft_vocab")
+    build_pair(SPEC, root)
+    export_pair(root / "target", root / "draft", root / "export", progress=False)
+    lower_ort(root / "export", root / "ort", request=LowerRequest(progress=False))
+    return root
+
+
+def test_differences_count_equal_infinities_as_agreeing_and_one_sided_ones_as_infinite():
+    want = np.array([[1.0, -np.inf, 2.0]])
+    assert scaled_difference(want, np.array([[1.0, -np.inf, 2.5]])) == pytest.approx(0.25)
+    assert scaled_difference(want, np.array([[1.0, 0.0, 2.0]])) == np.inf  # |a - b| alone: nan, which passes
+    assert scaled_difference(want, np.array([[np.nan, -np.inf, 2.0]])) == np.inf
+
+
+def test_the_graph_proposes_target_ids_from_the_drafts_tokens_only(pair):
+    tokens = np.flatnonzero(load_file(str(pair / "draft" / "model.safetensors"))["t2d"].numpy())
+    assert len(tokens) == SPEC.draft_vocab_size and not np.array_equal(tokens, np.arange(len(tokens)))
+    decoder = open_decoder(pair / "ort")
+    manifest = decoder.manifest
+    block = np.full(manifest.block_size, manifest.mask_token_id)
+    block[0] = 3
+    features = np.random.default_rng(0).standard_normal((5, manifest.num_taps * manifest.target_hidden_size))
+    proposal = open_draft_runner(manifest, decoder.draft).propose(block, features.astype(np.float32), True)
+    assert proposal.logits.shape[-1] == SPEC.vocab_size
+    off = np.setdiff1d(np.arange(SPEC.vocab_size), tokens)
+    assert np.isneginf(proposal.logits[..., off]).all() and np.isfinite(proposal.logits[..., tokens]).all()
+    assert set(proposal.ids.tolist()) <= set(tokens.tolist())
+    assert proposal.ids.tolist() == tokens[proposal.logits[..., tokens].argmax(-1)].reshape(-1).tolist()
+
+
+def test_dflash_decodes_hf_greedy_with_whole_blocks_accepted(pair):
+    report = run_parity(pair / "export", num_prompts=2, max_new_tokens=16)
+    assert report.ok, [c for c in report.checks if not c.ok]
+    lm = load_target(pair / "target", "float32")
+    decoder = open_decoder(pair / "ort")
+    for prompt in PROMPTS:
+        result = decoder.generate(prompt, 24, "dflash", stop_token_ids=[])
+        assert result.tokens == hf_greedy(lm, prompt, 24, None)
+        assert result.tau > 3.0  # the favourite is among the draft's tokens: proposals mapped back are accepted
+
+
+def test_a_pair_loaded_whole_exports_the_same_draft(pair, tmp_path):
+    export_pair(pair / "target", pair / "draft", tmp_path / "whole", progress=False, stream=False)
+    streamed, whole = open_decoder(pair / "export"), open_decoder(tmp_path / "whole")
+    for prompt in PROMPTS:
+        assert whole.generate(prompt, 16, "dflash", stop_token_ids=[]).tokens == \
+            streamed.generate(prompt, 16, "dflash", stop_token_ids=[]).tokens
+
+
+@pytest.mark.parametrize("dropped,message", [("d2t", r"lack \['d2t'\]"), ("lm_head.weight", "lack lm_head.weight")])
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_reduced_draft_missing_its_maps_or_head_is_refused_in_one_line(pair, tmp_path, dropped, message, stream):
+    draft = tmp_path / "draft"
+    shutil.copytree(pair / "draft", draft)
+    state = load_file(str(draft / "model.safetensors"))
+    del state[dropped]
+    save_file(state, str(draft / "model.safetensors"))
+    with pytest.raises(DFlashError, match=message):
+        export_pair(pair / "target", draft, tmp_path / "out", progress=False, stream=stream)
+    assert not (tmp_path / "out").exists()
