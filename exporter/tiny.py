@@ -109,6 +109,10 @@ PRESETS = {
 # always, so DFlash runs at the top of its acceptance range; bench's implied speedup covers lower tau.
 PRESETS["qwen3-0.6b-shaped-agree"] = replace(PRESETS["qwen3-0.6b-shaped"], agree=True, tie_embeddings=False,
                                              damp_layers=0.002)
+# The same pair with its draft in the speculators format proposing from 32768 of the 151936 tokens (t2d / d2t,
+# its own head: models/draft_vocab.py), to measure what the smaller head saves per draft step
+PRESETS["qwen3-0.6b-shaped-agree-draft-vocab"] = replace(PRESETS["qwen3-0.6b-shaped-agree"],
+                                                         draft_format="speculators", draft_vocab_size=32768)
 # Its attention (16 query and 8 K/V heads of 128) on a small body (4 layers of width 256, 1024 tokens): its float16
 # export (21 MB) travels to a leased GPU machine in one call, where the 0.6B shape's export (1.2 GB) cannot
 PRESETS["qwen3-0.6b-attention-agree"] = replace(PRESETS["qwen3-0.6b-shaped-agree"], vocab_size=1024,
@@ -365,6 +369,9 @@ def build_pair(spec: TinySpec, root: Path, progress: bool = False) -> tuple[Path
     target_dir, draft_dir = root / "target", root / "draft"
     if spec.mxfp4 and not spec.streamed:
         raise ValueError("mxfp4=True is written by the streamed writer: set streamed=True")
+    if spec.draft_vocab_size is not None and (spec.streamed or spec.draft_format != "speculators"
+                                              or spec.draft_kind != "dflash"):
+        raise ValueError("draft_vocab_size is written for in-memory speculators-format dflash drafts only")
     if spec.streamed:
         _write_streamed(spec, target_dir, draft_dir, progress)
         return target_dir, draft_dir

@@ -88,3 +88,15 @@ def test_a_reduced_draft_missing_its_maps_or_head_is_refused_in_one_line(pair, t
     with pytest.raises(DFlashError, match=message):
         export_pair(pair / "target", draft, tmp_path / "out", progress=False, stream=stream)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_mlx_lowering_runs_it_too(pair, tmp_path):
+    pytest.importorskip("mlx.core", reason="MLX is not installed: pip install 'mlx[cpu]' (Linux) or mlx (macOS)")
+    from targets.mlx.lower import lower_mlx
+    from targets.mlx.options import MlxOptions
+
+    lower_mlx(pair / "export", tmp_path / "mlx", MlxOptions(ctx_len=512), LowerRequest(progress=False))
+    lm = load_target(pair / "target", "float32")
+    decoder = open_decoder(tmp_path / "mlx")
+    result = decoder.generate(PROMPTS[0], 24, "dflash", stop_token_ids=[])
+    assert result.tokens == hf_greedy(lm, PROMPTS[0], 24, None) and result.tau > 3.0

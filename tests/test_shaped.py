@@ -97,6 +97,8 @@ def test_streamed_pairs_refuse_agree_and_mxfp4_outside_gpt_oss():
         build_pair(replace(SMALL, mxfp4=True), "/nonexistent")
     with pytest.raises(ValueError, match="streamed=True"):
         build_pair(replace(SMALL, mxfp4=True, streamed=False), "/nonexistent")
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        build_pair(replace(SMALL, draft_format="speculators", draft_vocab_size=32), "/nonexistent")
 
 
 def test_a_streamed_gpt_oss_pair_stores_its_experts_as_mxfp4_and_decodes_hf_greedy(tmp_path):

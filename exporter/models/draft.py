@@ -440,7 +440,8 @@ class DFlashDraft(nn.Module):
             return self._markov_chain(self.logits(body), body, anchor, skipped, sampling)
         logits = self.logits(hidden[:, first:])
         if self.spec.draft_vocab is not None:  # a dflash draft (draft_formats.py): proposals as target ids
-            ids = self.draft_to_target[torch.argmax(logits, dim=-1)]
+            best = torch.argmax(logits, dim=-1)
+            ids = self.draft_to_target.index_select(0, best.reshape(-1)).reshape(best.shape)  # Gather, not GatherND
             return spread(logits, self.target_columns), ids, confidence(logits)
         if self.spec.kind == "dflash2":
             candidates, scores, ids, chosen = self.candidate_selector.lattice(logits, hidden[:, first:], anchor)
