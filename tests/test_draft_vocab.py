@@ -18,6 +18,7 @@ from exporter.tiny import TinySpec, build_pair
 from runtime.differences import scaled_difference
 from runtime.errors import DFlashError
 from runtime.runners import open_draft_runner
+from runtime.sampling import SamplingParams
 from targets import LowerRequest, open_decoder
 from targets.ort.lower import lower_ort
 
@@ -67,6 +68,17 @@ def test_dflash_decodes_hf_greedy_with_whole_blocks_accepted(pair):
         result = decoder.generate(prompt, 24, "dflash", stop_token_ids=[])
         assert result.tokens == hf_greedy(lm, prompt, 24, None)
         assert result.tau > 3.0  # the favourite is among the draft's tokens: proposals mapped back are accepted
+
+
+def test_sampled_dflash_still_emits_tokens_the_draft_cannot_propose(pair):
+    """Rejection sampling over the spread logits: the draft gives its missing tokens probability 0, and a rejected
+    step's residual draw (max(p - q, 0)) still reaches them, so sampling keeps the target's whole vocabulary."""
+    tokens = set(np.flatnonzero(load_file(str(pair / "draft" / "model.safetensors"))["t2d"].numpy()).tolist())
+    decoder = open_decoder(pair / "ort")
+    result = decoder.generate(PROMPTS[1], 64, "dflash", SamplingParams(temperature=3.0, seed=0), stop_token_ids=[],
+                              verify="full")  # every step drafts a whole block
+    assert len(result.tokens) == 64 and all(0 <= t < SPEC.vocab_size for t in result.tokens)
+    assert set(result.tokens) - tokens and set(result.tokens) & tokens
 
 
 def test_a_pair_loaded_whole_exports_the_same_draft(pair, tmp_path):

@@ -18,6 +18,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from runtime.decode import Decoder
+from runtime.differences import scaled_difference
 from runtime.feeds import sampling_feeds
 from runtime.manifest import Manifest
 
@@ -103,12 +104,6 @@ def open_twin(directory: Path, fp32_outputs: dict[str, list[str]], device: bool)
     return sessions
 
 
-def _relative(device: np.ndarray, exact: np.ndarray) -> float:
-    scale = float(np.abs(exact).max()) or 1.0
-    difference = np.abs(device.astype(np.float64) - exact.astype(np.float64))
-    return float("inf") if not np.isfinite(difference).all() else float(difference.max() / scale)
-
-
 def _probe_feeds(manifest: Manifest, graph: str, position: int, lengths: list[int], rng) -> dict[str, np.ndarray]:
     """One call at `position`: a block of random tokens (and, for the draft, a block of context rows before it)
     over buffers of random K/V, rounded to float16 so both twins read the same values."""
@@ -142,12 +137,12 @@ def _probe_report(manifest: Manifest, graph: str, position: int, logits: str, wa
     spec = getattr(manifest, graph)
     keys = [n for n in spec.kv_outputs if ".key" in n or "_key" in n]
     report = {"position": position,
-              "k": max(_relative(got[n], want[n]) for n in keys),
-              "v": max(_relative(got[n], want[n]) for n in spec.kv_outputs if n not in keys),
-              "logits": _relative(got[logits], want[logits]),
+              "k": max(scaled_difference(want[n], got[n]) for n in keys),
+              "v": max(scaled_difference(want[n], got[n]) for n in spec.kv_outputs if n not in keys),
+              "logits": scaled_difference(want[logits], got[logits]),
               "argmax_agree": float(np.mean(got[logits].argmax(-1) == want[logits].argmax(-1)))}
     if graph == "target":
-        report["context"] = _relative(got["context_hidden"], want["context_hidden"])
+        report["context"] = scaled_difference(want["context_hidden"], got["context_hidden"])
     return report
 
 
