@@ -34,7 +34,7 @@ from artifacts.model_dirs import file_tensor_shapes, weight_files
 from runtime.errors import DFlashError
 
 from .models.draft import DFlashDraft
-from .models.draft_vocab import MAP_KEYS
+from .models.draft_vocab import HEAD_KEY, MAP_KEYS
 from .models.target import TappedTarget
 
 IR_DTYPES = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
@@ -372,10 +372,7 @@ def pair_sources(tapped: TappedTarget, draft: DFlashDraft, target_dir: Path,
               "lm_head": target_sources[name_of(tapped.lm.get_output_embeddings().weight)]}
     checkpoint, ignored = Checkpoint(draft_dir, "draft"), ("embed_tokens.weight", "lm_head.weight")
     if draft.spec.draft_vocab is not None:  # a reduced-vocabulary draft's head is its own (draft_vocab.py)
-        if "lm_head.weight" not in checkpoint.files:
-            raise DFlashError(f"draft weights in {draft_dir} lack lm_head.weight, the reduced-vocabulary head "
-                              f"({draft.spec.draft_vocab} rows)")
-        shared["lm_head"] = Source(checkpoint, "lm_head.weight")
+        shared["lm_head"] = Source(checkpoint, HEAD_KEY)
         ignored = ("embed_tokens.weight", *MAP_KEYS)
     draft_sources = parameter_sources(draft, "", checkpoint, fixed=shared, strict=True, ignored=ignored)
     return {id(param): sources[name] for module, sources in ((tapped, target_sources), (draft, draft_sources))

@@ -27,7 +27,7 @@ from runtime.errors import DFlashError
 
 from .draft_formats import DFLASH2_KEYS, speculators_fields
 from .draft_heads import CandidateSelector, ConfidenceHead, GroupedDynamicCausalConv, MarkovHead
-from .draft_vocab import MAP_KEYS, read_draft_to_target, spread, target_columns
+from .draft_vocab import HEAD_KEY, MAP_KEYS, read_draft_to_target, spread, target_columns
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -333,11 +333,8 @@ class DFlashDraft(nn.Module):
         own = {k for k in self.state_dict() if k not in ("embed_tokens", "lm_head")}
         for key in MAP_KEYS if reduced else ():  # read by DraftSpec.from_dir
             state.pop(key, None)
-        if reduced:  # its own head: one row per draft token
-            if "lm_head.weight" not in state:
-                raise DFlashError(f"draft weights in {draft_dir} lack lm_head.weight, the reduced-vocabulary head "
-                                  f"({self.spec.draft_vocab} rows)")
-            state["lm_head"] = state.pop("lm_head.weight")
+        if reduced:  # its own head: one row per draft token (DraftSpec.from_dir found it there)
+            state["lm_head"] = state.pop(HEAD_KEY)
             own.add("lm_head")
         for shared in ("embed_tokens.weight", "lm_head.weight"):  # some drafts ship copies: the target's win
             state.pop(shared, None)

@@ -20,24 +20,30 @@ from artifacts.model_dirs import weight_files
 from runtime.errors import DFlashError
 
 MAP_KEYS = ("d2t", "t2d")
+HEAD_KEY = "lm_head.weight"  # the reduced head, in the draft's own checkpoint
 
 
 def read_draft_to_target(draft_dir: Path, draft_vocab: int, vocab: int) -> np.ndarray:
     """Each draft token's target id [draft_vocab] from the checkpoint's d2t and t2d, checked against each other
-    and the config; one-line errors for what does not hold."""
+    and the config, and that the checkpoint holds the reduced head (both export paths then read it from there);
+    one-line errors for what does not hold."""
     found: dict[str, np.ndarray] = {}
+    head = False
     for file in weight_files(Path(draft_dir), "draft"):
         try:
             with safe_open(str(file), framework="pt") as handle:
-                for key in MAP_KEYS:
-                    if key in handle.keys():
-                        found[key] = handle.get_tensor(key).numpy()
+                keys = set(handle.keys())
+                found.update((key, handle.get_tensor(key).numpy()) for key in MAP_KEYS if key in keys)
+                head = head or HEAD_KEY in keys
         except Exception as exc:  # safetensors raises several types for corrupt files
             raise DFlashError(f"cannot read draft weights {file}: {exc}") from None
     missing = [key for key in MAP_KEYS if key not in found]
     if missing:
         raise DFlashError(f"this draft proposes from {draft_vocab} of {vocab} tokens but its weights lack {missing}: "
                           "the vocabulary maps speculators saves beside a reduced-vocabulary draft")
+    if not head:
+        raise DFlashError(f"draft weights in {draft_dir} lack {HEAD_KEY}, the reduced-vocabulary head "
+                          f"({draft_vocab} rows)")
     d2t, t2d = found["d2t"].astype(np.int64).reshape(-1), found["t2d"].astype(bool).reshape(-1)
     if d2t.shape != (draft_vocab,) or t2d.shape != (vocab,) or int(t2d.sum()) != draft_vocab:
         raise DFlashError(f"draft d2t {tuple(found['d2t'].shape)} / t2d {tuple(found['t2d'].shape)} (marking "
