@@ -1,10 +1,11 @@
 """`dflash-onnx serve` under K concurrent clients on loopback: total and per-request tokens/s, time to first token,
 p50 / p99 latency, errors and the share of outputs identical to the directory's greedy decode run alone; then the
 server's memory over many sequential requests. `--max-batch N`: the server decodes up to N requests side by side (a
-lowering with --kv-attention ragged); `--greedy`: the same rounds against the server decoding greedily (--verify 0),
-batched alike. `--peers llama.cpp`: the same rounds against llama-server on the
-directory's checkpoints at its precision (GGUF files as `bench --peers llama.cpp` makes them), `-np K` slots for K
-clients, greedy and `draft-dflash`, prompts sent as our tokenizer's ids and outputs compared by token id.
+lowering with --kv-attention ragged), `--own-drafts` beside it the same server drafting one request at a time
+(--shared-draft off); `--greedy`: the same rounds against the server decoding greedily (--verify 0), batched
+alike. `--peers llama.cpp`: the same rounds against llama-server on the directory's checkpoints at its precision
+(GGUF files as `bench --peers llama.cpp` makes them), `-np K` slots for K clients, greedy and `draft-dflash`,
+prompts sent as our tokenizer's ids and outputs compared by token id.
 
 The server runs as its own process (`dflash-onnx serve DIR`, what a user starts); each client is a thread that
 streams completions (text prompts from `--prompts-file` or built-in code prompts, temperature 0) one after
@@ -12,7 +13,8 @@ another until the round has `--requests` of them. The solo oracle is `Decoder.ge
 directory in this process, decoded by the same tokenizer.
 
     python benchmarks/serve_load.py DIR [--clients 1,2,4,8] [--requests 16] [--max-tokens 64]
-        [--memory-requests 1000] [--load 0|1] [--max-batch N] [--greedy] [--peers llama.cpp [--llama-cpp DIR]]
+        [--memory-requests 1000] [--load 0|1] [--max-batch N [--own-drafts]] [--greedy]
+        [--peers llama.cpp [--llama-cpp DIR]]
 """
 
 from __future__ import annotations
@@ -256,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
                         "--kv-attention ragged decodes that many requests side by side)")
     parser.add_argument("--greedy", action="store_true", help="also the rounds against the same server decoding "
                         "greedily (--verify 0)")
+    parser.add_argument("--own-drafts", action="store_true", help="with --max-batch: also the rounds against the "
+                        "server drafting one request at a time (--shared-draft off)")
     parser.add_argument("--peers", default="", help="llama.cpp: also the rounds against llama-server")
     parser.add_argument("--llama-cpp", type=Path, help="a built llama.cpp tree (default: the cached build)")
     args = parser.parse_args(argv)
@@ -265,10 +269,14 @@ def main(argv: list[str] | None = None) -> None:
     solo = _solo(args.directory, prompts, args.max_tokens)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     batching = ["--max-batch", str(args.max_batch)] if args.max_batch > 1 else []
-    servers = [("DFlash, verify auto", ["--verify", "auto"]), ("greedy (--verify 0)", ["--verify", "0"])]
+    servers = [("DFlash, verify auto", ["--verify", "auto"])]
+    if args.own_drafts:
+        servers.append(("DFlash, verify auto, --shared-draft off", ["--verify", "auto", "--shared-draft", "off"]))
+    if args.greedy:
+        servers.append(("greedy (--verify 0)", ["--verify", "0"]))
     rows, memory, server = [], None, None
     try:
-        for index, (kind, flags) in enumerate(servers if args.greedy else servers[:1]):
+        for index, (kind, flags) in enumerate(servers):
             if server is not None:
                 server.stop()
             server = Server(args.directory, [*flags, *batching])

@@ -329,9 +329,10 @@ def _serve(args) -> int:
         if value < 1:
             raise DFlashError(f"{flag} must be at least 1, got {value}")
     SamplingParams(args.temperature)  # the flags are checked before the sessions open
-    settings = EngineSettings(args.out, backend=args.backend, max_batch=args.max_batch, max_queue=args.max_queue,
-                              verify=args.verify, batch_invariant=args.batch_invariant == "on",
-                              lookup_guess=args.lookup_guess == "on", cost_model=args.cost_model,
+    settings = EngineSettings(args.out, backend=args.backend, max_batch=args.max_batch,
+                              shared_draft=args.shared_draft == "on", max_queue=args.max_queue, verify=args.verify,
+                              batch_invariant=args.batch_invariant == "on", lookup_guess=args.lookup_guess == "on",
+                              cost_model=args.cost_model,
                               session_options=_session_overrides(args))
     settings.check()
     engine = settings.open()
@@ -595,6 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "Retry-After")
     serve.add_argument("--max-batch", type=int, default=1, help="requests decoded side by side, their target calls "
                        "joined into one per step (needs a lowering with --kv-attention ragged; 1: one at a time)")
+    serve.add_argument("--shared-draft", choices=("on", "off"), default="on",
+                       help="with --max-batch: greedy requests' draft calls joined into one per step too (a ragged "
+                       "CPU lowering made since batched drafts; others draft one request at a time)")
     serve.add_argument("--max-tokens", type=int, default=512, help="a chat request's max_tokens when it sends none")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     serve.add_argument("--temperature", type=float, default=0.0,

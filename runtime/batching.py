@@ -11,15 +11,23 @@ steps nor waits for them. A prefilling slot rides in the batched call with a pla
 own call writes next. Active requests fill slots 0..n-1, so a batched call binds one contiguous range: a request
 that leaves hands its slot to the last one (its K/V moved, once).
 
+Drafts meet here too, where the store has a DraftStore (the ragged ORT lowering on the CPU): a greedy request's
+draft session is a `SlotDraftSession`, whose calls wait, like target calls, until every active request has a call
+waiting; the requests that draft this step then run as one draft call (each with its own context rows, the
+others' masked), before the step's target call. A request that drafts on a session of its own (a sampled one:
+its draws stay those it makes alone) is waited for as it reaches its target call.
+
 A request's tokens do not depend on its neighbours: each batch row attends only to its own slot, and the
 lowering's row multiple keeps every matmul row's result independent of the call's row count (tested: each
-request's tokens equal the same request decoded alone).
+request's tokens equal the same request decoded alone). A batched draft's proposals may differ from its
+proposals alone in the last bits; the target verifies every proposal, so greedy tokens do not change.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,6 +56,40 @@ class SlotStore(Protocol):
         ...
 
 
+class DraftStore(Protocol):
+    """A draft session holding context rows for `slots` requests, one per batch row."""
+
+    input_names: list[str]
+    output_names: list[str]
+    slots: int
+
+    def run_slots(self, calls: dict[int, tuple[dict[str, np.ndarray], list[str]]],
+                  active: int) -> dict[int, dict[str, np.ndarray]]:
+        """One call for these slots' draft calls (each as a rows-form draft session takes it); `active`: the slots
+        0..active-1 in use. Each slot's outputs [1, ...]."""
+        ...
+
+    def move_slot(self, source: int, dest: int) -> None:
+        """Copy slot `source`'s context rows into slot `dest`."""
+        ...
+
+
+@dataclass
+class BatchParts:
+    """What decodes requests side by side on one directory (targets.open_batch): the target's SlotStore, the
+    draft's DraftStore (None: each request drafts on a session of its own), and a function giving a request its
+    own draft session (None without a draft)."""
+
+    store: SlotStore
+    drafts: DraftStore | None
+    own_draft: Callable[[], object | None]
+
+    def draft_for(self, slot: SlotSession, greedy: bool) -> object | None:
+        """A request's draft session: its share of the step's draft call where the batch shares one and the request
+        is greedy, else a session of its own (a sampled request's draws then stay those it makes alone)."""
+        return slot.draft_session() if greedy and self.drafts is not None else self.own_draft()
+
+
 @dataclass
 class _Call:
     feeds: dict[str, np.ndarray]
@@ -71,6 +113,8 @@ class BatchStats:
 
     batched_calls: int = 0
     batched_requests: int = 0
+    draft_calls: int = 0  # draft calls made for several requests' drafts (DraftStore)
+    drafted_requests: int = 0  # the requests' draft calls they held
     lone_calls: int = 0
     padding_rows: int = 0
     widest: int = 0
@@ -128,14 +172,36 @@ class SlotSession:
         """The request is over: its slot goes to another."""
         self.batcher.release(self)
 
+    def draft_session(self) -> SlotDraftSession:
+        """This request's draft calls, joined into one call a step with the other requests' (needs a DraftStore)."""
+        if self.batcher.drafts is None:
+            raise DFlashError("this batch has no shared draft: give each request a draft session of its own")
+        return SlotDraftSession(self)
+
+
+class SlotDraftSession:
+    """One request's draft through the batcher: a rows-form draft Session (retains_state) whose context rows live
+    in its slot of the DraftStore."""
+
+    retains_state = True
+
+    def __init__(self, slot: SlotSession):
+        self.slot = slot
+        drafts = slot.batcher.drafts
+        self.input_names, self.output_names = drafts.input_names, drafts.output_names
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
+        return self.slot.batcher.draft_call(self.slot, feeds, list(output_names or self.output_names))
+
 
 class StepBatcher:
     """The step barrier over a SlotStore (see the module docstring)."""
 
-    def __init__(self, store: SlotStore, big_rows: int):
-        self.store, self.big_rows = store, big_rows
+    def __init__(self, store: SlotStore, big_rows: int, drafts: DraftStore | None = None):
+        self.store, self.big_rows, self.drafts = store, big_rows, drafts
         self._active: list[SlotSession] = []  # index = slot
-        self._pending: dict[int, _Call] = {}
+        self._pending: dict[int, _Call] = {}  # target calls waiting, by slot
+        self._drafting: dict[int, _Call] = {}  # draft calls waiting, by slot
         self._condition = threading.Condition()
         self.stats = BatchStats()
         self.switch = SpeculationSwitch()
@@ -163,23 +229,34 @@ class StepBatcher:
             if session not in self._active:
                 return
             slot, last = session.slot, len(self._active) - 1
-            if slot in self._pending:  # a request leaves between steps only: its thread is not waiting
+            if slot in self._pending or slot in self._drafting:  # a request leaves between steps only
                 raise DFlashError(f"slot {slot} released with a call waiting")
             if slot != last:  # the last request moves into the freed slot, its waiting call with it
                 moved = self._active[last]
                 self.store.move_slot(last, slot)
+                if self.drafts is not None:
+                    self.drafts.move_slot(last, slot)
                 moved.slot = slot
-                if last in self._pending:
-                    self._pending[slot] = self._pending.pop(last)
+                for waiting in (self._pending, self._drafting):
+                    if last in waiting:
+                        waiting[slot] = waiting.pop(last)
                 self._active[slot] = moved
             self._active.pop()
             self.store.active = len(self._active)
             self._run_when_complete()
 
     def call(self, session: SlotSession, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
-        call = _Call(feeds, names)
+        """A target call: it runs when every active request has a call waiting (see the module docstring)."""
+        return self._wait(self._pending, session, _Call(feeds, names))
+
+    def draft_call(self, session: SlotSession, feeds: dict[str, np.ndarray],
+                   names: list[str]) -> dict[str, np.ndarray]:
+        """A draft call: it runs with the step's other draft calls, before the step's target call."""
+        return self._wait(self._drafting, session, _Call(feeds, names))
+
+    def _wait(self, waiting: dict[int, _Call], session: SlotSession, call: _Call) -> dict[str, np.ndarray]:
         with self._condition:
-            self._pending[session.slot] = call
+            waiting[session.slot] = call
             self._run_when_complete()
             while call.outputs is None and call.error is None:
                 self._condition.wait()
@@ -188,17 +265,31 @@ class StepBatcher:
         return call.outputs
 
     def _run_when_complete(self) -> None:
-        """With the lock held: when every active request has a call waiting, run them all and wake their threads."""
-        if not self._pending or len(self._pending) < len(self._active):
+        """With the lock held: when every active request has a call waiting, run the draft calls if there are any
+        (their requests then make their target calls), else the target calls; wake the threads."""
+        if len(self._pending) + len(self._drafting) < max(1, len(self._active)):
             return
-        pending, self._pending = self._pending, {}
+        if self._drafting:
+            calls, self._drafting = self._drafting, {}
+            run = self._run_drafts
+        else:
+            calls, self._pending = self._pending, {}
+            run = self._run
         try:
-            self._run(pending)
+            run(calls)
         except Exception as exc:  # every waiting request fails with the step, none hangs
-            for call in pending.values():
+            for call in calls.values():
                 if call.outputs is None:
                     call.error = exc
         self._condition.notify_all()
+
+    def _run_drafts(self, calls: dict[int, _Call]) -> None:
+        outputs = self.drafts.run_slots({slot: (call.feeds, call.names) for slot, call in calls.items()},
+                                        len(self._active))
+        for slot, call in calls.items():
+            call.outputs = outputs[slot]
+        self.stats.draft_calls += 1
+        self.stats.drafted_requests += len(calls)
 
     @property
     def drafting(self) -> bool:

@@ -4,9 +4,9 @@ The HTTP layer (app.py) and other hosts (Ray Serve, Triton's Python backend) cal
 request waits in a bounded queue, then is decoded with DFlash (`--verify auto`: never slower than greedy), its
 text deltas put on the request's own queue. A cancelled request (a client gone) stops at its next decoding step.
 Without a batch the engine thread decodes the requests one after another; with one (`targets.open_batch` on a
-lowering with the ragged attention) up to its slots run at once, each in its own thread with a draft session of
-its own, their target calls joined into one call per step (runtime/batching.py); a request joins or leaves
-between steps.
+lowering with the ragged attention) up to its slots run at once, each in its own thread, their target calls
+joined into one call per step, and their draft calls too where the lowering allows it (greedy requests; a sampled
+request drafts on a session of its own) (runtime/batching.py); a request joins or leaves between steps.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ import asyncio
 import queue
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from runtime.batching import SlotStore, StepBatcher
+from runtime.batching import BatchParts, StepBatcher
 from runtime.decode import Decoder
 from runtime.errors import DFlashError
 from runtime.sampling import SamplingParams
-from runtime.session import Session
 from runtime.tokenizer import TextCodec
 
 
@@ -121,17 +120,17 @@ class Engine:
     batched call per step (runtime/batching.py)."""
 
     def __init__(self, decoder: Decoder, codec: TextCodec, max_queue: int = 16, verify: str | int = "auto",
-                 batch: tuple[SlotStore, Callable[[], Session | None]] | None = None):
-        """`batch`: the decoder's target as a SlotStore and a function giving each request its own draft session
-        (`targets.open_batch`): requests then run side by side, up to the store's slots; None: one at a time."""
+                 batch: BatchParts | None = None):
+        """`batch`: the decoder's sessions for requests side by side (`targets.open_batch`): they then run up to
+        the store's slots at once; None: one at a time."""
         if max_queue < 1:
             raise DFlashError(f"--max-queue must be at least 1, got {max_queue}")
         self.decoder, self.codec, self.verify = decoder, codec, verify
         self.stop_token_ids = frozenset(decoder.stop_token_ids)
         self.batcher: StepBatcher | None = None
+        self._batch = batch
         if batch is not None:
-            store, self._draft_for_request = batch
-            self.batcher = StepBatcher(store, big_rows=_step_rows(decoder))
+            self.batcher = StepBatcher(batch.store, big_rows=_step_rows(decoder), drafts=batch.drafts)
         self.max_batch = self.batcher.store.slots if self.batcher else 1
         self._queue: queue.Queue[Submission | None] = queue.Queue(maxsize=max_queue)
         self.finished: Counter[str] = Counter()  # requests ended, by finish reason ("error" for failures)
@@ -181,13 +180,14 @@ class Engine:
                 self._batched(submission)
 
     def _batched(self, submission: Submission) -> None:
-        """One request on a slot of the batch: the unchanged decoding loop, with a draft session of its own."""
+        """One request on a slot of the batch: the unchanged decoding loop; its draft calls joined with the other
+        greedy requests' where the batch shares a draft, else on a session of its own."""
         slot = self.batcher.open()
         try:
             base = self.decoder
             try:
-                decoder = Decoder(base.manifest, slot, self._draft_for_request(), base.prefill_chunk, base.costs,
-                                  base.batch_invariant, base.guess_padding)
+                decoder = Decoder(base.manifest, slot, self._batch.draft_for(slot, submission.request.sampling.greedy),
+                                  base.prefill_chunk, base.costs, base.batch_invariant, base.guess_padding)
             except Exception as exc:  # the request fails, the engine's thread goes on
                 self._failed(submission, exc)
                 return

@@ -4,7 +4,7 @@ engine from the same flags."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from runtime.errors import DFlashError
@@ -20,6 +20,7 @@ class EngineSettings:
     directory: Path | str
     backend: str | None = None
     max_batch: int = 1  # requests decoded side by side (a lowering with --kv-attention ragged); 1: one at a time
+    shared_draft: bool = True  # side by side, greedy requests' drafts as one call a step where the lowering can
     max_queue: int = 16
     verify: str = "auto"
     batch_invariant: bool = True
@@ -56,7 +57,8 @@ class EngineSettings:
             return text in ("on", "true", "1")
 
         return cls(directory=Path(values["directory"]), backend=values.get("backend") or None,
-                   max_batch=whole("max_batch", 1), max_queue=whole("max_queue", 16),
+                   max_batch=whole("max_batch", 1), shared_draft=switch("shared_draft"),
+                   max_queue=whole("max_queue", 16),
                    verify=str(values.get("verify", "auto")), batch_invariant=switch("batch_invariant"),
                    lookup_guess=switch("lookup_guess"),
                    cost_model=Path(values["cost_model"]) if values.get("cost_model") else None,
@@ -91,4 +93,6 @@ class EngineSettings:
 
             decoder.costs = read_costs(self.cost_model, decoder.manifest.verify_rows)
         batch = open_batch(decoder, self.max_batch) if self.max_batch > 1 else None
+        if batch is not None and not self.shared_draft:
+            batch = replace(batch, drafts=None)
         return Engine(decoder, codec, max_queue=self.max_queue, verify=parse_verify(self.verify), batch=batch)

@@ -11,9 +11,9 @@ CoreML lowerings (their weights and packages only that backend reads).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
+from runtime.batching import BatchParts
 from runtime.decode import Decoder
 from runtime.errors import DFlashError
 from runtime.manifest import Manifest, load_manifest
@@ -80,11 +80,13 @@ def open_decoder(directory: Path, backend: str | None = None, prefill_chunk: int
                    guess_padding=guess_padding)
 
 
-def open_batch(decoder: Decoder, slots: int) -> tuple[object, Callable[[], Session | None]]:
+def open_batch(decoder: Decoder, slots: int) -> BatchParts:
     """For decoding up to `slots` requests side by side on `decoder`'s sessions (runtime/batching.py): a SlotStore
-    over its target session, and a function giving each request a draft session of its own (sharing the loaded
-    graph). DFlashError in one line where the directory cannot batch."""
+    over its target session, a DraftStore over its draft where the lowering lets requests share one draft call a
+    step (else None), and a function giving a request a draft session of its own (sharing the loaded graph).
+    DFlashError in one line where the directory cannot batch."""
     from .ort.batch_session import OrtBatchSession, batch_refusal
+    from .ort.draft_batch import OrtDraftBatch, batched_drafts_refusal
     from .ort.session import OrtBufferSession, OrtRowsSession
 
     refusal = batch_refusal(decoder.manifest)
@@ -94,13 +96,15 @@ def open_batch(decoder: Decoder, slots: int) -> tuple[object, Callable[[], Sessi
         raise DFlashError(refusal)
     store = OrtBatchSession(decoder.target, decoder.manifest, slots)
     draft, turn = decoder.draft, threading.Lock()
+    drafts = None if draft is None or batched_drafts_refusal(decoder.manifest, draft) else \
+        OrtDraftBatch(draft, decoder.manifest, slots)
 
-    def draft_for_request() -> Session | None:
+    def own_draft() -> Session | None:
         if draft is None:
             return None
         return _OneAtATime(draft.fork() if isinstance(draft, OrtRowsSession) else draft, turn)
 
-    return store, draft_for_request
+    return BatchParts(store, drafts, own_draft)
 
 
 class _OneAtATime:

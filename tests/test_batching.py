@@ -11,13 +11,14 @@ import onnxruntime as ort
 import pytest
 from conftest import CopiedWhenBound
 
-from runtime.batching import SpeculationSwitch, StepBatcher
+from runtime.batching import BatchParts, SpeculationSwitch, StepBatcher
 from runtime.decode import Decoder
 from runtime.errors import DFlashError
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import TextCodec
 from serving.engine import Engine, GenerationRequest, _step_rows
 from targets import LowerRequest, open_batch, open_decoder
+from targets.ort.draft_batch import batched_drafts_refusal
 from targets.ort.lower import lower_ort
 from targets.ort.options import OrtOptions
 
@@ -49,10 +50,10 @@ def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampl
     `decode(index, decoder)`: request `index`'s tokens from its decoder (default: generate in `mode`);
     `prepare(store)`: called on the batch's slot store before any request."""
     base = open_decoder(directory, prefill_chunk=prefill_chunk)
-    store, draft_for = open_batch(base, slots)
+    parts = open_batch(base, slots)
     if prepare:
-        prepare(store)
-    batcher = StepBatcher(store, big_rows=_step_rows(base))
+        prepare(parts.store)
+    batcher = StepBatcher(parts.store, big_rows=_step_rows(base), drafts=parts.drafts)
     tokens: dict[int, list[int]] = {}
     errors: list[BaseException] = []
     gate = threading.Semaphore(slots)
@@ -61,7 +62,8 @@ def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampl
         try:
             slot = batcher.open()
             try:
-                decoder = Decoder(base.manifest, slot, draft_for(), prefill_chunk)
+                draft = parts.draft_for(slot, sampling is None or sampling.greedy)
+                decoder = Decoder(base.manifest, slot, draft, prefill_chunk)
                 tokens[index] = decode(index, decoder) if decode else \
                     decoder.generate(prompts[index], max_new, mode, sampling).tokens
             finally:
@@ -94,6 +96,10 @@ def test_each_request_decodes_as_it_does_alone(ragged, name):
     got, stats = _side_by_side(directory, prompts, 3, "dflash", 24)
     assert got == want
     assert stats.widest >= 2 and stats.batched_calls > 0 and stats.lone_calls > 0
+    if name == "llama_sliding_b16":  # a windowed draft: each request drafts on its own
+        assert stats.draft_calls == 0
+    else:
+        assert stats.drafted_requests > stats.draft_calls > 0  # the requests' drafts shared calls too
 
 
 def _slot_feeds(ids: np.ndarray, starts: list[int]) -> dict[str, np.ndarray]:
@@ -129,8 +135,8 @@ def test_a_store_on_a_device_returns_what_a_host_store_returns(ragged):
             starts[1] += ids.shape[1]
         return out
 
-    host = open_batch(open_decoder(directory), 2)[0]
-    device = open_batch(open_decoder(directory), 2)[0]
+    host = open_batch(open_decoder(directory), 2).store
+    device = open_batch(open_decoder(directory), 2).store
     device._on_device = True
     device._binding = CopiedWhenBound(device._binding, device._graph.kv_inputs)
     for want, got in zip(calls(host), calls(device)):
@@ -235,7 +241,7 @@ def test_directories_that_cannot_batch_are_refused_in_one_line(exported, ort_low
 def test_a_slot_that_leaves_hands_its_kv_to_the_last_request(ragged):
     """Slots stay 0..n-1: when slot 0's request leaves, the request in the last slot moves there with its K/V."""
     base = open_decoder(ragged("agree_b8"))
-    store, _ = open_batch(base, 3)
+    store = open_batch(base, 3).store
     batcher = StepBatcher(store, big_rows=_step_rows(base))
     first, second, third = batcher.open(), batcher.open(), batcher.open()
     feeds = {"input_ids": np.array([[5, 6]]), "position_ids": np.array([[0, 1]]), "seqlens_k": np.array([1], np.int32),
@@ -253,6 +259,65 @@ def test_a_slot_that_leaves_hands_its_kv_to_the_last_request(ragged):
     assert all(np.array_equal(after[name][0], kept) for name, kept in before.items())
 
 
+def _draft_feeds(rng, manifest, past: int, rows: int) -> dict[str, np.ndarray]:
+    """A rows-form draft call: `rows` new context rows after `past`, then the block."""
+    block, features = manifest.block_size, manifest.num_taps * manifest.target_hidden_size
+    return {"input_ids": np.full((1, block), manifest.mask_token_id, np.int64),
+            "target_hidden": rng.standard_normal((1, rows, features)).astype(np.float32),
+            "position_ids": np.arange(past, past + rows + block, dtype=np.int64)[None]}
+
+
+def test_one_draft_call_for_several_requests_is_each_request_alone(ragged):
+    """The ragged lowering's draft run once for several requests (targets/ort/draft_batch.py): each request has its
+    own past and new context rows (padded to the call's longest, masked by the graph), over consecutive slots and
+    over slots with a gap; each gets the proposals and logits its own draft session gives alone, and the context
+    rows written into its slot are the rows its session holds alone; a slot moved keeps its rows."""
+    decoder = open_decoder(ragged("agree_b8"))
+    manifest, parts = decoder.manifest, open_batch(decoder, 3)
+    drafts = parts.drafts
+    assert drafts is not None
+    rng = np.random.default_rng(11)
+    alone = [decoder.draft.fork() for _ in range(3)]
+    names = ["draft_ids", "draft_confidence", "logits"]
+    pasts = [0, 0, 0]
+    for rounds in ([{0: 30, 1: 3, 2: 12}, {0: 1, 1: 9, 2: 4}, {0: 5, 2: 1}, {0: 2, 1: 7, 2: 3}]):
+        calls = {slot: (_draft_feeds(rng, manifest, pasts[slot], rows), names) for slot, rows in rounds.items()}
+        got = drafts.run_slots(calls, active=3)
+        for slot, (feeds, _) in calls.items():
+            want = alone[slot].run(feeds, names)
+            np.testing.assert_array_equal(got[slot]["draft_ids"], want["draft_ids"])
+            np.testing.assert_allclose(got[slot]["logits"], want["logits"], rtol=1e-4, atol=1e-4)
+            pasts[slot] += feeds["target_hidden"].shape[1]
+    held = drafts.kv_buffers()
+    for slot, session in enumerate(alone):
+        for name, rows in session.kv_buffers().items():
+            np.testing.assert_array_equal(held[name][slot, : pasts[slot]], rows[0, : pasts[slot]])
+    drafts.move_slot(2, 0)
+    moved = drafts.kv_buffers()
+    assert all(np.array_equal(moved[name][0], held[name][2]) for name in held)
+
+
+def test_the_draft_key_mask_left_unfed_attends_as_before(exported, ragged, tmp_path):
+    """The ragged lowering's draft takes each request's row counts (key_mask=1); a call that does not feed them
+    (every single-request caller) returns what the GroupQueryAttention lowering's draft, which has no mask,
+    returns, bit for bit."""
+    masked = open_decoder(ragged("agree_b8"))
+    directory = tmp_path / "gqa"
+    lower_ort(exported("agree_b8").out, directory, OrtOptions(ctx_len=256), LowerRequest(progress=False))
+    plain = open_decoder(directory)
+    assert masked.manifest.lowering.rewrites["draft-attention"]["draft"]["key_mask"] is True
+    assert "key_mask" not in plain.manifest.lowering.rewrites["draft-attention"]["draft"]
+    feeds = _draft_feeds(np.random.default_rng(3), masked.manifest, 0, 21)
+    names = ["draft_ids", "logits"]
+    got, want = masked.draft.run(feeds, names), plain.draft.run(feeds, names)
+    assert all(np.array_equal(got[name], want[name]) for name in names)
+    assert "no key mask" in batched_drafts_refusal(plain.manifest, plain.draft)
+    assert batched_drafts_refusal(masked.manifest, masked.draft) is None
+    windowed = open_decoder(ragged("llama_sliding_b16"))  # its mask is made from key indices, which padding shifts
+    assert windowed.manifest.lowering.rewrites["draft-attention"]["draft"]["key_mask"] is False
+    assert "a mask of its own" in batched_drafts_refusal(windowed.manifest, windowed.draft)
+
+
 def test_ragged_buffers_follow_the_context_in_use(exported, tmp_path):
     """ONNX Attention pays for every buffer row on each call: after a long request the buffers shrink back for a
     short one (alone and in the batch store), in steps of 64 rows, and the short request's tokens are the same
@@ -267,11 +332,11 @@ def test_ragged_buffers_follow_the_context_in_use(exported, tmp_path):
     alone.generate(long, 8, "greedy")
     assert alone.target._rows == 320  # 308 rows in steps of 64
     assert alone.generate(short, 8, "greedy").tokens == first and alone.target._rows == 64
-    store, draft_for = open_batch(alone, 2)
-    batcher = StepBatcher(store, big_rows=_step_rows(alone))
+    parts = open_batch(alone, 2)
+    store, batcher = parts.store, StepBatcher(parts.store, big_rows=_step_rows(alone))
     for prompt, rows in ((long, 320), (short, 64)):
         slot = batcher.open()
-        got = Decoder(alone.manifest, slot, draft_for(), 256).generate(prompt, 8, "greedy").tokens
+        got = Decoder(alone.manifest, slot, parts.own_draft(), 256).generate(prompt, 8, "greedy").tokens
         slot.release()
         assert store._rows == rows
     assert got == first
@@ -347,16 +412,16 @@ def test_a_request_whose_draft_cannot_open_fails_alone(ragged):
     tokens = alone.generate(prompt, 16, "greedy").tokens
     want = codec.decode(tokens[:-1] if tokens[-1] in stops else tokens)
     decoder = open_decoder(directory)
-    store, draft_for_request = open_batch(decoder, 2)
+    parts = open_batch(decoder, 2)
     calls = iter([RuntimeError("no memory for a draft session")])
 
     def flaky_draft():
         failure = next(calls, None)
         if failure is not None:
             raise failure
-        return draft_for_request()
+        return parts.own_draft()
 
-    engine = Engine(decoder, codec, max_queue=16, batch=(store, flaky_draft))
+    engine = Engine(decoder, codec, max_queue=16, batch=BatchParts(parts.store, None, flaky_draft))
     try:
         failed = engine.submit(GenerationRequest(prompt, 16, SamplingParams(temperature=0.0))).next_event(timeout=60)
         text = "".join(event.text for event in engine.submit(GenerationRequest(prompt, 16,

@@ -71,8 +71,11 @@ def pipeline(options: OrtOptions, block_size: int, experts: bool = False,
         rewrites += ["kv-buffer", "draft-rows"]
     rewrites += ["sibling-matmuls"] if quantized else []
     names += [*rewrites, "tidy"] if rewrites else []
+    # the ragged form batches requests: its draft's attention takes each request's own rows (one draft call a step)
+    ragged = options.kv_buffer and options.kv_attention == "ragged"
     return names, {"kv-buffer": {"ctx_len": str(options.ctx_len), "attention": options.kv_attention},
-                   "rope-cache": {"rows": str(options.ctx_len + block_size)}}
+                   "rope-cache": {"rows": str(options.ctx_len + block_size)},
+                   "draft-attention": {"key_mask": "1" if ragged else "0"}}
 
 
 def _by_pass(report: list[dict]) -> dict[str, dict[str, dict]]:

@@ -114,11 +114,17 @@ class OrtSession:
         missing = sorted(set(self.input_names) - feeds.keys())
         if missing:
             raise DFlashError(f"{self.path.name}: missing inputs {missing}")
-        try:
-            values = self._session.run(names, feeds)
-        except Exception as exc:
-            raise DFlashError(f"{self.path.name} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
-        return dict(zip(names, values))
+        return run_plain(self._session, self.path.name, feeds, names)
+
+
+def run_plain(session: ort.InferenceSession, label: str, feeds: dict[str, np.ndarray],
+              names: list[str]) -> dict[str, np.ndarray]:
+    """Run `session` on host feeds; ORT's failure said in one line naming the graph."""
+    try:
+        values = session.run(names, feeds)
+    except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
+        raise DFlashError(f"{label} failed on ONNX Runtime: {str(exc).splitlines()[0]}") from None
+    return dict(zip(names, values))
 
 
 def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, label: str) -> None:
