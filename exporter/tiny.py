@@ -349,7 +349,9 @@ def build_draft(spec: TinySpec, directory: Path, target) -> None:
             draft.norm.weight[0] = 8.0
             if spec.markov_rank and spec.draft_kind == "dspark":  # the Markov bias leans to the favourite too
                 draft.markov_head.markov_w1.weight[:, 0] = 1.0
-                draft.markov_head.markov_w2.weight[spec.favourite_token, 0] = 4.0
+                favourite = spec.favourite_token if tokens is None else int(np.searchsorted(tokens,
+                                                                                              spec.favourite_token))
+                draft.markov_head.markov_w2.weight[favourite, 0] = 4.0
             for name, param in draft.named_parameters():
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     param.mul_(spec.damp_layers)
@@ -370,8 +372,8 @@ def build_pair(spec: TinySpec, root: Path, progress: bool = False) -> tuple[Path
     if spec.mxfp4 and not spec.streamed:
         raise ValueError("mxfp4=True is written by the streamed writer: set streamed=True")
     if spec.draft_vocab_size is not None and (spec.streamed or spec.draft_format != "speculators"
-                                              or spec.draft_kind != "dflash"):
-        raise ValueError("draft_vocab_size is written for in-memory speculators-format dflash drafts only")
+                                              or spec.draft_kind not in ("dflash", "dspark")):
+        raise ValueError("draft_vocab_size is written for in-memory speculators-format dflash and dspark drafts only")
     if spec.streamed:
         _write_streamed(spec, target_dir, draft_dir, progress)
         return target_dir, draft_dir

@@ -27,13 +27,13 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from runtime.feeds import KEY_MASK_INPUTS
 from runtime.manifest import GraphSpec
 
 from .base import PassContext
 from .ir_graph import add_constant, attr, const_ints, static_dims
 
 ATTENTION_OPSET = 23
-KEY_MASK_INPUTS = ("draft_past_rows", "draft_context_rows")
 ALL_ROWS = 2**62  # the inputs' default: more rows than any call has
 # heads-first, one copy per query head of its kv head, back to seq-first, flattened heads
 REPEATED = ["Transpose", "Unsqueeze", "Expand", "Reshape", "Transpose", "Reshape"]

@@ -96,6 +96,8 @@ class _Call:
     names: list[str]
     outputs: dict[str, np.ndarray] | None = None
     error: Exception | None = None
+    # set when the call has its outputs or error: only its own thread wakes, not every thread waiting at a barrier
+    done: threading.Event = field(default_factory=threading.Event)
 
     @property
     def rows(self) -> int:
@@ -202,7 +204,7 @@ class StepBatcher:
         self._active: list[SlotSession] = []  # index = slot
         self._pending: dict[int, _Call] = {}  # target calls waiting, by slot
         self._drafting: dict[int, _Call] = {}  # draft calls waiting, by slot
-        self._condition = threading.Condition()
+        self._lock = threading.Lock()
         self.stats = BatchStats()
         self.switch = SpeculationSwitch()
         # the last batched step: when it ran, in which mode, and where each request's rows started
@@ -216,7 +218,7 @@ class StepBatcher:
 
     def open(self) -> SlotSession:
         """A slot for a new request; DFlashError when every slot is taken."""
-        with self._condition:
+        with self._lock:
             if len(self._active) >= self.store.slots:
                 raise DFlashError(f"all {self.store.slots} batch slots are taken")
             session = SlotSession(self, len(self._active))
@@ -225,7 +227,7 @@ class StepBatcher:
             return session
 
     def release(self, session: SlotSession) -> None:
-        with self._condition:
+        with self._lock:
             if session not in self._active:
                 return
             slot, last = session.slot, len(self._active) - 1
@@ -255,11 +257,10 @@ class StepBatcher:
         return self._wait(self._drafting, session, _Call(feeds, names))
 
     def _wait(self, waiting: dict[int, _Call], session: SlotSession, call: _Call) -> dict[str, np.ndarray]:
-        with self._condition:
+        with self._lock:
             waiting[session.slot] = call
             self._run_when_complete()
-            while call.outputs is None and call.error is None:
-                self._condition.wait()
+        call.done.wait()
         if call.error is not None:
             raise call.error
         return call.outputs
@@ -281,7 +282,8 @@ class StepBatcher:
             for call in calls.values():
                 if call.outputs is None:
                     call.error = exc
-        self._condition.notify_all()
+        for call in calls.values():
+            call.done.set()
 
     def _run_drafts(self, calls: dict[int, _Call]) -> None:
         outputs = self.drafts.run_slots({slot: (call.feeds, call.names) for slot, call in calls.items()},

@@ -40,6 +40,9 @@ def target_feeds(manifest: Manifest, context: int, count: int) -> dict[str, np.n
 
 
 SAMPLED_INPUTS = ("sample_uniform", "sample_temperature")  # exporter/models/draft.py SAMPLED_INPUTS
+# a ragged lowering's draft: per batch row, how many of a call's past and new context rows are that request's own
+# (passes/draft_attention.py makes its key mask from them; targets/ort/draft_batch.py feeds them)
+KEY_MASK_INPUTS = ("draft_past_rows", "draft_context_rows")
 
 
 def sampling_feeds(graph: GraphSpec, uniform: np.ndarray | None = None, temperature: float = 0.0

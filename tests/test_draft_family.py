@@ -38,6 +38,8 @@ CASES = {
                                            markov_head_type="rnn", sample_from_anchor=False),
     "dspark_confidence_alone": TinySpec(draft_kind="dspark", draft_format="speculators",
                                         confidence_with_markov=False, markov_rank=4),
+    "dspark_draft_vocab": TinySpec(draft_kind="dspark", draft_format="speculators", markov_head_type="gated",
+                                   draft_vocab_size=40),
 }
 
 
@@ -80,14 +82,20 @@ def _oracle_block(model, features, ids, anchor):
 def _oracle_chain(model, kind, hidden, logits, anchor_id, first):
     """The oracle's greedy proposals (and, for DSpark, their biased logits and confidences) from one block."""
     anchor = torch.tensor([anchor_id])
+    reduced = getattr(model, "use_draft_vocab", False)
+    targets = torch.arange(logits.shape[-1]) + model.d2t if reduced else None  # speculators' d2t: offsets
+
+    def spread(rows):  # a reduced draft's rows over the target's vocabulary, -inf off its tokens
+        if not reduced:
+            return rows
+        wide = torch.full((*rows.shape[:-1], model.t2d.shape[0]), float("-inf"))
+        wide[..., targets] = rows
+        return wide
+
     if kind == "dflash":
         rows = logits[:, first:]
-        if not getattr(model, "use_draft_vocab", False):
-            return rows, rows[0].argmax(-1), None
-        targets = torch.arange(rows.shape[-1]) + model.d2t  # speculators' d2t: offsets to target ids
-        spread = torch.full((*rows.shape[:-1], model.t2d.shape[0]), float("-inf"))
-        spread[..., targets] = rows
-        return spread, targets[rows[0].argmax(-1)], None
+        best = rows[0].argmax(-1)
+        return spread(rows), targets[best] if reduced else best, None
     if kind == "dflash2":
         previous, ids = anchor, []
         for slot in range(first, logits.shape[1]):
@@ -108,10 +116,11 @@ def _oracle_chain(model, kind, hidden, logits, anchor_id, first):
         if model.confidence_head is not None:
             features = torch.cat([hidden[:, slot], code], -1) if config.confidence_head_with_markov else hidden[:, slot]
             sure.append(torch.sigmoid(model.confidence_head(features)))
-        ids.append(int(row.argmax(-1)))
+        best = int(row.argmax(-1))
+        ids.append(int(targets[best]) if reduced else best)  # the Markov head looks tokens up by target id
         previous.append(ids[-1])
         biased.append(row)
-    return torch.stack(biased, 1), torch.tensor(ids), torch.cat(sure) if sure else None
+    return spread(torch.stack(biased, 1)), torch.tensor(ids), torch.cat(sure) if sure else None
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -143,11 +152,13 @@ def test_draft_matches_speculators_on_a_first_and_a_cached_call(name, tmp_path):
         assert past[0].shape[1] == anchor
 
 
-@pytest.mark.parametrize("name", ["dspark_vanilla", "dspark_gated_sliding", "dspark_rnn_not_from_anchor"])
+@pytest.mark.parametrize("name", ["dspark_vanilla", "dspark_gated_sliding", "dspark_rnn_not_from_anchor",
+                                  "dspark_draft_vocab"])
 def test_dspark_draws_its_chain_with_each_bias_after_the_token_drawn_before(name, tmp_path):
     """Sampling a DSpark draft: each position's logits carry the Markov bias of the token drawn before it (the
     oracle: speculators' head over the drawn chain), and each draw is the inverse CDF of softmax(logits / T) at
-    the call's uniform; at temperature 0 the call is the greedy chain."""
+    the call's uniform; at temperature 0 the call is the greedy chain. A reduced-vocabulary draft draws among its
+    own tokens (target ids, each biasing the next by that id), its logits -inf elsewhere."""
     import numpy as np
 
     spec, target, draft_dir = _pair(name, tmp_path)
@@ -168,11 +179,15 @@ def test_dspark_draws_its_chain_with_each_bias_after_the_token_drawn_before(name
         logits, drawn, *_ = ours(*args, uniform, torch.tensor([temperature]))
         hidden, unary = _oracle_block(oracle, features, ids, anchor)
         previous = [int(ids[0, anchor])] * (1 if first == 0 else 2) + drawn[0].tolist()
+        # a reduced draft's own tokens (speculators' d2t: offsets to target ids); every token otherwise
+        columns = torch.arange(unary.shape[-1]) + oracle.d2t if spec.draft_vocab_size else slice(None)
         for position, slot in enumerate(range(first, spec.block_size)):
             prev = torch.tensor([previous[: slot + 1]])
             want = unary[:, slot] + oracle.markov_head.block_bias(prev_token_ids=prev,
                                                                   hidden_states=hidden[:, : slot + 1])[:, -1]
-            torch.testing.assert_close(logits[:, position], want, atol=5e-5, rtol=1e-4)
+            torch.testing.assert_close(logits[:, position, columns], want, atol=5e-5, rtol=1e-4)
+    if spec.draft_vocab_size:
+        assert set(drawn[0].tolist()) <= set(columns.tolist()) and torch.isneginf(logits).sum() > 0
     scaled = logits[0].double().numpy() / temperature
     probs = np.exp(scaled - scaled.max(-1, keepdims=True))
     cdf = np.cumsum(probs / probs.sum(-1, keepdims=True), -1)
@@ -222,7 +237,7 @@ def _config(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"draft_vocab_size": 32}, "reduced vocabulary"),
+    ({"draft_vocab_size": 32, "speculators_model_type": "dflash2"}, "dflash2 draft proposes from a reduced"),
     ({"aux_hidden_state_layer_ids": [0, 2]}, "taps the target's embeddings"),
     ({"aux_hidden_state_layer_ids": None}, "needs aux_hidden_state_layer_ids"),
     ({"speculators_model_type": "eagle3"}, "not a DFlash-family draft"),

@@ -1,10 +1,12 @@
 """A draft that proposes from a reduced vocabulary (speculators' draft_vocab_size with t2d / d2t): exported and
 lowered, its graph proposes target ids, its logits span the target's vocabulary (-inf off the draft's tokens), and
-DFlash decodes exactly HF greedy. (The draft against speculators' own model class: tests/test_draft_family.py.)"""
+DFlash decodes exactly HF greedy; for DFlash and DSpark drafts. (The drafts against speculators' own model classes:
+tests/test_draft_family.py.)"""
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -27,10 +29,12 @@ SPEC = TinySpec(draft_kind="dflash", draft_format="speculators", draft_vocab_siz
 PROMPTS = [[3, 14, 15, 92, 65], [2, 71, 82, 81, 82, 84, 59]]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("draft_vocab")
-    build_pair(SPEC, root)
+@pytest.fixture(scope="module", params=["dflash", "dspark"])
+def pair(request, tmp_path_factory):
+    """The pair exported and lowered for ORT: a DFlash draft, and a DSpark draft whose Markov head biases its own
+    tokens and looks the previous one up by its target id (speculators' MarkovHead)."""
+    root = tmp_path_factory.mktemp(f"draft_vocab_{request.param}")
+    build_pair(replace(SPEC, draft_kind=request.param), root)
     export_pair(root / "target", root / "draft", root / "export", progress=False)
     lower_ort(root / "export", root / "ort", request=LowerRequest(progress=False))
     return root
@@ -110,5 +114,6 @@ def test_the_mlx_lowering_runs_it_too(pair, tmp_path):
     lower_mlx(pair / "export", tmp_path / "mlx", MlxOptions(ctx_len=512), LowerRequest(progress=False))
     lm = load_target(pair / "target", "float32")
     decoder = open_decoder(tmp_path / "mlx")
-    result = decoder.generate(PROMPTS[0], 24, "dflash", stop_token_ids=[])
+    # every block verified: tau then measures the draft, not MLX's cost curve (whose verify may not pay on this CPU)
+    result = decoder.generate(PROMPTS[0], 24, "dflash", stop_token_ids=[], verify="full")
     assert result.tokens == hf_greedy(lm, PROMPTS[0], 24, None) and result.tau > 3.0

@@ -308,7 +308,7 @@ class DFlashDraft(nn.Module):
         if spec.kind == "dflash2":
             self.candidate_selector = CandidateSelector(vocab, width, spec.selector_rank, spec.selector_top_k)
         if spec.markov_rank:
-            self.markov_head = MarkovHead(vocab, width, spec.markov_rank, spec.markov_head_type)
+            self.markov_head = MarkovHead(vocab, width, spec.markov_rank, spec.markov_head_type, spec.draft_vocab)
         if spec.confidence_head:
             self.confidence_head = ConfidenceHead(width + (spec.markov_rank if spec.confidence_with_markov else 0))
 
@@ -394,9 +394,12 @@ class DFlashDraft(nn.Module):
         `sampling` (uniforms [b, P], temperatures [b]): where a row's temperature is above 0, each proposal is
         drawn by inverse CDF of softmax(logits / temperature) at its uniform instead of taken by argmax, so the
         draft's distribution is exactly that along the drawn chain (no top-k / top-p: rejection sampling is
-        exact with any draft distribution)."""
+        exact with any draft distribution). A reduced-vocabulary draft draws among its own tokens and hands on
+        each as its target id (the Markov head's lookup and the proposals), its logits spread over the target's
+        vocabulary (-inf off its tokens)."""
         head, previous, state = getattr(self, "markov_head", None), anchor[:, None], None
         biased, ids, confident = [], [], []
+        reduced = self.spec.draft_vocab is not None  # rows over the draft's tokens; ids and the result's logits not
         if sampling is not None:
             uniform, temperature = sampling
             sampled = (temperature > 0)[:, None]
@@ -418,10 +421,13 @@ class DFlashDraft(nn.Module):
                     point = uniform[:, slot - skipped, None, None] * cdf[..., -1:]
                     drawn = torch.clamp((cdf <= point).sum(dim=-1), max=row.shape[-1] - 1)
                     previous = torch.where(sampled, drawn, previous)
+                if reduced:  # the draft's token as its target id: the next bias looks it up by that id
+                    previous = self.draft_to_target.index_select(0, previous.reshape(-1)).reshape(previous.shape)
                 biased.append(row)
                 ids.append(previous)
         logits = torch.cat(biased, 1)
-        return logits, torch.cat(ids, 1), torch.cat(confident, 1) if confident else confidence(logits)
+        sure = torch.cat(confident, 1) if confident else confidence(logits)
+        return spread(logits, self.target_columns) if reduced else logits, torch.cat(ids, 1), sure
 
     def propose(self, hidden: torch.Tensor, anchor: torch.Tensor,
                 sampling: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:

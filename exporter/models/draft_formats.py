@@ -47,9 +47,10 @@ def speculators_fields(raw: dict) -> dict:
     draft_vocab = _integer(raw, "draft_vocab_size", config.vocab_size)
     if draft_vocab > config.vocab_size:
         raise DFlashError(f"draft_vocab_size {draft_vocab} exceeds the vocabulary ({config.vocab_size})")
-    if draft_vocab < config.vocab_size and kind != "dflash":
-        raise DFlashError(f"this {kind} draft proposes from a reduced vocabulary ({draft_vocab} of "
-                          f"{config.vocab_size} tokens, d2t/t2d): supported for dflash drafts only so far")
+    if draft_vocab < config.vocab_size and kind == "dflash2":  # as speculators' DFlash2DraftModel refuses it
+        raise DFlashError(f"this dflash2 draft proposes from a reduced vocabulary ({draft_vocab} of "
+                          f"{config.vocab_size} tokens, d2t/t2d): DFlash2's selector codebooks index the whole "
+                          "vocabulary (speculators requires it too)")
     taps = raw.get("aux_hidden_state_layer_ids")
     if not isinstance(taps, list) or not taps or not all(isinstance(t, int) for t in taps):
         raise DFlashError("draft config.json (speculators format) needs aux_hidden_state_layer_ids, the target "

@@ -92,11 +92,13 @@ class CandidateSelector(nn.Module):
 class MarkovHead(nn.Module):
     """DSpark's logit bias for a position from the token before it (and, gated or rnn, the position's hidden)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int, kind: str):
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, kind: str, draft_vocab: int | None = None):
+        """`draft_vocab`: a reduced-vocabulary draft's token count: the bias spans its tokens, while the previous
+        token is looked up by its target id."""
         super().__init__()
         self.kind, self.rank = kind, rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, draft_vocab or vocab_size, bias=False)
         if kind == "gated":
             self.gate_proj = nn.Linear(hidden_size + rank, rank)
         elif kind == "rnn":

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from passes.draft_attention import KEY_MASK_INPUTS
+from runtime.feeds import KEY_MASK_INPUTS
 from runtime.manifest import Manifest
 
 from ..kv_rows import STEP_ROWS, rows_in_steps
