@@ -15,7 +15,7 @@ from runtime.manifest import Manifest
 from runtime.recurrent import output_names as recurrent_outputs
 
 from ..kv_rows import STEP_ROWS, rows_in_steps
-from .session import OrtBufferSession, bind_host_inputs, buffer_attention, run_bound
+from .session import OrtBufferSession, bind_host_inputs, buffer_attention, refill, run_bound
 
 
 def batch_refusal(manifest: Manifest) -> str | None:
@@ -103,11 +103,7 @@ class OrtBatchSession:
         if self._state.intersection(names):
             return self._run_with_state(first, count, feeds, names)
         for name, value in feeds.items():
-            kept = self._inputs.get(name)
-            if kept is None or kept[0].shape != value.shape or kept[0].dtype != value.dtype:
-                array = np.empty(value.shape, value.dtype)
-                kept = self._inputs[name] = (array, ort.OrtValue.ortvalue_from_numpy(array))
-            np.copyto(kept[0], value)
+            refill(self._inputs, name, value)
         key = (first, count, rows, tuple(names), self._rows)
         if key != self._bound:  # a step like the last (same slots, rows, outputs) binds nothing anew
             self._bind(first, count, rows, names, list(feeds))

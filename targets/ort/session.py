@@ -144,6 +144,20 @@ def bind_host_inputs(binding: ort.IOBinding, feeds: dict[str, np.ndarray]) -> di
     return kept
 
 
+def refill(kept: dict[str, tuple[np.ndarray, ort.OrtValue]], name: str,
+           value: np.ndarray) -> tuple[tuple[np.ndarray, ort.OrtValue], bool]:
+    """Copy `value` into the host array kept for input `name`, a new one (and its OrtValue) when the shape or dtype
+    changed: a run of same-shaped steps allocates nothing. Returns the pair and whether it is new (so not bound
+    yet)."""
+    pair = kept.get(name)
+    fresh = pair is None or pair[0].shape != value.shape or pair[0].dtype != value.dtype
+    if fresh:
+        array = np.empty(value.shape, value.dtype)
+        pair = kept[name] = (array, ort.OrtValue.ortvalue_from_numpy(array))
+    np.copyto(pair[0], value)
+    return pair, fresh
+
+
 def _grown(value: ort.OrtValue | None, shape: tuple[int, ...], dtype, device: str) -> ort.OrtValue:
     """A zeroed buffer of `shape` on `device` that starts with `value`'s contents, as much as fits (None: empty)."""
     array = np.zeros(shape, dtype)
@@ -229,12 +243,7 @@ class OrtBufferSession(OrtSession):
         self._fit(needed)
         binding = self._binding
         for name, value in feeds.items():  # same shape as last call (a decode or verify step): refilled in place
-            kept = self._inputs.get(name)
-            fresh = kept is None or kept[0].shape != value.shape or kept[0].dtype != value.dtype
-            if fresh:
-                array = np.empty(value.shape, value.dtype)
-                kept = self._inputs[name] = (array, ort.OrtValue.ortvalue_from_numpy(array))
-            np.copyto(kept[0], value)
+            kept, fresh = refill(self._inputs, name, value)
             if fresh or self._inputs_copied_when_bound:  # bound after it is filled
                 binding.bind_ortvalue_input(name, kept[1])
         if self._bound != (names, rows):  # only outputs asked for are bound: ORT keeps the rest internal
