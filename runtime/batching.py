@@ -128,10 +128,12 @@ class SpeculationSwitch:
     commit in each mode. A request's verify policy weighs its share of the target's cost curve, but a batched step
     also waits for every request's draft and per-step work, which the curve does not hold (on the demo pair at 8
     requests, drafting steps committed less than greedy ones). Each mode's rate is measured on its own steps: the
-    mode not in use is tried for PROBE_STEPS steps, first after FIRST_PROBE steps at a width, then every
-    PROBE_EVERY steps. Tokens do not depend on it: drafted tokens are verified, greedy steps are greedy."""
+    mode not in use is tried for PROBE_STEPS steps, first after FIRST_PROBE steps at a width, then PROBE_EVERY
+    steps later; each probe that loses doubles the width's wait for the next (up to PROBE_MOST steps), one that
+    wins brings it back to PROBE_EVERY, so a mode that keeps losing costs few steps. Tokens do not depend on it:
+    drafted tokens are verified, greedy steps are greedy."""
 
-    FIRST_PROBE, PROBE_EVERY, PROBE_STEPS = 8, 64, 4
+    FIRST_PROBE, PROBE_EVERY, PROBE_STEPS, PROBE_MOST = 8, 64, 4, 1024
     WEIGHT = 0.3  # of the newest step in each running rate
 
     def __init__(self):
@@ -139,6 +141,12 @@ class SpeculationSwitch:
         self.drafting = True
         self._steps: dict[int, int] = {}  # steps measured at each width
         self._probe = 0  # steps of the probed mode still to run
+        self._probed_from = True  # the mode a probe left
+        self._wait: dict[int, int] = {}  # steps from one probe at a width to its next
+        self._next: dict[int, int] = {}  # the step count at which a width probes next
+
+    def _faster(self, width: int) -> bool:
+        return self.rates.get((width, True), float("inf")) >= self.rates.get((width, False), 0.0)
 
     def observe(self, width: int, drafting: bool, tokens: int, seconds: float) -> None:
         """A step of `width` requests in mode `drafting` committed `tokens` in `seconds`; then choose the mode of
@@ -152,10 +160,17 @@ class SpeculationSwitch:
             self._probe -= 1
             if self._probe:
                 return
-        elif steps == self.FIRST_PROBE or steps % self.PROBE_EVERY == 0:
+            self.drafting = self._faster(width)
+            wait = self._wait.get(width, self.PROBE_EVERY)
+            lost = self.drafting == self._probed_from
+            self._wait[width] = min(2 * wait, self.PROBE_MOST) if lost else self.PROBE_EVERY
+            self._next[width] = steps + self._wait[width]
+            return
+        if steps == self.FIRST_PROBE or steps >= self._next.get(width, self.PROBE_EVERY):
+            self._probed_from, self._next[width] = drafting, steps + self._wait.get(width, self.PROBE_EVERY)
             self.drafting, self._probe = not drafting, self.PROBE_STEPS
             return
-        self.drafting = self.rates.get((width, True), float("inf")) >= self.rates.get((width, False), 0.0)
+        self.drafting = self._faster(width)
 
 
 class SlotSession:

@@ -47,6 +47,7 @@ def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampl
                   decode=None, prepare=None):
     """Each prompt decoded in its own thread on a slot of one batch, the threads started a few at a time (so
     requests join while others decode and leave before others end); the tokens and the batcher's stats.
+    `sampling`: one SamplingParams for all, or a function of the request's index giving its own;
     `decode(index, decoder)`: request `index`'s tokens from its decoder (default: generate in `mode`);
     `prepare(store)`: called on the batch's slot store before any request."""
     base = open_decoder(directory, prefill_chunk=prefill_chunk)
@@ -62,10 +63,11 @@ def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampl
         try:
             slot = batcher.open()
             try:
-                draft = parts.draft_for(slot, sampling is None or sampling.greedy)
+                params = sampling(index) if callable(sampling) else sampling
+                draft = parts.draft_for(slot, params is None or params.greedy)
                 decoder = Decoder(base.manifest, slot, draft, prefill_chunk)
                 tokens[index] = decode(index, decoder) if decode else \
-                    decoder.generate(prompts[index], max_new, mode, sampling).tokens
+                    decoder.generate(prompts[index], max_new, mode, params).tokens
             finally:
                 slot.release()
         except BaseException as exc:  # noqa: BLE001 - reported by the test
@@ -199,6 +201,11 @@ def test_greedy_and_sampling_side_by_side_are_the_requests_alone(ragged):
     sampling = SamplingParams(temperature=0.9, top_k=20, seed=7)
     got, _ = _side_by_side(directory, prompts, 4, "dflash", 16, sampling)
     assert got == [alone.generate(p, 16, "dflash", sampling).tokens for p in prompts]
+    # mixed: greedy requests share their draft calls while sampled ones draft on their own, in the same steps
+    mixed = [sampling if index % 2 else SamplingParams(temperature=0.0) for index in range(len(prompts))]
+    got, stats = _side_by_side(directory, prompts, 4, "dflash", 16, lambda index: mixed[index])
+    assert got == [alone.generate(p, 16, "dflash", params).tokens for p, params in zip(prompts, mixed)]
+    assert stats.draft_calls > 0
 
 
 def test_the_engine_batches_requests_and_their_text_is_solo_greedy(ragged):
@@ -363,6 +370,29 @@ def test_the_switch_drafts_where_drafting_steps_commit_faster():
     assert switch.drafting and (2, True) in switch.rates
     switch.observe(8, True, 100, 0.0)  # a step of no measurable time changes nothing
     assert switch.drafting
+
+
+def test_a_mode_that_keeps_losing_is_probed_less_and_less_until_it_wins():
+    """Each losing probe doubles the width's wait for the next (64, 128, ... up to 1024 steps): over 2000 greedy-
+    faster steps drafting runs the first 8 and 4 per probe, at steps 76, 208, 468 and 984 (a fixed 64-step wait:
+    30 probes); once drafting commits faster, its probe wins and the batch drafts from then on."""
+    switch = SpeculationSwitch()
+    drafting_rate = [1000.0]
+
+    def run(steps: int) -> list[bool]:
+        modes = []
+        for _ in range(steps):
+            modes.append(switch.drafting)
+            switch.observe(8, modes[-1], 100, 100 / (drafting_rate[0] if modes[-1] else 1500.0))
+        return modes
+
+    modes = run(2000)
+    starts = [i for i in range(1, len(modes)) if modes[i] and not modes[i - 1]]
+    assert starts == [76, 208, 468, 984] and sum(modes) == 8 + 4 * len(starts)
+    drafting_rate[0] = 3000.0  # the text turned easy: drafting now commits faster
+    modes = run(2000)
+    first = modes.index(True)
+    assert first < 1024 and all(modes[first + 4 : first + 60])  # its probe won: the batch drafts from then on
 
 
 def test_a_batch_that_does_not_draft_decodes_greedily(ragged):

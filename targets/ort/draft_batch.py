@@ -7,11 +7,11 @@ past (a view when the slots are consecutive, the usual case), each request's new
 call's longest, and the graph's key mask (passes/draft_attention.py, key_mask=1) told how many past and new rows
 are each request's own, so that no request attends to another's rows or to padding. The new rows the graph
 returns are written into each slot after its past. Host arrays fed as they are: the CPU provider only
-(`batched_drafts` refuses the others, whose requests keep a draft session each).
+(`batched_drafts_refusal` turns the others away; their requests keep a draft session each).
 
 A request's proposal beside others is the same as alone up to float rounding (its keys are summed over a longer,
 masked row): greedy tokens do not depend on it (the target verifies every proposal), and sampled requests keep
-their own draft session (engine), so that their draws are the same as alone.
+their own draft session (runtime/batching.BatchParts.draft_for), so that their draws are the same as alone.
 """
 
 from __future__ import annotations
