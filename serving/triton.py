@@ -204,6 +204,7 @@ def write_repository(settings: EngineSettings, repository: Path, name: str = "df
     if not name or not name.replace("-", "").replace("_", "").isalnum():
         raise DFlashError(f"--name {name!r}: give letters, digits, - and _ only")
     values = {"directory": str(settings.directory.resolve()), "max_batch": str(settings.max_batch),
+              "shared_draft": "on" if settings.shared_draft else "off",
               "max_queue": str(settings.max_queue), "verify": settings.verify,
               "batch_invariant": "on" if settings.batch_invariant else "off",
               "lookup_guess": "on" if settings.lookup_guess else "off"}

@@ -17,6 +17,7 @@ from runtime.errors import DFlashError
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import TextCodec
 from serving.engine import Engine, GenerationRequest, _step_rows
+from serving.host import EngineSettings
 from targets import LowerRequest, open_batch, open_decoder
 from targets.ort.draft_batch import batched_drafts_refusal
 from targets.ort.lower import lower_ort
@@ -228,6 +229,11 @@ def test_the_engine_batches_requests_and_their_text_is_solo_greedy(ragged):
         engine.close()
     assert texts == want
     assert engine.batcher.stats.widest >= 2 and sum(engine.finished.values()) == 6
+    # `serve --shared-draft off` (EngineSettings): the same batch, each request drafting on its own session
+    for shared in (True, False):
+        opened = EngineSettings(directory, max_batch=2, shared_draft=shared).open()
+        opened.close()
+        assert (opened.batcher.drafts is not None) == shared
 
 
 def test_directories_that_cannot_batch_are_refused_in_one_line(exported, ort_lowered, tmp_path):

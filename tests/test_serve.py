@@ -480,9 +480,9 @@ def test_engine_settings_from_strings_refuse_what_they_cannot_read(tmp_path):
     from serving.host import EngineSettings
 
     read = EngineSettings.from_strings({"directory": str(tmp_path), "max_batch": "4", "lookup_guess": "off",
-                                        "verify": "3", "compute_units": "cpu_only"})
-    assert (read.max_batch, read.lookup_guess, read.verify, read.session_options) == (
-        4, False, "3", {"compute_units": "cpu_only"})
+                                        "verify": "3", "compute_units": "cpu_only", "shared_draft": "off"})
+    assert (read.max_batch, read.lookup_guess, read.verify, read.session_options, read.shared_draft) == (
+        4, False, "3", {"compute_units": "cpu_only"}, False)
     for values, message in (({"directory": str(tmp_path), "max_bach": "4"}, "unknown engine setting(s) max_bach"),
                             ({"max_batch": "4"}, "needs directory=PATH"),
                             ({"directory": str(tmp_path), "max_queue": "many"}, "max_queue must be a whole number"),
