@@ -219,7 +219,9 @@ class Decoder:
         # a DSpark draft draws its chain in the graph (one uniform per proposal) from softmax(logits / T)
         sampled_chain = next((int(t.shape[1]) for t in self.manifest.draft.inputs if t.name == "sample_uniform"), 0)
         chain_sampling = SamplingParams(temperature=sampling.temperature) if not greedy else None
-        pending = out.context  # the target's features of committed tokens the draft has not seen yet
+        # the target's features of committed tokens the draft has not seen yet, joined only when the draft is called
+        # (steps without a draft, a greedy request's all, would otherwise copy the whole backlog every step)
+        pending = [out.context]
         priced, shares = 1, {}
         while start + 1 < max_length and not stopped:
             if self.batch_width is not None and self.costs is not None and (width := self.batch_width()) != priced:
@@ -237,8 +239,9 @@ class Decoder:
             policy.guessing = guess is not None and start + 2 < max_length  # a step without drafts would guess
             if policy.wants_draft(most if self.batch_drafts is None or self.batch_drafts() else 0):
                 chained = None if greedy or not sampled_chain else (rng.random(sampled_chain), sampling.temperature)
-                proposal = draft.propose(block, pending, want_logits=not greedy, sample=chained)
-                pending = None
+                context = pending[0] if len(pending) == 1 else np.concatenate(pending)
+                proposal = draft.propose(block, context, want_logits=not greedy, sample=chained)
+                pending = []
                 if greedy:
                     proposed, confidence = proposal.ids[:most], proposal.confidence
                 elif chained is not None:  # DSpark: drawn in the graph, each bias after the draw before it; every
@@ -287,7 +290,7 @@ class Decoder:
             start += len(new)
             target.commit(start)
             rows = out.context[: len(new)]
-            pending = rows if pending is None else np.concatenate([pending, rows])
+            pending.append(rows.copy())  # a session may hand out views of buffers its next call rewrites
             result.tokens.extend(new)
             if lookup is not None:
                 lookup.extend(new)
