@@ -339,7 +339,8 @@ def _serve(args) -> int:
     options = ServerOptions(model=args.model or args.out.resolve().name, api_key=args.api_key,
                             max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
                             temperature=args.temperature)
-    running = "one request at a time" if args.max_batch == 1 else f"up to {args.max_batch} requests side by side"
+    running = "one request at a time" if args.max_batch == 1 else \
+        f"up to {args.max_batch} requests side by side, {engine.drafting}"
     print(f"serving {options.model} from {args.out} on http://{args.host}:{args.port}/v1 (DFlash, verify "
           f"{args.verify}; {running}, {args.max_queue} may wait)", file=sys.stderr)
     try:

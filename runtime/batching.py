@@ -83,6 +83,7 @@ class BatchParts:
     store: SlotStore
     drafts: DraftStore | None
     own_draft: Callable[[], object | None]
+    unshared_because: str | None = None  # why `drafts` is None where the directory has a draft
 
     def draft_for(self, slot: SlotSession, greedy: bool) -> object | None:
         """A request's draft session: its share of the step's draft call where the batch shares one and the request

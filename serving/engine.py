@@ -129,6 +129,9 @@ class Engine:
         self.stop_token_ids = frozenset(decoder.stop_token_ids)
         self.batcher: StepBatcher | None = None
         self._batch = batch
+        # how the batch drafts, for the server's first line: shared, or why each request drafts on its own
+        self.drafting = "" if batch is None or decoder.draft is None else "one draft call a step" \
+            if batch.drafts is not None else f"a draft call per request ({batch.unshared_because})"
         if batch is not None:
             self.batcher = StepBatcher(batch.store, big_rows=_step_rows(decoder), drafts=batch.drafts)
         self.max_batch = self.batcher.store.slots if self.batcher else 1

@@ -94,5 +94,5 @@ class EngineSettings:
             decoder.costs = read_costs(self.cost_model, decoder.manifest.verify_rows)
         batch = open_batch(decoder, self.max_batch) if self.max_batch > 1 else None
         if batch is not None and not self.shared_draft:
-            batch = replace(batch, drafts=None)
+            batch = replace(batch, drafts=None, unshared_because="--shared-draft off")
         return Engine(decoder, codec, max_queue=self.max_queue, verify=parse_verify(self.verify), batch=batch)

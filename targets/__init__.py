@@ -96,15 +96,15 @@ def open_batch(decoder: Decoder, slots: int) -> BatchParts:
         raise DFlashError(refusal)
     store = OrtBatchSession(decoder.target, decoder.manifest, slots)
     draft, turn = decoder.draft, threading.Lock()
-    drafts = None if draft is None or batched_drafts_refusal(decoder.manifest, draft) else \
-        OrtDraftBatch(draft, decoder.manifest, slots)
+    unshared = None if draft is None else batched_drafts_refusal(decoder.manifest, draft)
+    drafts = None if draft is None or unshared else OrtDraftBatch(draft, decoder.manifest, slots)
 
     def own_draft() -> Session | None:
         if draft is None:
             return None
         return _OneAtATime(draft.fork() if isinstance(draft, OrtRowsSession) else draft, turn)
 
-    return BatchParts(store, drafts, own_draft)
+    return BatchParts(store, drafts, own_draft, unshared)
 
 
 class _OneAtATime:

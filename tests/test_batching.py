@@ -234,6 +234,8 @@ def test_the_engine_batches_requests_and_their_text_is_solo_greedy(ragged):
         opened = EngineSettings(directory, max_batch=2, shared_draft=shared).open()
         opened.close()
         assert (opened.batcher.drafts is not None) == shared
+        assert opened.drafting == ("one draft call a step" if shared else "a draft call per request "
+                                   "(--shared-draft off)")  # what serve's first line says
 
 
 def test_directories_that_cannot_batch_are_refused_in_one_line(exported, ort_lowered, tmp_path):
@@ -329,6 +331,7 @@ def test_the_draft_key_mask_left_unfed_attends_as_before(exported, ragged, tmp_p
     windowed = open_decoder(ragged("llama_sliding_b16"))  # its mask is made from key indices, which padding shifts
     assert windowed.manifest.lowering.rewrites["draft-attention"]["draft"]["key_mask"] is False
     assert "a mask of its own" in batched_drafts_refusal(windowed.manifest, windowed.draft)
+    assert "a mask of its own" in open_batch(windowed, 2).unshared_because  # the reason reaches serve's first line
 
 
 def test_ragged_buffers_follow_the_context_in_use(exported, tmp_path):
