@@ -1,8 +1,9 @@
 """What the verify policy buys on a recording, under the cost curves of three kinds of hardware: the demo's
 recorded steps (benchmarks/record_trace.py) replayed with runtime.policy.simulate, speed relative to greedy for
-full blocks and for `--verify auto`; where the recording has both (a DSpark draft's), `auto` once reading the
-draft's confidence head and once the argmax probability of its logits. Prints the table docs/verify-policy.md
-shows.
+full blocks and for `--verify auto`; where the recording has both (a DSpark draft's), `auto` reading the
+draft's confidence head, the argmax probability of its logits, and both (the policy reading, step by step, the
+one whose calibrated predictions have scored better so far, as decoding does). Prints the table
+docs/verify-policy.md shows.
 
     python benchmarks/policy_replay.py [--trace tests/data/demo_trace.json] [--cost-model NAME=FILE ...]
 
@@ -33,9 +34,12 @@ def curves(block: int) -> dict[str, CostModel]:
             "M2-like (T=16 at 7.5x, draft 1.0x)": CostModel([1 + 6.5 * t / (block - 1) for t in range(block)], 1.0)}
 
 
-def recorded_steps(trace: dict, key: str = "confidence") -> list[tuple[np.ndarray, int]]:
-    """Per full-block step: the draft's confidence in each proposal (`key`), and how many the target accepted."""
-    return [(np.asarray(step[key]), step["accepted"]) for step in trace["steps"]]
+def recorded_steps(trace: dict, *keys: str) -> list[tuple[np.ndarray, int]]:
+    """Per full-block step: the draft's confidence in each proposal (`keys`: one signal [P], or several stacked
+    [signals, P]; the recorded confidence by default), and how many the target accepted."""
+    keys = keys or ("confidence",)
+    return [(np.asarray(step[keys[0]]) if len(keys) == 1 else np.stack([step[key] for key in keys]),
+             step["accepted"]) for step in trace["steps"]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,12 +65,14 @@ def main(argv: list[str] | None = None) -> None:
         auto, full = simulate("auto", costs, steps), simulate("full", costs, steps)
         row = [name, f"{full['full_rate'] / full['greedy_rate']:.2f}x", f"{auto['rate'] / auto['greedy_rate']:.2f}x"]
         if both:
-            argmax = simulate("auto", costs, recorded_steps(trace, "argmax_probability"))
-            row.append(f"{argmax['rate'] / argmax['greedy_rate']:.2f}x")
+            for keys in (["argmax_probability"], ["confidence", "argmax_probability"]):
+                replayed = simulate("auto", costs, recorded_steps(trace, *keys))
+                row.append(f"{replayed['rate'] / replayed['greedy_rate']:.2f}x")
         rows.append(row)
     tau = np.mean([1 + accepted for _, accepted in steps])
     header = ["cost curve", "full blocks", "auto (confidence head)" if both else "auto"]
-    print(markdown_table(header + (["auto (argmax probability)"] if both else []), rows))
+    print(markdown_table(header + (["auto (argmax probability)", "auto (both, the better online)"] if both else []),
+                         rows))
     print(f"\n{len(steps)} recorded full-block steps, tau {tau:.2f}. {provenance(libraries=(), verb='Computed')}")
 
 

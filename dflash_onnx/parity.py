@@ -122,7 +122,7 @@ def _compare_graphs(prompt_index: int, prompt: np.ndarray, manifest: Manifest, d
     context = ref[2]
     past = draft.empty_cache(dtype=context.dtype)
     start = 0
-    extra = len(draft.extra_outputs())
+    signals, extra = draft.signal_outputs(), len(draft.extra_outputs())
     # a DSpark draft's chain drawn in the graph: the later call draws it from fixed uniforms at a temperature
     # (the draws follow the logits: equal up to a uniform falling on a rounding-sized boundary)
     uniform = np.random.default_rng(prompt_index).random(draft.spec.proposals(manifest.block_size)).astype(np.float32)
@@ -140,9 +140,12 @@ def _compare_graphs(prompt_index: int, prompt: np.ndarray, manifest: Manifest, d
                             False))
         checks.append(Check(prompt_index, f"draft confidence ({call} call){drawn}",
                             _max_diff(got_d["draft_confidence"], ref_d[2]), False))
-        scales += [_scale(ref_d[0]), 1.0]
+        for index, name in enumerate(signals):  # a confidence head's draft: the argmax probability beside it
+            checks.append(Check(prompt_index, f"draft {name.removeprefix('draft_').replace('_', ' ')} ({call} call)"
+                                f"{drawn}", _max_diff(got_d[name], ref_d[3 + index]), False))
+        scales += [_scale(ref_d[0]), 1.0, *([1.0] * len(signals))]
         start += context.shape[1]
-        past = ref_d[3 + extra:]
+        past = ref_d[3 + len(signals) + extra:]
         context = ref_v[2][:, :2]
     for check, scale in zip(checks, scales):
         check.ok = bool(check.value <= tol + relative * scale)

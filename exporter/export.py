@@ -141,7 +141,8 @@ def export_draft(draft: DFlashDraft, block_size: int, out: Path, opset: int, dty
     program = export_program(
         draft, (ids, hidden, positions, *past_kv, *sampling),
         ["input_ids", "target_hidden", "position_ids", *kv_names("past_key_values", n), *draft.extra_inputs()],
-        ["logits", "draft_ids", "draft_confidence", *draft.extra_outputs(), *kv_names("present", n)],
+        ["logits", "draft_ids", "draft_confidence", *draft.signal_outputs(), *draft.extra_outputs(),
+         *kv_names("present", n)],
         ({0: batch}, {0: batch, 1: ctx_new}, {0: batch, 1: ctx_new + block_size},
          (*({0: batch, 1: ctx_past} for _ in range(2 * n)), *({0: batch} for _ in sampling))),
         opset, weights,

@@ -107,7 +107,7 @@ class Decoder:
         # how often the target accepts the draft's proposals at each confidence, learnt by the `auto` policy: a
         # property of the pair (greedy and sampled acceptance apart), so kept across requests rather than learnt
         # anew by each, whose first steps would otherwise draft on the prior's word
-        self.calibrations: dict[bool, Calibration] = {}
+        self.calibrations: dict[bool, list[Calibration]] = {}
         # decoding beside other requests (runtime/batching.py): how many share each step, so that the `auto`
         # policy weighs this request's share of a batched step (CostModel.shared_by) rather than a call alone
         self.batch_width: Callable[[], int] | None = None
@@ -180,7 +180,7 @@ class Decoder:
         costs = self.costs.padded_to(self.row_multiple) if self.costs and self.row_multiple > 1 else self.costs
         sampling = sampling or SamplingParams()
         policy = VerifyPolicy(verify, costs, self.manifest.verify_rows,
-                              self.calibrations.setdefault(not sampling.greedy, Calibration()))
+                              self.calibrations.setdefault(not sampling.greedy, []))
         return self._steps(target, draft, prompt, max_new_tokens, most_rows, sampling, stops, policy,
                            self.guesses(sampling))
 
@@ -243,7 +243,7 @@ class Decoder:
                 proposal = draft.propose(block, context, want_logits=not greedy, sample=chained)
                 pending = []
                 if greedy:
-                    proposed, confidence = proposal.ids[:most], proposal.confidence
+                    proposed, confidence = proposal.ids[:most], proposal.signals()
                 elif chained is not None:  # DSpark: drawn in the graph, each bias after the draw before it; every
                     # confidence along that chain follows the draws before it, and a verified length chosen from
                     # them would make whether a draw is verified depend on the draw: the full block is verified

@@ -7,7 +7,10 @@ steps say speculation would not beat greedy's `1 / t(1)`, drafting again now and
 acceptance rises. E[accepted] multiplies, position by position, the probability that the target agrees with
 the proposal at that confidence; that probability is learnt online from the accept / reject outcomes the
 loop sees (monotone in confidence), so a badly calibrated draft cannot mislead it for long; a decoder keeps it
-across its requests, so each request does not pay to learn it again.
+across its requests, so each request does not pay to learn it again. A draft may give more than one confidence
+per proposal (DSpark: its confidence head's prediction and the argmax probability of its logits): each gets its
+own calibration, scored by the log-loss of its predictions on the outcomes as they come, and each step reads
+the one that has predicted them best so far, so a head that ranks proposals worse cannot cost speed.
 
 Where a step that verifies only its last token carries a lookup guess in its padding row (lookup.py), that
 step commits 1 + P(guess right) tokens on average: the policy keeps the guesses' running hit rate and weighs
@@ -30,6 +33,8 @@ HISTORY, RECENT = 32, 4  # drafted steps whose confidences are kept; the last fe
 FADE = 0.8  # per step without a draft, how much of the recent average's difference from the long run remains
 PROBE_MAX = 64  # steps without a draft before one is made anyway, to refresh the long-run average
 GUESS_WEIGHT = 0.1  # how much each lookup guess's outcome moves the running hit rate (lookup.py)
+LOSS_FADE = 0.99  # per judged proposal, how much of a signal's past log-loss still counts against it
+SURE = 1e-3  # calibrated predictions are scored as if never beyond [SURE, 1 - SURE]
 
 
 def isotonic(values: list[float], weights: list[float] | None = None) -> np.ndarray:
@@ -66,6 +71,7 @@ class Calibration:
         self.tries = np.full(BINS, PRIOR)
         self.accepts = PRIOR * centers
         self.table = self.optimistic = centers
+        self.loss = 0.0  # the fading log-loss of its predictions, each scored before its outcome was learnt
         self._fit()
 
     def _fit(self) -> None:
@@ -85,6 +91,9 @@ class Calibration:
         """The first `accepted` proposals (by confidence bin) were accepted and, if one follows, it was rejected;
         later ones were never judged."""
         bins = np.minimum(bins[: accepted + 1], BINS - 1)
+        predicted = np.clip(self.table[bins], SURE, 1.0 - SURE)
+        predicted[accepted:] = 1.0 - predicted[accepted:]  # the rejected one, if any: scored on its rejection
+        self.loss = self.loss * LOSS_FADE ** len(bins) - float(np.log(predicted).sum())
         self.tries += np.bincount(bins, minlength=BINS)
         self.accepts += np.bincount(bins[:accepted], minlength=BINS)
         self._fit()
@@ -94,15 +103,22 @@ class VerifyPolicy:
     """Per step: whether to call the draft, and how many of its tokens to verify."""
 
     def __init__(self, mode: str | int, costs: CostModel | None, block_size: int,
-                 calibration: Calibration | None = None):
-        """`calibration`: what earlier requests of the same pair learnt (shared, and updated by this one)."""
+                 calibrations: list[Calibration] | Calibration | None = None):
+        """`calibrations`: what earlier requests of the same pair learnt, one per confidence signal (shared, and
+        updated by this one; an empty list grows to the signals the draft gives)."""
         self.mode = parse_verify(mode)
         if self.mode == "auto" and (costs is None or len(costs.verify_ms) < block_size):
             self.mode = "full"  # no cost curve to weigh: the reference's behaviour
         self.block_size = block_size
         self.reprice(costs)
-        self.calibration = calibration or Calibration()
-        self.history = np.zeros((0, block_size - 1), np.intp)  # confidence bins of the last HISTORY drafted steps
+        if isinstance(calibrations, Calibration):
+            calibrations = [calibrations]
+        self.calibrations = [Calibration()] if calibrations is None else calibrations
+        if not self.calibrations:
+            self.calibrations.append(Calibration())
+        self.signals = 1  # how many confidences per proposal the draft gives
+        # confidence bins of the last HISTORY drafted steps, each signal's
+        self.history = np.zeros((0, 1, block_size - 1), np.intp)
         self.recent = self.overall = 0.0  # their best expected rates, scored when the calibration last moved
         self.skipped, self.observed = 0, 0
         self._bins: np.ndarray | None = None  # the last choice's confidence bins, for its observation
@@ -118,9 +134,20 @@ class VerifyPolicy:
         if getattr(self, "history", None) is not None and len(self.history):
             self._rescore()
 
+    @property
+    def signal(self) -> int:
+        """The signal whose calibrated predictions have had the lowest log-loss (the first one on a tie)."""
+        losses = [calibration.loss for calibration in self.calibrations[: self.signals]]
+        return int(np.argmin(losses))
+
+    @property
+    def calibration(self) -> Calibration:
+        """The calibration of the signal read now."""
+        return self.calibrations[self.signal]
+
     def _rescore(self) -> None:
         """The recent and overall expected rates of the drafted steps in the history, at the current costs."""
-        best = self.rates(self.history, self.calibration.optimistic).max(axis=-1)
+        best = self.rates(self.history[:, self.signal], self.calibration.optimistic).max(axis=-1)
         self.recent, self.overall = float(best[-RECENT:].mean()), float(best.mean())
 
     def _guess_gain(self) -> float:
@@ -159,23 +186,30 @@ class VerifyPolicy:
         return False
 
     def choose(self, confidences: np.ndarray | None, most: int) -> int:
-        """How many of the drafted tokens to verify (0..most)."""
+        """How many of the drafted tokens to verify (0..most). `confidences`: per proposal [P], or per signal and
+        proposal [signals, P]; the one that has predicted acceptance best so far is read."""
         if self.mode == "full":
             return most
         if self.mode != "auto":
             return min(self.mode, most)
         if confidences is None:
             return most
-        self._bins = Calibration.bins(confidences)
-        return int(np.argmax(self.rates(self._bins[:most])))
+        self._bins = Calibration.bins(np.atleast_2d(confidences))
+        if len(self._bins) != self.signals:  # another draft's signals: what the history kept no longer applies
+            self.signals = len(self._bins)
+            self.calibrations.extend(Calibration() for _ in range(self.signals - len(self.calibrations)))
+            self.history = np.zeros((0, self.signals, self.history.shape[-1]), np.intp)
+        return int(np.argmax(self.rates(self._bins[self.signal, :most])))
 
     def observe(self, verified: int, accepted: int) -> None:
-        """The outcome of the step `choose` last chose for: `accepted` of its `verified` drafted tokens."""
+        """The outcome of the step `choose` last chose for: `accepted` of its `verified` drafted tokens (every
+        signal's calibration learns it, and is scored on it)."""
         if self.mode != "auto" or self._bins is None:
             return
         if verified > 0:
-            self.calibration.observe(self._bins[:verified], accepted)
-        if len(self._bins) == self.history.shape[-1]:  # steps near the end are shorter: kept out of the history
+            for calibration, bins in zip(self.calibrations, self._bins):
+                calibration.observe(bins[:verified], accepted)
+        if self._bins.shape[-1] == self.history.shape[-1]:  # steps near the end are shorter: kept out of the history
             self.history = np.concatenate([self.history[1 - HISTORY:], self._bins[None]])
         self.observed += 1
         if self.observed % 2 == 1 or len(self.history) < 2:  # rescored every other step: it drifts slowly
@@ -184,8 +218,8 @@ class VerifyPolicy:
 
 
 def simulate(mode: str | int, costs: CostModel, steps: list[tuple[np.ndarray, int]]) -> dict:
-    """Replay recorded full-block steps (the draft's confidences, how many proposals the target accepted) of
-    one text under a cost curve: committed tokens per millisecond of `mode`, of greedy decoding and of full
+    """Replay recorded full-block steps (the draft's confidences [P] or [signals, P], how many proposals the target
+    accepted) of one text under a cost curve: committed tokens per millisecond of `mode`, of greedy decoding and of full
     blocks. The text advances by what each step commits; a drafted step reads the recording that covers its
     position, from that position on (a run the recording accepted keeps to where it ended; its acceptance is
     capped at the tokens verified); a step without a draft commits one token at t(1)."""
@@ -202,7 +236,8 @@ def simulate(mode: str | int, costs: CostModel, steps: list[tuple[np.ndarray, in
             recorded, accepted = steps[index]
             offset = position - int(starts[index])
             accepted = max(0, accepted - offset)
-            confidences = np.concatenate([recorded[offset:], np.full(offset, recorded[-1])])
+            confidences = np.concatenate([recorded[..., offset:], np.repeat(recorded[..., -1:], offset, axis=-1)],
+                                         axis=-1)
             k = policy.choose(confidences, block - 1)
             accepted = min(accepted, k)
             policy.observe(k, accepted)

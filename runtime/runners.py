@@ -52,30 +52,41 @@ class Proposal:
     """The draft's block: its greedy ids, the confidence in each (None when the graph predates
     `draft_confidence`), and its logits when asked for; a DFlash2 draft's selector lattice with them (each
     proposal's candidates [P, k] and their scores after each previous candidate [P, k, k]). A DSpark draft
-    called with `sample` returns its drawn chain as ids, and the logits each draw came from."""
+    called with `sample` returns its drawn chain as ids, and the logits each draw came from; one with a
+    confidence head returns the argmax probability of its biased logits beside the head's prediction."""
 
     ids: np.ndarray
     confidence: np.ndarray | None
     logits: np.ndarray | None
     candidates: np.ndarray | None = None
     candidate_scores: np.ndarray | None = None
+    argmax_probability: np.ndarray | None = None
+
+    def signals(self) -> np.ndarray | None:
+        """What the verify policy may read per proposal, [signals, P]: the confidence, and the argmax
+        probability where the confidence is a head's prediction (runtime/policy.py reads the better one)."""
+        if self.confidence is None or self.argmax_probability is None:
+            return self.confidence
+        return np.stack([self.confidence, self.argmax_probability])
 
 
 SELECTOR_OUTPUTS = ["candidates", "candidate_scores"]
+ARGMAX_PROBABILITY = "draft_argmax_probability"  # beside a confidence head's `draft_confidence`, in every form
 
 
 def _draft_names(graph: GraphSpec, want_logits: bool) -> list[str]:
     names = graph.output_names()
-    confidence = ["draft_confidence"] if "draft_confidence" in names else []
+    confidence = [name for name in ("draft_confidence", ARGMAX_PROBABILITY) if name in names]
     selector = SELECTOR_OUTPUTS if want_logits and SELECTOR_OUTPUTS[-1] in names else []
     return ["draft_ids", *confidence, *(["logits", *selector] if want_logits else [])]
 
 
 def _proposal(out: dict[str, np.ndarray]) -> Proposal:
-    confidence = out.get("draft_confidence")
+    confidence, probability = (out.get(name) for name in ("draft_confidence", ARGMAX_PROBABILITY))
     lattice = [out[name][0] if name in out else None for name in SELECTOR_OUTPUTS]
     return Proposal(out["draft_ids"][0], None if confidence is None else confidence[0].astype(np.float64),
-                    out["logits"][0] if "logits" in out else None, *lattice)
+                    out["logits"][0] if "logits" in out else None, *lattice,
+                    None if probability is None else probability[0].astype(np.float64))
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray | None:

@@ -68,12 +68,17 @@ def test_exported_and_ort_lowered_drafts_decode_the_targets_greedy_tokens(kind, 
     for directory in directories:
         decoder = _numpy_coreml_decoder(tmp_path / directory) if directory == "coreml" else \
             open_decoder(tmp_path / directory)
+        if kind == "dspark":
+            _argmax_probability_beside_the_head(decoder)
         for prompt in ([11, 22, 33, 44], [5, 9, 3]):
             want = hf_greedy(target, prompt, 20, None)
             assert decoder.generate(prompt, 20, "greedy", stop_token_ids=[]).tokens == want
             result = decoder.generate(prompt, 20, "dflash", stop_token_ids=[], verify="full")
             assert result.tokens == want
             committed += result.acceptance_lengths
+            if kind == "dspark" and decoder.costs is not None:  # auto reads both of the draft's confidences
+                assert decoder.generate(prompt, 20, "dflash", stop_token_ids=[], verify="auto").tokens == want
+                assert len(decoder.calibrations[False]) == 2
         if kind == "dspark":  # sampled: the chain drawn in the graph (sample_uniform in), its draws accepted
             cold = SamplingParams(temperature=0.02, seed=3)
             result = decoder.generate([11, 22, 33, 44], 20, "dflash", sampling=cold, stop_token_ids=[], verify="full")
@@ -119,6 +124,36 @@ def _coreml_chain_draws_from_the_logits_it_returns(directory: Path) -> None:
                 assert drawn == int(np.sum(cdf <= point))
                 checked += 1
     assert checked >= 24
+
+
+def _argmax_probability_beside_the_head(decoder) -> None:
+    """Every form of a DSpark draft with a confidence head returns, beside the head's prediction, the argmax
+    probability of the biased logits it returns (the verify policy's second signal), and the policy is handed
+    both."""
+    import numpy as np
+
+    from runtime.runners import ARGMAX_PROBABILITY, open_runners
+
+    manifest = decoder.manifest
+    assert ARGMAX_PROBABILITY in manifest.draft.output_names()
+
+    def first_proposal(want_logits: bool):
+        target, draft = open_runners(manifest, decoder.target, decoder.draft, int(manifest.prefill_len or 16))
+        out = target.forward(np.array([11, 22, 33, 44, 5]))
+        block = np.full(manifest.block_size, manifest.mask_token_id)
+        block[0] = out.greedy_ids[-1]
+        return draft.propose(block, out.context, want_logits)
+
+    proposal = first_proposal(True)
+    logits = proposal.logits.astype(np.float64)
+    expected = np.exp(logits - logits.max(-1, keepdims=True))
+    expected = expected.max(-1) / expected.sum(-1)
+    tolerance = 1e-5 if manifest.dtype == "float32" else 5e-3
+    np.testing.assert_allclose(proposal.argmax_probability, expected, atol=tolerance)
+    assert not np.allclose(proposal.confidence, proposal.argmax_probability, atol=1e-3)  # the head's own output
+    assert proposal.signals().shape == (2, manifest.verify_rows - 1)
+    greedy = first_proposal(False)  # the greedy call, without logits, returns it too
+    np.testing.assert_allclose(greedy.argmax_probability, proposal.argmax_probability, atol=tolerance)
 
 
 def _numpy_coreml_decoder(directory: Path):

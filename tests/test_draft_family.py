@@ -141,6 +141,7 @@ def test_draft_matches_speculators_on_a_first_and_a_cached_call(name, tmp_path):
         with torch.no_grad():
             positions = torch.arange(seen, anchor + block)[None]
             logits, got, sure, *rest = ours(block_ids, features[:, seen:anchor], positions, *past)
+            signals = [rest.pop(0) for _ in ours.signal_outputs()]  # a confidence head's: the argmax probability
             past = rest[2:] if kind == "dflash2" else rest
             hidden, unary = _oracle_block(oracle, features, ids, anchor)
             want_logits, want, want_sure = _oracle_chain(oracle, kind, hidden, unary, int(ids[0, anchor]), first)
@@ -149,6 +150,9 @@ def test_draft_matches_speculators_on_a_first_and_a_cached_call(name, tmp_path):
         assert got[0].tolist() == want.tolist()
         if want_sure is not None:
             torch.testing.assert_close(sure[0], want_sure, atol=1e-6, rtol=1e-5)
+            # (a reduced vocabulary's logits are -inf off its tokens: they add nothing to the softmax)
+            torch.testing.assert_close(signals[0], torch.softmax(want_logits.float(), -1).amax(-1), atol=1e-6,
+                                       rtol=1e-5)
         assert past[0].shape[1] == anchor
 
 

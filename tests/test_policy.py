@@ -169,6 +169,42 @@ def test_what_one_request_learnt_spares_the_next_its_lossy_first_drafts():
     assert drafted_steps(None) >= 3 and drafted_steps(shared) <= 1
 
 
+def test_of_two_signals_the_policy_reads_the_one_that_predicts_acceptance():
+    """A draft giving two confidences per proposal, one telling which proposals the target accepts and one noise
+    (a poorly trained confidence head): each signal's calibration is scored on the outcomes, and within a few
+    steps the policy reads the telling one, verifying what it earns, as a policy given only that signal does."""
+    rng = np.random.default_rng(0)
+    telling, both = VerifyPolicy("auto", CURVES[M2], B), VerifyPolicy("auto", CURVES[M2], B, [])
+    committed = {"telling": 0, "both": 0}
+    for _ in range(200):
+        accepted = int(rng.integers(0, B - 1))
+        told = np.where(np.arange(B - 1) < accepted, 0.97, 0.03)
+        noise = rng.random(B - 1)
+        for name, policy, signals in (("telling", telling, told), ("both", both, np.stack([noise, told]))):
+            if policy.wants_draft(B - 1):
+                chosen = policy.choose(signals, B - 1)
+                policy.observe(chosen, min(accepted, chosen))
+                committed[name] += 1 + min(accepted, chosen)
+    assert both.signal == 1 and both.calibrations[1].loss < both.calibrations[0].loss
+    assert len(both.calibrations) == 2  # the shared list grew to the draft's signals
+    assert committed["both"] >= 0.95 * committed["telling"]
+
+
+@pytest.mark.parametrize("curve", CURVES)
+def test_on_a_recorded_dspark_draft_reading_both_signals_costs_nothing(curve):
+    """Replayed on a DSpark draft distilled for the demo target (tests/data/dspark_trace.json: per step its
+    confidence head's predictions and its logits' argmax probabilities), whose head ranks proposals worse than
+    the argmax probability: reading both (the better so far, chosen online) is within 2 % of the better signal
+    alone, and never below the head's."""
+    trace = json.loads((REPLAY.TRACE.parent / "dspark_trace.json").read_text())
+    costs = REPLAY.curves(trace["verify_rows"])[curve]
+    rates = {keys: simulate("auto", costs, REPLAY.recorded_steps(trace, *keys))["rate"]
+             for keys in (("confidence",), ("argmax_probability",), ("confidence", "argmax_probability"))}
+    both = rates[("confidence", "argmax_probability")]
+    assert both >= 0.98 * max(rates[("confidence",)], rates[("argmax_probability",)]), rates
+    assert both >= rates[("confidence",)], rates
+
+
 def test_a_batched_request_pays_its_share_of_the_step():
     """shared_by(n, m): each of n requests verifying T tokens padded to m rows pays t(n * T') / n, the curve going on
     along its last half's slope past its measured rows; one request alone pays the padded curve."""

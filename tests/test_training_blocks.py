@@ -115,7 +115,7 @@ def test_dspark_confidence_head_learns_the_chosen_acceptance(target, tmp_path):
                     markov_rank=0, confidence_with_markov=False)
     draft, tokens, _, anchors, hidden = _packed_blocks(spec, tmp_path, 40, seed=1)
     with torch.no_grad():
-        logits, ids, _ = draft.propose(hidden, tokens[anchors])
+        logits, ids, *_ = draft.propose(hidden, tokens[anchors])
     # the continuation the loss sees: the draft's own proposal at every other slot, so some are accepted
     positions = anchors[:, None] + torch.arange(1, ids.shape[1] + 1)[None, :]
     tokens = tokens.clone()

@@ -24,6 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from artifacts.model_dirs import read_config, weight_files
 from runtime.errors import DFlashError
+from runtime.runners import ARGMAX_PROBABILITY
 
 from .draft_formats import DFLASH2_KEYS, speculators_fields
 from .draft_heads import CandidateSelector, ConfidenceHead, GroupedDynamicCausalConv, MarkovHead
@@ -375,8 +376,14 @@ class DFlashDraft(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def signal_outputs(self) -> list[str]:
+        """Graph outputs after `draft_confidence`, in every form (greedy ones too): what else the verify policy can
+        read per proposal. A draft with a confidence head also returns the argmax probability of its biased
+        logits, so that a head predicting acceptance worse than that probability cannot cost speed."""
+        return [ARGMAX_PROBABILITY] if hasattr(self, "confidence_head") else []
+
     def extra_outputs(self) -> list[str]:
-        """Graph outputs besides logits, ids, confidence and K/V: DFlash2's candidates and their scores after each
+        """Graph outputs besides logits, ids, confidences and K/V: DFlash2's candidates and their scores after each
         possible previous candidate, which sampling walks (runtime/sampling.py)."""
         return ["candidates", "candidate_scores"] if self.spec.kind == "dflash2" else []
 
@@ -426,14 +433,14 @@ class DFlashDraft(nn.Module):
                 biased.append(row)
                 ids.append(previous)
         logits = torch.cat(biased, 1)
-        sure = torch.cat(confident, 1) if confident else confidence(logits)
-        return spread(logits, self.target_columns) if reduced else logits, torch.cat(ids, 1), sure
+        signals = [torch.cat(confident, 1), confidence(logits)] if confident else [confidence(logits)]
+        return spread(logits, self.target_columns) if reduced else logits, torch.cat(ids, 1), *signals
 
     def propose(self, hidden: torch.Tensor, anchor: torch.Tensor,
                 sampling: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         """From the block's final hidden states [b, B, H] and its anchor ids [b]: logits, the greedy proposals
         and their confidence for the proposing slots (1.., or from the anchor's with sample_from_anchor), then
-        extra_outputs(). DFlash proposes each slot's argmax; DFlash2 the selector's chain over each slot's
+        signal_outputs() and extra_outputs(). DFlash proposes each slot's argmax; DFlash2 the selector's chain over each slot's
         top-k; DSpark the argmax of its Markov-biased logits, chained (or, given `sampling`, draws: see
         _markov_chain), its confidence the head's predicted acceptance."""
         first = 0 if self.spec.sample_from_anchor else 1

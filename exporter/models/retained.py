@@ -112,7 +112,7 @@ class RetainedTarget(nn.Module):
 
 class RetainedDraft(nn.Module):
     """forward(input_ids, context_hidden, ctx_position_ids, position_ids, comp_ctx_lengths, *past, [*sampling])
-    -> draft_ids, draft_confidence, [logits, *extra outputs], *retained.
+    -> draft_ids, draft_confidence, [*signal outputs], [logits, *extra outputs], *retained.
 
     Context rows (already hidden_norm(fc(.)) from the target graph) are written into the cache at their
     positions and the block's K/V at the block's positions, then every layer attends over the first CCL slots:
@@ -137,8 +137,8 @@ class RetainedDraft(nn.Module):
 
     def output_names(self) -> list[str]:
         """The graph's outputs before the retained K/V."""
-        return ["draft_ids", "draft_confidence", *(["logits", *self.draft.extra_outputs()] if self.with_logits
-                                                   else [])]
+        return ["draft_ids", "draft_confidence", *self.draft.signal_outputs(),
+                *(["logits", *self.draft.extra_outputs()] if self.with_logits else [])]
 
     def forward(self, input_ids, context_hidden, ctx_position_ids, position_ids, comp_ctx_lengths, *rest):
         draft = self.draft
@@ -178,8 +178,9 @@ class RetainedDraft(nn.Module):
                 return attn.o_proj(out.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
 
             hidden = layer.around(hidden, attend)
-        logits, ids, sure, *extras = draft.propose(draft.norm(hidden), input_ids[:, 0], sampling)
-        visible_outputs = [ids.to(torch.int32), sure.float()]
+        logits, ids, *rest = draft.propose(draft.norm(hidden), input_ids[:, 0], sampling)
+        signals = 1 + len(draft.signal_outputs())
+        visible_outputs = [ids.to(torch.int32), *(signal.float() for signal in rest[:signals])]
         if self.with_logits:
-            visible_outputs += [logits, *extras]
+            visible_outputs += [logits, *rest[signals:]]
         return (*visible_outputs, *retained)

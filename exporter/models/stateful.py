@@ -154,7 +154,7 @@ class StatefulTarget(nn.Module):
 
 class StatefulDraft(nn.Module):
     """forward(input_ids [1, B], context_hidden [1, T, H], ctx_position_ids [1, T], position_ids [1, B],
-    [*sampling]) -> draft_ids, draft_confidence, logits, [*extra outputs]. Context K/V are written into state;
+    [*sampling]) -> draft_ids, draft_confidence, [*signal outputs], logits, [*extra outputs]. Context K/V are written into state;
     block K/V are attended, never cached.
 
     Each layer's body (DFlash2's convolutions included) and the proposal (DFlash's argmax, DFlash2's selector
@@ -175,7 +175,7 @@ class StatefulDraft(nn.Module):
         return self.draft.extra_inputs()
 
     def output_names(self) -> list[str]:
-        return ["draft_ids", "draft_confidence", "logits", *self.draft.extra_outputs()]
+        return ["draft_ids", "draft_confidence", *self.draft.signal_outputs(), "logits", *self.draft.extra_outputs()]
 
     def forward(self, input_ids, context_hidden, ctx_position_ids, position_ids, *sampling):
         draft = self.draft
@@ -214,5 +214,6 @@ class StatefulDraft(nn.Module):
                 return attn.o_proj(out.transpose(1, 2).reshape(1, steps, heads * dim))
 
             hidden = layer.around(hidden, attend)
-        logits, ids, sure, *extras = draft.propose(draft.norm(hidden), input_ids[:, 0], tuple(sampling) or None)
-        return (ids.to(torch.int32), sure, logits, *extras)
+        logits, ids, *rest = draft.propose(draft.norm(hidden), input_ids[:, 0], tuple(sampling) or None)
+        signals = 1 + len(draft.signal_outputs())
+        return (ids.to(torch.int32), *rest[:signals], logits, *rest[signals:])

@@ -33,6 +33,7 @@ from exporter.models.retained import RetainedDraft, RetainedTarget
 from exporter.pair import DTYPES, load_tapped_pair, meta_pair
 from runtime.errors import DFlashError
 from runtime.manifest import Lowering, Manifest
+from runtime.runners import ARGMAX_PROBABILITY
 from targets.fp16_calibration import calibrate_for_fp16
 
 from ..backend import LowerRequest
@@ -70,7 +71,8 @@ def round_traffic(manifest: Manifest, hidden_size: int, itemsize: int = 4) -> di
     the device: what this design moves, and what shipping the draft's logits instead of ids would add."""
     block, rows, ids, positions = manifest.block_size, manifest.verify_rows, 4, 8  # rows: a verify's tokens
     draft_in = block * positions + rows * hidden_size * itemsize + (rows + block) * positions  # ids, rows, positions
-    draft_out = (rows - 1) * (ids + itemsize)  # int32 ids and their confidences
+    confidences = 1 + int(ARGMAX_PROBABILITY in manifest.draft.output_names())  # a confidence head's draft: two
+    draft_out = (rows - 1) * (ids + confidences * itemsize)  # int32 ids and their confidences
     target_in = 2 * rows * positions
     target_out = rows * ids + rows * hidden_size * itemsize  # greedy ids + context rows for the next step
     logits = (rows - 1) * manifest.vocab_size * itemsize

@@ -323,6 +323,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
                                                **{n: ("float32", shape) for n, shape in
                                                   zip(stateful_draft.extra_inputs(), ([1, proposals], [1]))}},
                            {"draft_ids": ("int32", [1, proposals]), "draft_confidence": ("float16", [1, proposals]),
+                            **{name: ("float16", [1, proposals]) for name in draft.signal_outputs()},
                             "logits": ("float32" if stateful_draft.extra_inputs() else "float16",
                                        [1, proposals, vocab]),
                             **_selector_outputs(draft, proposals)},
