@@ -332,7 +332,8 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
     backend = backend_for(directory, manifest, backend).name
     decoder = open_decoder(directory, backend=backend, batch_invariant=options.batch_invariant,
                            guess_padding=options.lookup_guess, **options.session_overrides)
-    decoder.costs = costs or decoder.costs
+    if costs is not None:  # weighed as given, not corrected by this machine's steps
+        decoder.costs, decoder.measure_steps = costs, False
     codec = TextCodec(directory) if has_tokenizer(directory) else None
     prompts = load_prompts(prompts_file, codec, options.num_prompts, manifest.vocab_size)
     lengths = options.verify_lengths or default_verify_lengths(manifest.block_size)

@@ -99,7 +99,9 @@ def _generate(args) -> int:
     prompt = _parse_ids(args.prompt_ids) if args.prompt is None else None
     decoder = open_decoder(args.out, backend=args.backend, batch_invariant=args.batch_invariant == "on",
                            guess_padding=args.lookup_guess == "on", **_session_overrides(args))
-    decoder.costs = _cost_model(args, decoder.manifest) or decoder.costs
+    given = _cost_model(args, decoder.manifest)
+    if given is not None:  # a curve given for the run is weighed as given, not corrected by this machine's steps
+        decoder.costs, decoder.measure_steps = given, False
     codec = TextCodec(args.out) if (args.prompt is not None or has_tokenizer(args.out)) else None
     if prompt is None:
         prompt = codec.prompt_ids(args.prompt, raw=args.raw)

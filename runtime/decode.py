@@ -20,7 +20,7 @@ from .costs import curve_disagreement
 from .errors import DFlashError
 from .lookup import NgramLookup
 from .manifest import CostModel, Manifest
-from .policy import Calibration, VerifyPolicy
+from .policy import Calibration, Measured, VerifyPolicy
 from .runners import open_runners, open_target_runner
 from .sampling import SamplingParams, rejection_sample, sample_rows, sample_selector_chain, sampling_probs
 from .session import Session
@@ -108,6 +108,11 @@ class Decoder:
         # property of the pair (greedy and sampled acceptance apart), so kept across requests rather than learnt
         # anew by each, whose first steps would otherwise draft on the prior's word
         self.calibrations: dict[bool, list[Calibration]] = {}
+        # what its greedy steps have cost in this process (target calls against the curve, the rest of a step with
+        # and without a draft call, what drafted steps delivered), kept likewise: the `auto` policy weighs them
+        # (runtime/policy.py). Off where the curve is given for the run (a replayed curve is the point of it).
+        self.measured: dict[bool, Measured] = {}
+        self.measure_steps = True
         # decoding beside other requests (runtime/batching.py): how many share each step, so that the `auto`
         # policy weighs this request's share of a batched step (CostModel.shared_by) rather than a call alone
         self.batch_width: Callable[[], int] | None = None
@@ -179,8 +184,13 @@ class Decoder:
         most_rows = self.manifest.verify_rows if mode == "dflash" else 1
         costs = self.costs.padded_to(self.row_multiple) if self.costs and self.row_multiple > 1 else self.costs
         sampling = sampling or SamplingParams()
+        # measured step times steer only greedy requests, whose tokens no verified length can change: a seeded
+        # sampled request draws the same tokens on every run (how many rows a step verifies decides which draws
+        # it makes). A batched request's steps wait on the others': its share is priced by the curve alone.
+        measured = self.measured.setdefault(False, Measured()) \
+            if self.measure_steps and sampling.greedy and self.batch_width is None and most_rows > 1 else None
         policy = VerifyPolicy(verify, costs, self.manifest.verify_rows,
-                              self.calibrations.setdefault(not sampling.greedy, []))
+                              self.calibrations.setdefault(not sampling.greedy, []), measured)
         return self._steps(target, draft, prompt, max_new_tokens, most_rows, sampling, stops, policy,
                            self.guesses(sampling))
 
@@ -222,8 +232,9 @@ class Decoder:
         # the target's features of committed tokens the draft has not seen yet, joined only when the draft is called
         # (steps without a draft, a greedy request's all, would otherwise copy the whole backlog every step)
         pending = [out.context]
-        priced, shares = 1, {}
+        priced, shares, drafted_before = 1, {}, False
         while start + 1 < max_length and not stopped:
+            step_started = time.perf_counter()
             if self.batch_width is not None and self.costs is not None and (width := self.batch_width()) != priced:
                 if width not in shares:
                     shares[width] = self.costs.shared_by(width, self.row_multiple)
@@ -234,12 +245,13 @@ class Decoder:
             most = min(most_rows, max_length - start - 1) - 1
             block.fill(mask_id)
             block[0] = chain[0] = result.tokens[-1]
-            drafted, confidence = 0, None
+            drafted, confidence, ingested = 0, None, 0
             guess = lookup.guess() if lookup is not None else None
             policy.guessing = guess is not None and start + 2 < max_length  # a step without drafts would guess
             if policy.wants_draft(most if self.batch_drafts is None or self.batch_drafts() else 0):
                 chained = None if greedy or not sampled_chain else (rng.random(sampled_chain), sampling.temperature)
                 context = pending[0] if len(pending) == 1 else np.concatenate(pending)
+                ingested = len(context)
                 proposal = draft.propose(block, context, want_logits=not greedy, sample=chained)
                 pending = []
                 if greedy:
@@ -297,6 +309,9 @@ class Decoder:
             result.acceptance_lengths.append(len(new))
             result.verified.append(chosen)
             paused = time.perf_counter()
+            if drafted_before or not ingested:  # a first draft call ingests the prompt: a request's cost, not a step's
+                policy.observe_time(ingested, verify, result.step_ms[-1], 1000 * (paused - step_started), len(new))
+            drafted_before = drafted_before or ingested > 0
             yield new
             consumer_s += time.perf_counter() - paused
         result.decode_s = time.perf_counter() - decode_started - consumer_s

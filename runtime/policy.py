@@ -16,6 +16,16 @@ Where a step that verifies only its last token carries a lookup guess in its pad
 step commits 1 + P(guess right) tokens on average: the policy keeps the guesses' running hit rate and weighs
 both the skipped draft and k = 0 at that rate, so DFlash stays at least as fast as the guessing greedy.
 
+The curve prices graph calls measured alone, at the lowering's context, on the day it was measured. What a
+step costs in this process is measured as it runs (Measured, kept across a decoder's requests): each target
+call's time against the curve's (a busier machine, a stale curve), and what a step spends besides its target
+call, with a draft call and without (the draft call itself, the loop's own work), which on a small model is a
+large share of a step. The policy weighs those; and it compares what its drafted steps committed per millisecond
+of wall time, all costs paid (a draft call ingesting the rows of a greedy stretch included), with what it
+expected of them (scored as the decision to draft scores them, optimistically), and holds drafting to that
+realized share: whatever the model of a step misses, drafting that does not beat the greedy steps beside it
+stops. Probes wait twice as long after each that finds drafting still not paying (64 steps up to 1024).
+
 Only the number of verified rows changes: greedy output stays the target's greedy output, and sampled
 output stays exact (rejection sampling over the verified prefix). numpy only.
 """
@@ -32,7 +42,9 @@ PRIOR = 2.0  # pseudo-tries per confidence bin, at the bin's own confidence: the
 HISTORY, RECENT = 32, 4  # drafted steps whose confidences are kept; the last few of them make "recent"
 FADE = 0.8  # per step without a draft, how much of the recent average's difference from the long run remains
 PROBE_MAX = 64  # steps without a draft before one is made anyway, to refresh the long-run average
+PROBE_LIMIT = 1024  # the longest a probe waits, doubled from PROBE_MAX by probes after which drafting did not pay
 GUESS_WEIGHT = 0.1  # how much each lookup guess's outcome moves the running hit rate (lookup.py)
+TIME_WEIGHT = 0.1  # how much each measured step moves the running step times
 LOSS_FADE = 0.99  # per judged proposal, how much of a signal's past log-loss still counts against it
 SURE = 1e-3  # calibrated predictions are scored as if never beyond [SURE, 1 - SURE]
 
@@ -99,17 +111,72 @@ class Calibration:
         self._fit()
 
 
+class Measured:
+    """What a decoder's steps have measured in this process, kept across its requests (runtime/decode.py), in
+    running averages: the target call's time over the curve's for its rows; the milliseconds a step spends
+    besides its target call, with a draft call (the draft call, the policy's and the loop's work) and without;
+    what drafted steps committed per millisecond of wall time against what the policy expected of them; and the
+    probes: steps since the last draft call, and how many a probe waits (doubled by each probe after which
+    drafting still does not pay, reset by one after which it does)."""
+
+    def __init__(self):
+        self.scale = 1.0
+        self.drafted_ms: float | None = None  # None until measured: the curve's draft step stands in
+        self.plain_ms: float | None = None
+        # drafted steps' committed tokens and wall milliseconds, measured and as the policy expected them
+        self.tokens = self.wall_ms = self.expected_tokens = self.expected_ms = None
+        self.since_draft, self.probe_wait = 0, PROBE_MAX
+
+    @staticmethod
+    def _moved(average: float | None, value: float) -> float:
+        return value if average is None else average + TIME_WEIGHT * (value - average)
+
+    def observe(self, drafted: bool, target_ms: float, curve_ms: float, other_ms: float) -> None:
+        """A steady step's measured time: its target call (`curve_ms` by the curve) and the rest of the step (every
+        step comes here: the arithmetic is written out)."""
+        self.scale += TIME_WEIGHT * (target_ms / curve_ms - self.scale)
+        if drafted:
+            self.drafted_ms = self._moved(self.drafted_ms, other_ms)
+        elif self.plain_ms is None:
+            self.plain_ms = other_ms
+        else:
+            self.plain_ms += TIME_WEIGHT * (other_ms - self.plain_ms)
+
+    def observe_drafted(self, tokens: int, wall_ms: float, expected_tokens: float, expected_ms: float) -> None:
+        """A drafted step committed `tokens` in `wall_ms`; the policy expected `expected_tokens` in `expected_ms`."""
+        self.tokens = self._moved(self.tokens, tokens)
+        self.wall_ms = self._moved(self.wall_ms, wall_ms)
+        self.expected_tokens = self._moved(self.expected_tokens, expected_tokens)
+        self.expected_ms = self._moved(self.expected_ms, expected_ms)
+
+    @property
+    def realized(self) -> float:
+        """Drafted steps' measured rate over the rate the policy expected of them (1 until measured)."""
+        if self.tokens is None:
+            return 1.0
+        return (self.tokens / self.wall_ms) / (self.expected_tokens / self.expected_ms)
+
+    def probed(self, paid: bool) -> None:
+        """After a probe, drafting paid (the next step drafts too) or did not."""
+        self.probe_wait = PROBE_MAX if paid else min(2 * self.probe_wait, PROBE_LIMIT)
+
+
 class VerifyPolicy:
     """Per step: whether to call the draft, and how many of its tokens to verify."""
 
     def __init__(self, mode: str | int, costs: CostModel | None, block_size: int,
-                 calibrations: list[Calibration] | Calibration | None = None):
+                 calibrations: list[Calibration] | Calibration | None = None, measured: Measured | None = None):
         """`calibrations`: what earlier requests of the same pair learnt, one per confidence signal (shared, and
-        updated by this one; an empty list grows to the signals the draft gives)."""
+        updated by this one; an empty list grows to the signals the draft gives). `measured`: what the steps
+        have measured so far (shared likewise); None weighs the curve alone."""
         self.mode = parse_verify(mode)
         if self.mode == "auto" and (costs is None or len(costs.verify_ms) < block_size):
             self.mode = "full"  # no cost curve to weigh: the reference's behaviour
         self.block_size = block_size
+        self.times = measured
+        self.timed = 0
+        self._probing = False  # the last draft call was a probe: the next decision says whether drafting paid
+        self._expected: tuple[float, float] | None = None  # the last choice's expected tokens and milliseconds
         self.reprice(costs)
         if isinstance(calibrations, Calibration):
             calibrations = [calibrations]
@@ -128,11 +195,44 @@ class VerifyPolicy:
     def reprice(self, costs: CostModel | None) -> None:
         """Weigh another cost curve from now on (a batched request's share changes as requests join and leave)."""
         self.costs = costs
-        if costs is not None:  # t(k + 1) + t_draft for k = 0..B-1 drafted tokens verified
-            self.round_ms = np.asarray(costs.verify_ms[: self.block_size], np.float64) + costs.draft_ms
-            self.greedy_rate = 1.0 / costs.verify_ms[0]
+        self._price()
         if getattr(self, "history", None) is not None and len(self.history):
             self._rescore()
+
+    def _price(self) -> None:
+        """A drafted step verifying k = 0..B-1 drafted tokens: t(k + 1) + t_draft; a step without a draft: t(1);
+        each as this process measures them where it has (Measured)."""
+        costs, times = self.costs, self.times
+        if costs is None:
+            return
+        verify = np.asarray(costs.verify_ms[: self.block_size], np.float64)
+        draft_ms, plain_ms = costs.draft_ms, 0.0
+        if times is not None:
+            verify = verify * times.scale
+            draft_ms = costs.draft_ms * times.scale if times.drafted_ms is None else times.drafted_ms
+            plain_ms = times.plain_ms or 0.0
+        self.round_ms = verify + draft_ms
+        self.greedy_rate = 1.0 / (verify[0] + plain_ms)
+
+    def observe_time(self, ingested: int, rows: int, target_ms: float, step_ms: float, committed: int) -> None:
+        """A step's measured wall time: its target call of `rows` rows and the whole step, which committed
+        `committed` tokens; `ingested`: the context rows its draft call took (0: no draft call). A steady step (one
+        whose draft call, if any, took at most a verify's rows) moves the costs weighed from now on; every drafted
+        step is compared with what was expected of it."""
+        if self.times is None or self.costs is None or self.mode != "auto":
+            return
+        if ingested and self._expected is not None:
+            self.times.observe_drafted(committed, step_ms, *self._expected)
+        self._expected = None
+        if ingested > self.block_size:
+            return
+        curve = self.costs.verify_ms
+        self.times.observe(ingested > 0, target_ms, curve[min(rows, len(curve)) - 1], max(0.0, step_ms - target_ms))
+        self.timed += 1
+        if self.timed % 4 == 1:  # the averages move slowly: repriced every few steps, a step's own work kept small
+            self._price()
+        if self.timed % 32 == 1 and len(self.history):  # what recent drafted steps would commit, at today's costs
+            self._rescore()  # (every drafted step's observation rescores them too)
 
     @property
     def signal(self) -> int:
@@ -173,16 +273,36 @@ class VerifyPolicy:
         """Call the draft this step? `most`: how many drafted tokens could still be kept. Speculation is
         expected to pay what the recent drafted steps would (optimistically scored with what the calibration
         knows), fading towards what the longer history would with every step that does not draft: the text
-        moves on, so a poor stretch ends (and so does a good one)."""
+        moves on, so a poor stretch ends (and so does a good one). Where steps are measured, that expectation is
+        held to the share of their expected rate that drafted steps have delivered, a request's first step
+        expects what drafted steps have delivered, and probes back off while they find drafting not paying."""
         if most < 1 or self.mode == 0:
             return False
-        if self.mode != "auto" or len(self.history) == 0:
+        if self.mode != "auto":
             return True
-        expected = self.overall + (self.recent - self.overall) * FADE**self.skipped
-        if expected >= self.greedy_rate * (1.0 + self._guess_gain()) or self.skipped >= PROBE_MAX:
+        times = self.times
+        if len(self.history) == 0:
+            if times is None or times.tokens is None:
+                return True
+            expected = times.tokens / times.wall_ms  # a request's first step: what drafted steps delivered
+        else:
+            expected = self.overall + (self.recent - self.overall) * FADE**self.skipped
+            if times is not None:
+                expected *= times.realized
+        pays = expected >= self.greedy_rate * (1.0 + self._guess_gain())
+        if self._probing:
+            times.probed(pays)
+            self._probing = False
+        waited = times.since_draft if times is not None else self.skipped
+        if pays or waited >= (times.probe_wait if times is not None else PROBE_MAX):
+            self._probing = not pays and times is not None
             self.skipped = 0
+            if times is not None:
+                times.since_draft = 0
             return True
         self.skipped += 1
+        if times is not None:
+            times.since_draft += 1
         return False
 
     def choose(self, confidences: np.ndarray | None, most: int) -> int:
@@ -199,7 +319,12 @@ class VerifyPolicy:
             self.signals = len(self._bins)
             self.calibrations.extend(Calibration() for _ in range(self.signals - len(self.calibrations)))
             self.history = np.zeros((0, self.signals, self.history.shape[-1]), np.intp)
-        return int(np.argmax(self.rates(self._bins[self.signal, :most])))
+        bins = self._bins[self.signal, :most]
+        chosen = int(np.argmax(self.rates(bins)))
+        if self.times is not None:  # what the choice should deliver as wants_draft scores it (optimistically)
+            hoped = self.rates(bins[:chosen], self.calibration.optimistic)[-1]
+            self._expected = (float(hoped * self.round_ms[chosen]), float(self.round_ms[chosen]))
+        return chosen
 
     def observe(self, verified: int, accepted: int) -> None:
         """The outcome of the step `choose` last chose for: `accepted` of its `verified` drafted tokens (every

@@ -195,6 +195,7 @@ class Engine:
                 self._failed(submission, exc)
                 return
             decoder.calibrations = base.calibrations  # the pair's acceptance, learnt across requests
+            decoder.measured, decoder.measure_steps = base.measured, base.measure_steps
             decoder.batch_width = lambda: self.batcher.active  # its policy weighs its share of each step
             decoder.batch_drafts = lambda: self.batcher.drafting  # the batch's measured choice
             self._finish(submission, decoder)

@@ -92,6 +92,7 @@ class EngineSettings:
             from runtime.costs import read_costs
 
             decoder.costs = read_costs(self.cost_model, decoder.manifest.verify_rows)
+            decoder.measure_steps = False  # weighed as given, not corrected by this machine's steps
         batch = open_batch(decoder, self.max_batch) if self.max_batch > 1 else None
         if batch is not None and not self.shared_draft:
             batch = replace(batch, drafts=None, unshared_because="--shared-draft off")

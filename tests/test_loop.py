@@ -72,7 +72,9 @@ def build(form: str = "concat", block: int = 4, model=None, script=None, prefill
                                                    padding=setup.get("padding", "scratch")))
     pair = fake_sessions(manifest, model or TokenModel(VOCAB), script or [block - 1], on_device, confident,
                          kept_rows)
-    return Decoder(manifest, pair.target, pair.draft, prefill_chunk), pair
+    decoder = Decoder(manifest, pair.target, pair.draft, prefill_chunk)
+    decoder.measure_steps = False  # the fakes' calls take no time: the curve given is what the policy weighs
+    return decoder, pair
 
 
 def expected_lengths(budget: int, script: list[int]) -> list[int]:
@@ -565,6 +567,26 @@ def test_auto_skips_the_draft_where_it_cannot_pay_and_keeps_probing():
     assert result.tokens == reference(TokenModel(VOCAB), PROMPT, 80)
     skipped = result.verified.count(0)
     assert skipped > 40 and 0 < len(pair.draft.calls) < 20
+
+
+def test_the_decoder_measures_its_steps_for_the_policy_across_requests():
+    """With step measuring on (the default outside these fakes' tests), a greedy DFlash request's steps feed the
+    decoder's Measured: steady steps' times beside the target call and what drafted steps delivered; the next
+    request's policy reads the same. Greedy decoding measures nothing, and a sampled request neither reads nor
+    feeds it (its verified lengths, which decide its draws, stay independent of timing)."""
+    decoder, _ = build(block=8, script=[3], costs=STEEP)
+    decoder.measure_steps = True
+    decoder.generate(PROMPT, 12, "greedy", stop_token_ids=[])
+    assert decoder.measured == {}
+    decoder.generate(PROMPT, 40, "dflash", stop_token_ids=[])
+    measured = decoder.measured[False]
+    assert measured.drafted_ms is not None and measured.tokens is not None and measured.scale > 0
+    decoder.generate(PROMPT, 40, "dflash", stop_token_ids=[])
+    assert decoder.measured[False] is measured  # the next request's policy read and fed the same
+    tokens = measured.tokens
+    sampling = SamplingParams(temperature=0.8, seed=5)
+    decoder.generate(PROMPT, 40, "dflash", sampling, stop_token_ids=[])
+    assert list(decoder.measured) == [False] and measured.tokens == tokens
 
 
 def test_the_decoder_keeps_what_the_policy_learnt_for_its_next_requests():

@@ -14,7 +14,7 @@ from conftest import benchmark_script
 
 from runtime.errors import DFlashError
 from runtime.manifest import CostModel
-from runtime.policy import BINS, Calibration, VerifyPolicy, isotonic, parse_verify, simulate
+from runtime.policy import BINS, PROBE_MAX, Calibration, Measured, VerifyPolicy, isotonic, parse_verify, simulate
 
 REPLAY = benchmark_script("policy_replay")  # the recording and the curves docs/verify-policy.md's table replays
 TRACE = json.loads(REPLAY.TRACE.read_text())
@@ -203,6 +203,63 @@ def test_on_a_recorded_dspark_draft_reading_both_signals_costs_nothing(curve):
     both = rates[("confidence", "argmax_probability")]
     assert both >= 0.98 * max(rates[("confidence",)], rates[("argmax_probability",)]), rates
     assert both >= rates[("confidence",)], rates
+
+
+FLAT_CHEAP = CostModel([1.0] * B, 0.2)  # by the curve, a drafted block costs 1.2 greedy steps
+
+
+def drive(policy: VerifyPolicy, steps: int, drafted_wall_ms: float, ingested: int | None = None) -> int:
+    """A draft that is always right, decoded for `steps` steps under `policy`, each step's time reported as
+    measured: greedy steps at the curve's t(1), drafted steps at `drafted_wall_ms` (their draft call ingesting
+    `ingested` rows: a verify's by default). Returns the draft calls made."""
+    calls = 0
+    for _ in range(steps):
+        if policy.wants_draft(B - 1):
+            calls += 1
+            chosen = policy.choose(np.full(B - 1, 0.95), B - 1)
+            policy.observe(chosen, chosen)
+            policy.observe_time(chosen + 1 if ingested is None else ingested, chosen + 1, 1.0, drafted_wall_ms,
+                                chosen + 1)
+        else:
+            policy.observe_time(0, 1, 1.0, 1.0, 1)
+    return calls
+
+
+def test_measured_step_costs_price_what_the_curve_leaves_out():
+    """By the curve a drafted block costs 1.2 greedy steps and drafting always pays; measured, a drafted step
+    takes 40 ms (a draft call, loop work the curve does not price) for 16 tokens, against 16 greedy steps'
+    16 ms: the policy then drafts only to probe, and its probes back off; where drafted steps take what the
+    curve says, it drafts every step. Each runs over a Measured kept across requests, as a decoder keeps it."""
+    slow, fast = Measured(), Measured()
+    slow_calls = sum(drive(VerifyPolicy("auto", FLAT_CHEAP, B, [], slow), 100, 40.0) for _ in range(6))
+    fast_calls = drive(VerifyPolicy("auto", FLAT_CHEAP, B, [], fast), 100, 1.2)
+    assert fast_calls == 100 and fast.drafted_ms == pytest.approx(0.2)
+    assert slow.drafted_ms > 30 and slow_calls < 20 and slow.probe_wait > PROBE_MAX
+    first = VerifyPolicy("auto", FLAT_CHEAP, B, [], slow)  # a new request: what drafted steps delivered so far
+    assert not first.wants_draft(B - 1)
+    assert VerifyPolicy("auto", FLAT_CHEAP, B, [], Measured()).wants_draft(B - 1)  # nothing measured: it drafts
+
+
+def test_drafting_is_held_to_what_drafted_steps_delivered():
+    """Steps whose draft call ingests many rows (after a greedy stretch) are no steady cost, but each drafted
+    step's rate is compared with what was expected of it: delivered at under a tenth of the expected rate (16
+    tokens in 24 ms, below greedy's one a millisecond), the policy stops drafting; delivered as expected, it goes
+    on."""
+    behind, on_time = Measured(), Measured()
+    behind_calls = drive(VerifyPolicy("auto", FLAT_CHEAP, B, [], behind), 200, 24.0, ingested=4 * B)
+    on_time_calls = drive(VerifyPolicy("auto", FLAT_CHEAP, B, [], on_time), 200, 1.2, ingested=4 * B)
+    assert behind.drafted_ms is None and behind.realized < 0.1
+    assert behind_calls < 12 and on_time_calls == 200 and on_time.realized == pytest.approx(1.0, rel=0.01)
+
+
+def test_a_busier_machine_scales_the_curve():
+    """Target calls measured at twice the curve's time: the policy prices every row count at twice the curve."""
+    measured = Measured()
+    policy = VerifyPolicy("auto", CURVES[CPU], B, [], measured)
+    for _ in range(100):
+        policy.observe_time(0, 1, 2.0 * CURVES[CPU].verify_ms[0], 2.0 * CURVES[CPU].verify_ms[0], 1)
+    assert measured.scale == pytest.approx(2.0, rel=1e-3)
+    assert policy.greedy_rate == pytest.approx(1 / (2.0 * CURVES[CPU].verify_ms[0]), rel=1e-3)
 
 
 def test_a_batched_request_pays_its_share_of_the_step():
