@@ -205,7 +205,8 @@ def test_a_decode_says_when_its_steps_disagree_with_the_curve():
 
 def test_generate_reports_the_curve_check(ort_lowered, tmp_path, capsys):
     """A lowering whose recorded curve is far steeper than the machine: generate --json names it, and the
-    stats line's warning says how to re-measure."""
+    stats line's warning says how to re-measure. (The policy, measuring the steps, verifies longer blocks than the
+    curve alone would let it; the warning is what tells the user to re-measure.)"""
     directory = tmp_path / "ort"
     shutil.copytree(ort_lowered("agree_b8"), directory)
     manifest = json.loads((directory / "dflash.json").read_text())
@@ -213,9 +214,8 @@ def test_generate_reports_the_curve_check(ort_lowered, tmp_path, capsys):
     costs["verify_ms"] = [costs["verify_ms"][0] * (1 + 40 * t) for t in range(len(costs["verify_ms"]))]
     (directory / "dflash.json").write_text(json.dumps(manifest))
     args = ["generate", str(directory), "--prompt-ids", "3,4,5,6", "--max-new-tokens", "60", "--verify"]
-    assert main([*args, "auto", "--json"]) == 0  # the steep curve: auto never verifies a long block
+    assert main([*args, "auto", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert max(report["verified"]) <= 1  # no longer block than a padded call of 2 rows holds
-    assert "other work shared the machine" in report["curve_check"]  # its short steps alone tell it
+    assert "other work shared the machine" in report["curve_check"]
     assert main([*args, "auto"]) == 0
     assert "warning: the cost curve the verify policy weighs disagrees" in capsys.readouterr().err
