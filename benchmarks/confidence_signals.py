@@ -1,9 +1,9 @@
 """A DSpark draft's two confidences in a real run: `--verify auto` reading only its confidence head's prediction,
 only the argmax probability of its logits, or both (the policy reading, step by step, the one whose calibrated
 predictions have scored better so far: what decoding does), beside greedy decoding and full blocks. One decoder,
-the same held-out prompts, rounds interleaved; each policy keeps its own calibrations across prompts and rounds, as
-a decoder does across requests, and a first untimed round warms the sessions and the calibrations. Prints tok/s
-(median over rounds), the ratio to greedy, and tokens per target call.
+the same held-out prompts, rounds interleaved; each policy keeps its own calibrations and step measurements across
+prompts and rounds, as a decoder does across requests, and a first untimed round warms the sessions and both.
+Prints tok/s (median over rounds), the ratio to greedy, and tokens per target call.
 
     python benchmarks/confidence_signals.py LOWERED_DIR [--prompts 8] [--tokens 128] [--rounds 3] [--load 0]
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 from dflash_onnx.demo import held_out_prompts
 from dflash_onnx.figures import markdown_table, provenance
 from runtime.errors import DFlashError
+from runtime.policy import Measured
 from runtime.runners import Proposal
 from runtime.tokenizer import TextCodec
 from targets import open_decoder
@@ -60,14 +61,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.directory}: no cost curve, so --verify auto verifies full blocks: lower it first")
     codec = TextCodec(args.directory)
     prompts = [codec.encode(text) for text in held_out_prompts(args.prompts)]
-    learnt = {name: {} for name in RUNS}
+    learnt = {name: ({}, Measured()) for name in RUNS}  # each policy's calibrations and step measurements
     rates: dict[str, list[float]] = {name: [] for name in RUNS}
     per_call: dict[str, list[float]] = {name: [] for name in RUNS}
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     try:
         for round_index in range(args.rounds + 1):
             for name, (mode, verify, signal) in RUNS.items():
-                decoder.calibrations = learnt[name]
+                decoder.calibrations, decoder.measured = learnt[name]
                 tokens = calls = 0
                 started = time.perf_counter()
                 with handing(signal):

@@ -111,7 +111,7 @@ class Decoder:
         # what its greedy steps have cost in this process (target calls against the curve, the rest of a step with
         # and without a draft call, what drafted steps delivered), kept likewise: the `auto` policy weighs them
         # (runtime/policy.py). Off where the curve is given for the run (a replayed curve is the point of it).
-        self.measured: dict[bool, Measured] = {}
+        self.measured = Measured()
         self.measure_steps = True
         # decoding beside other requests (runtime/batching.py): how many share each step, so that the `auto`
         # policy weighs this request's share of a batched step (CostModel.shared_by) rather than a call alone
@@ -187,7 +187,7 @@ class Decoder:
         # measured step times steer only greedy requests, whose tokens no verified length can change: a seeded
         # sampled request draws the same tokens on every run (how many rows a step verifies decides which draws
         # it makes). A batched request's steps wait on the others': its share is priced by the curve alone.
-        measured = self.measured.setdefault(False, Measured()) \
+        measured = self.measured \
             if self.measure_steps and sampling.greedy and self.batch_width is None and most_rows > 1 else None
         policy = VerifyPolicy(verify, costs, self.manifest.verify_rows,
                               self.calibrations.setdefault(not sampling.greedy, []), measured)

@@ -576,17 +576,17 @@ def test_the_decoder_measures_its_steps_for_the_policy_across_requests():
     feeds it (its verified lengths, which decide its draws, stay independent of timing)."""
     decoder, _ = build(block=8, script=[3], costs=STEEP)
     decoder.measure_steps = True
+    measured = decoder.measured
     decoder.generate(PROMPT, 12, "greedy", stop_token_ids=[])
-    assert decoder.measured == {}
+    assert measured.tokens is None and measured.plain_ms is None
     decoder.generate(PROMPT, 40, "dflash", stop_token_ids=[])
-    measured = decoder.measured[False]
     assert measured.drafted_ms is not None and measured.tokens is not None and measured.scale > 0
+    steps = measured.since_draft, measured.tokens, measured.plain_ms
     decoder.generate(PROMPT, 40, "dflash", stop_token_ids=[])
-    assert decoder.measured[False] is measured  # the next request's policy read and fed the same
-    tokens = measured.tokens
-    sampling = SamplingParams(temperature=0.8, seed=5)
-    decoder.generate(PROMPT, 40, "dflash", sampling, stop_token_ids=[])
-    assert list(decoder.measured) == [False] and measured.tokens == tokens
+    assert (measured.since_draft, measured.tokens, measured.plain_ms) != steps  # the next request fed the same
+    steps = measured.since_draft, measured.tokens, measured.plain_ms, measured.scale
+    decoder.generate(PROMPT, 40, "dflash", SamplingParams(temperature=0.8, seed=5), stop_token_ids=[])
+    assert (measured.since_draft, measured.tokens, measured.plain_ms, measured.scale) == steps
 
 
 def test_the_decoder_keeps_what_the_policy_learnt_for_its_next_requests():

@@ -440,9 +440,9 @@ class DFlashDraft(nn.Module):
                 sampling: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         """From the block's final hidden states [b, B, H] and its anchor ids [b]: logits, the greedy proposals
         and their confidence for the proposing slots (1.., or from the anchor's with sample_from_anchor), then
-        signal_outputs() and extra_outputs(). DFlash proposes each slot's argmax; DFlash2 the selector's chain over each slot's
-        top-k; DSpark the argmax of its Markov-biased logits, chained (or, given `sampling`, draws: see
-        _markov_chain), its confidence the head's predicted acceptance."""
+        signal_outputs() and extra_outputs(). DFlash proposes each slot's argmax; DFlash2 the selector's chain
+        over each slot's top-k; DSpark the argmax of its Markov-biased logits, chained (or, given `sampling`,
+        draws: see _markov_chain), its confidence the head's predicted acceptance."""
         first = 0 if self.spec.sample_from_anchor else 1
         if self.spec.kind == "dspark":
             body = hidden if self.spec.markov_head_type == "rnn" else hidden[:, first:]

@@ -154,8 +154,8 @@ class StatefulTarget(nn.Module):
 
 class StatefulDraft(nn.Module):
     """forward(input_ids [1, B], context_hidden [1, T, H], ctx_position_ids [1, T], position_ids [1, B],
-    [*sampling]) -> draft_ids, draft_confidence, [*signal outputs], logits, [*extra outputs]. Context K/V are written into state;
-    block K/V are attended, never cached.
+    [*sampling]) -> draft_ids, draft_confidence, [*signal outputs], logits, [*extra outputs]. Context K/V are
+    written into state; block K/V are attended, never cached.
 
     Each layer's body (DFlash2's convolutions included) and the proposal (DFlash's argmax, DFlash2's selector
     chain, DSpark's Markov chain and confidence head) are the draft's own (draft.py); the outputs after the logits
