@@ -375,7 +375,8 @@ def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                              "row (default on; never on mixture-of-experts targets or when sampling)")
     parser.add_argument("--cost-model", type=Path, metavar="FILE",
                         help="a cost curve to use instead of the recorded one: JSON with verify_ms (t(1)..t(B)) "
-                             "and draft_ms, e.g. measured on another machine")
+                             "and draft_ms, e.g. measured on another machine; weighed as given (the policy then does "
+                             "not correct it by the step times it measures here)")
     parser.add_argument("--compute-units", choices=("all", "cpu_and_ne", "cpu_and_gpu", "cpu_only"),
                         help="coreml: where CoreML may run the packages (default: as lowered): all (it chooses "
                              "among CPU, GPU and Neural Engine), cpu_and_ne, cpu_and_gpu, cpu_only")
