@@ -115,8 +115,11 @@ def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int 
     out = ensure_demo_lowering(ensure_demo_export(progress=not as_json), progress=not as_json)
     decoder = open_decoder(out)
     codec = TextCodec(out) if has_tokenizer(out) else None
-    prompts = _prompts(decoder, codec, num_prompts)
-    decoder.generate(prompts[0][1], 4, "dflash", stop_token_ids=[])  # first-call setup is not decoding speed
+    *prompts, (_, warm_up) = _prompts(decoder, codec, num_prompts + 1)
+    # one untimed request on a prompt of its own first: sessions' first-call setup is not decoding speed, and the
+    # verify policy learns this machine's step costs over its first drafted steps, as a server's does over its
+    # first requests (runtime/policy.py)
+    decoder.generate(warm_up, max_new_tokens, "dflash", stop_token_ids=[])
     rows, totals, every = [], {mode: [0, 0.0] for mode in MODES}, []
     for index, (text, ids) in enumerate(prompts):
         if not as_json:
