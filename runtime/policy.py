@@ -165,7 +165,7 @@ class VerifyPolicy:
     """Per step: whether to call the draft, and how many of its tokens to verify."""
 
     def __init__(self, mode: str | int, costs: CostModel | None, block_size: int,
-                 calibrations: list[Calibration] | Calibration | None = None, measured: Measured | None = None):
+                 calibrations: list[Calibration] | None = None, measured: Measured | None = None):
         """`calibrations`: what earlier requests of the same pair learnt, one per confidence signal (shared, and
         updated by this one; an empty list grows to the signals the draft gives). `measured`: what the steps
         have measured so far (shared likewise); None weighs the curve alone."""
@@ -178,9 +178,7 @@ class VerifyPolicy:
         self._probing = False  # the last draft call was a probe: the next decision says whether drafting paid
         self._expected: tuple[float, float] | None = None  # the last choice's expected tokens and milliseconds
         self.reprice(costs)
-        if isinstance(calibrations, Calibration):
-            calibrations = [calibrations]
-        self.calibrations = [Calibration()] if calibrations is None else calibrations
+        self.calibrations = [] if calibrations is None else calibrations
         if not self.calibrations:
             self.calibrations.append(Calibration())
         self.signals = 1  # how many confidences per proposal the draft gives

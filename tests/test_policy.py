@@ -151,8 +151,8 @@ def test_what_one_request_learnt_spares_the_next_its_lossy_first_drafts():
     a fresh policy drafts a few steps before it learns; one given the calibration an earlier request learnt (as a
     decoder keeps it) skips the draft from the start."""
 
-    def drafted_steps(calibration: Calibration | None) -> int:
-        policy = VerifyPolicy("auto", CURVES[M2], B, calibration)
+    def drafted_steps(calibrations: list[Calibration] | None) -> int:
+        policy = VerifyPolicy("auto", CURVES[M2], B, calibrations)
         drafted = 0
         for _ in range(32):
             if policy.wants_draft(B - 1):
@@ -161,12 +161,12 @@ def test_what_one_request_learnt_spares_the_next_its_lossy_first_drafts():
         return drafted
 
     shared = Calibration()
-    first = VerifyPolicy("auto", CURVES[M2], B, shared)
+    first = VerifyPolicy("auto", CURVES[M2], B, [shared])
     for _ in range(32):
         if first.wants_draft(B - 1):
             first.observe(first.choose(np.full(B - 1, 0.99), B - 1), 0)
     assert shared.tries.sum() > BINS * 2  # the first request's outcomes went into the shared calibration
-    assert drafted_steps(None) >= 3 and drafted_steps(shared) <= 1
+    assert drafted_steps(None) >= 3 and drafted_steps([shared]) <= 1
 
 
 def test_of_two_signals_the_policy_reads_the_one_that_predicts_acceptance():
