@@ -13,7 +13,7 @@ another until the round has `--requests` of them. The solo oracle is `Decoder.ge
 directory in this process, decoded by the same tokenizer.
 
     python benchmarks/serve_load.py DIR [--clients 1,2,4,8] [--requests 16] [--max-tokens 64]
-        [--memory-requests 1000] [--load 0|1] [--max-batch N [--own-drafts]] [--greedy]
+        [--memory-requests 1000] [--load 0|1] [--max-batch N [--own-drafts]] [--greedy] [--rounds 1]
         [--peers llama.cpp [--llama-cpp DIR]]
 """
 
@@ -227,6 +227,16 @@ def _figures(clients: int, results: list[dict], done: list[dict], wall: float, s
             len(results) - len(done), f"{100 * same / max(1, len(results)):.0f} %"]
 
 
+def _median_round(rounds: list[list]) -> list:
+    """Of one server's rounds at one client count: the figures of the round with the median total tok/s, with
+    the errors summed over every round and the lowest identical share of any."""
+    ordered = sorted(rounds, key=lambda figures: float(figures[1]))
+    row = list(ordered[(len(ordered) - 1) // 2])
+    row[6] = sum(figures[6] for figures in rounds)
+    row[7] = f"{min(int(figures[7].split()[0]) for figures in rounds)} %"
+    return row
+
+
 def _memory(server: Server, prompts: list[str], requests: int, max_tokens: int) -> tuple[float, list[float], float]:
     """The server's RSS before, along and after `requests` sequential short requests."""
     print(f"{requests} sequential requests ...", file=sys.stderr)
@@ -253,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-requests", type=int, default=1000, help="sequential requests for the memory "
                         "check (0: skip)")
     parser.add_argument("--load", type=int, default=0, help="busy processes beside the server")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds per server and client count, alternating "
+                        "between the servers; each row is the round of median total tok/s")
     parser.add_argument("--prompts-file", type=Path, help="one prompt per line (default: built-in code prompts)")
     parser.add_argument("--max-batch", type=int, default=1, help="the server's --max-batch (a lowering with "
                         "--kv-attention ragged decodes that many requests side by side)")
@@ -263,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peers", default="", help="llama.cpp: also the rounds against llama-server")
     parser.add_argument("--llama-cpp", type=Path, help="a built llama.cpp tree (default: the cached build)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     prompts = args.prompts_file.read_text().splitlines() if args.prompts_file else PROMPTS
     counts = [int(k) for k in args.clients.split(",")]
     print("solo greedy outputs ...", file=sys.stderr)
@@ -274,27 +288,35 @@ def main(argv: list[str] | None = None) -> None:
         servers.append(("DFlash, verify auto, --shared-draft off", ["--verify", "auto", "--shared-draft", "off"]))
     if args.greedy:
         servers.append(("greedy (--verify 0)", ["--verify", "0"]))
-    rows, memory, server = [], None, None
+    rows, memory, started = [], None, []
     try:
-        for index, (kind, flags) in enumerate(servers):
-            if server is not None:
-                server.stop()
+        for _, flags in servers:  # all up at once: the rounds alternate between them, so that the machine's
+            # drifts fall on every server alike
             server = Server(args.directory, [*flags, *batching])
-            name = f"dflash-onnx serve, {kind}" + (f", --max-batch {args.max_batch}" if batching else "")
+            started.append(server)
             _round(server.url, 1, prompts, 2, args.max_tokens)  # warm-up: first calls, page faults
+        names = [f"dflash-onnx serve, {kind}" + (f", --max-batch {args.max_batch}" if batching else "")
+                 for kind, _ in servers]
+        figures: dict[tuple[str, int], list[list]] = {}
+        for clients in counts:
+            for turn in range(args.rounds):
+                for name, server in zip(names, started):
+                    print(f"{name}: {clients} clients, round {turn + 1} of {args.rounds} ...", file=sys.stderr)
+                    results, wall = _round(server.url, clients, prompts, args.requests, args.max_tokens)
+                    done = [r for r in results if "error" not in r]
+                    same = sum(r["text"] == solo[r["prompt"]] for r in done)
+                    figures.setdefault((name, clients), []).append(_figures(clients, results, done, wall, same))
+        for name in names:  # each the round of median total tok/s
             for clients in counts:
-                print(f"{name}: {clients} clients ...", file=sys.stderr)
-                results, wall = _round(server.url, clients, prompts, args.requests, args.max_tokens)
-                done = [r for r in results if "error" not in r]
-                same = sum(r["text"] == solo[r["prompt"]] for r in done)
-                rows.append([name, *_figures(clients, results, done, wall, same)])
-            if index == 0 and args.memory_requests:
-                memory = _memory(server, prompts, args.memory_requests, args.max_tokens)
+                rows.append([name, *_median_round(figures[(name, clients)])])
+        if args.memory_requests:
+            memory = _memory(started[0], prompts, args.memory_requests, args.max_tokens)
         if "llama.cpp" in args.peers:
-            server.stop()  # its sessions' memory and threads are not llama-server's to share
+            for server in started:  # their sessions' memory and threads are not llama-server's to share
+                server.stop()
             rows += _llama_cpp_rows(args.directory, prompts, counts, args.requests, args.max_tokens, args.llama_cpp)
     finally:
-        if server is not None:
+        for server in started:
             server.stop()
         for process in busy:
             process.kill()

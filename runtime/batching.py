@@ -1,5 +1,11 @@
-"""Requests decoded side by side: each runs the unchanged decoding loop in its own thread, and their target calls
-meet here, one batched call per step (numpy and threading only).
+"""Requests decoded side by side: each runs the unchanged decoding loop as a task of one `StepLoop`, and their
+target calls meet here, one batched call per step (numpy and greenlet only).
+
+The tasks share one thread: each is a greenlet (a suspendable call stack), so a request's loop, deep inside its
+session call, gives way to the next request's at the step's barrier without a thread switch. Threads, one per
+request, spent more on the barrier than the call on the demo pair: each step's wake-ups and the interpreter lock
+passed between them cost 4 requests 214 us against 11 us for the switches (measured beside a build; the figures
+in docs/serving.md are quiet).
 
 Each request gets a `SlotSession`, a Session whose K/V live in one slot (batch row) of a shared `SlotStore` (the
 ORT ragged-attention target: targets/ort/batch_session.py). A slot's `run` waits until every active request has a
@@ -25,12 +31,14 @@ proposals alone in the last bits; the target verifies every proposal, so greedy 
 
 from __future__ import annotations
 
-import threading
+import collections
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import greenlet
 import numpy as np
 
 from . import recurrent
@@ -97,8 +105,7 @@ class _Call:
     names: list[str]
     outputs: dict[str, np.ndarray] | None = None
     error: Exception | None = None
-    # set when the call has its outputs or error: only its own thread wakes, not every thread waiting at a barrier
-    done: threading.Event = field(default_factory=threading.Event)
+    done: bool = False  # it has its outputs or its error: its task goes on at the loop's next turn
 
     @property
     def rows(self) -> int:
@@ -108,6 +115,19 @@ class _Call:
     def start(self) -> int:
         """Where the call's rows are written: its length after the call minus its rows."""
         return int(self.feeds["seqlens_k"][0]) + 1 - self.rows
+
+
+@dataclass
+class _Step:
+    """A batched step as the switch measures it: from the end of the batched call before it (`since`; None: none
+    right before) to the end of its own calls, in the mode its requests read, with where each request's rows
+    started; `clean`: no lone prefill call ran in it."""
+
+    since: float | None
+    ended: float
+    drafting: bool
+    starts: dict[SlotSession, int]
+    clean: bool
 
 
 @dataclass
@@ -131,14 +151,20 @@ class SpeculationSwitch:
     requests, drafting steps committed less than greedy ones). Each mode's rate is measured on its own steps: the
     mode not in use is tried for PROBE_STEPS steps, first after FIRST_PROBE steps at a width, then PROBE_EVERY
     steps later; each probe that loses doubles the width's wait for the next (up to PROBE_MOST steps), one that
-    wins brings it back to PROBE_EVERY, so a mode that keeps losing costs few steps. Tokens do not depend on it:
-    drafted tokens are verified, greedy steps are greedy."""
+    wins brings it back to PROBE_EVERY, so a mode that keeps losing costs few steps. Until a width has both modes
+    measured it runs in the mode that won at the nearest width that has (requests joining and leaving keep changing
+    the width, and each new width drafting until its first probe cost the demo's batches steps). Tokens do not depend
+    on it: drafted tokens are verified, greedy steps are greedy."""
 
     FIRST_PROBE, PROBE_EVERY, PROBE_STEPS, PROBE_MOST = 8, 64, 4, 1024
-    WEIGHT = 0.3  # of the newest step in each running rate
+    RECENT = 8  # steps per width and mode whose median rate is the mode's rate
 
     def __init__(self):
-        self.rates: dict[tuple[int, bool], float] = {}  # (width, drafting) -> tokens per second
+        # (width, drafting) -> the tokens per second of its most recent steps. A median: one step slowed by
+        # something neither mode causes (a leaving request's K/V moved, the collector, a thread descheduled) would
+        # decide a running mean for many steps; the demo's batches measured greedy against greedy 4016 and 5517
+        self._recent: dict[tuple[int, bool], collections.deque[float]] = {}
+        self.rates: dict[tuple[int, bool], float] = {}
         self.drafting = True
         self._steps: dict[int, int] = {}  # steps measured at each width
         self._probe = 0  # steps of the probed mode still to run
@@ -147,6 +173,12 @@ class SpeculationSwitch:
         self._next: dict[int, int] = {}  # the step count at which a width probes next
 
     def _faster(self, width: int) -> bool:
+        """Whether drafting commits faster at `width`: as measured there once both modes have been, else as at the
+        nearest width where both have been (drafting gains less the wider the batch: a neighbour's verdict is the
+        best guess until this width's first probe), else drafting."""
+        compared = {w for w, mode in self.rates if mode and (w, False) in self.rates}
+        if width not in compared and compared:
+            width = min(compared, key=lambda w: (abs(w - width), -w))
         return self.rates.get((width, True), float("inf")) >= self.rates.get((width, False), 0.0)
 
     def observe(self, width: int, drafting: bool, tokens: int, seconds: float) -> None:
@@ -154,8 +186,10 @@ class SpeculationSwitch:
         the next step at that width."""
         if seconds <= 0:
             return
-        rate, key = tokens / seconds, (width, drafting)
-        self.rates[key] = rate if key not in self.rates else self.rates[key] + self.WEIGHT * (rate - self.rates[key])
+        key = (width, drafting)
+        recent = self._recent.setdefault(key, collections.deque(maxlen=self.RECENT))
+        recent.append(tokens / seconds)
+        self.rates[key] = statistics.median(recent)
         steps = self._steps[width] = self._steps.get(width, 0) + 1
         if self._probe:
             self._probe -= 1
@@ -220,11 +254,10 @@ class StepBatcher:
         self._active: list[SlotSession] = []  # index = slot
         self._pending: dict[int, _Call] = {}  # target calls waiting, by slot
         self._drafting: dict[int, _Call] = {}  # draft calls waiting, by slot
-        self._lock = threading.Lock()
         self.stats = BatchStats()
         self.switch = SpeculationSwitch()
-        # the last batched step: when it ran, in which mode, and where each request's rows started
-        self._last: tuple[float, bool, dict[SlotSession, int]] | None = None
+        # the last batched step, measured once the next call shows what it committed
+        self._last: _Step | None = None
 
     @property
     def active(self) -> int:
@@ -234,34 +267,31 @@ class StepBatcher:
 
     def open(self) -> SlotSession:
         """A slot for a new request; DFlashError when every slot is taken."""
-        with self._lock:
-            if len(self._active) >= self.store.slots:
-                raise DFlashError(f"all {self.store.slots} batch slots are taken")
-            session = SlotSession(self, len(self._active))
-            self._active.append(session)
-            self.store.active = len(self._active)
-            return session
+        if len(self._active) >= self.store.slots:
+            raise DFlashError(f"all {self.store.slots} batch slots are taken")
+        session = SlotSession(self, len(self._active))
+        self._active.append(session)
+        self.store.active = len(self._active)
+        return session
 
     def release(self, session: SlotSession) -> None:
-        with self._lock:
-            if session not in self._active:
-                return
-            slot, last = session.slot, len(self._active) - 1
-            if slot in self._pending or slot in self._drafting:  # a request leaves between steps only
-                raise DFlashError(f"slot {slot} released with a call waiting")
-            if slot != last:  # the last request moves into the freed slot, its waiting call with it
-                moved = self._active[last]
-                self.store.move_slot(last, slot)
-                if self.drafts is not None:
-                    self.drafts.move_slot(last, slot)
-                moved.slot = slot
-                for waiting in (self._pending, self._drafting):
-                    if last in waiting:
-                        waiting[slot] = waiting.pop(last)
-                self._active[slot] = moved
-            self._active.pop()
-            self.store.active = len(self._active)
-            self._run_when_complete()
+        if session not in self._active:
+            return
+        slot, last = session.slot, len(self._active) - 1
+        if slot in self._pending or slot in self._drafting:  # a request leaves between steps only
+            raise DFlashError(f"slot {slot} released with a call waiting")
+        if slot != last:  # the last request moves into the freed slot, its waiting call with it
+            moved = self._active[last]
+            self.store.move_slot(last, slot)
+            if self.drafts is not None:
+                self.drafts.move_slot(last, slot)
+            moved.slot = slot
+            for waiting in (self._pending, self._drafting):
+                if last in waiting:
+                    waiting[slot] = waiting.pop(last)
+            self._active[slot] = moved
+        self._active.pop()
+        self.store.active = len(self._active)
 
     def call(self, session: SlotSession, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
         """A target call: it runs when every active request has a call waiting (see the module docstring)."""
@@ -273,19 +303,27 @@ class StepBatcher:
         return self._wait(self._drafting, session, _Call(feeds, names))
 
     def _wait(self, waiting: dict[int, _Call], session: SlotSession, call: _Call) -> dict[str, np.ndarray]:
-        with self._lock:
-            waiting[session.slot] = call
-            self._run_when_complete()
-        call.done.wait()
+        """Register the call and give way to the loop, which runs the step once every request's call waits (a
+        caller outside a StepLoop, one request alone, runs it at once)."""
+        waiting[session.slot] = call
+        task = greenlet.getcurrent()
+        if isinstance(task, _Task):
+            task.waiting = call
+            while not call.done:
+                task.parent.switch()
+            task.waiting = None
+        elif not self.run_step():
+            raise DFlashError("a batched call waits for the other requests' calls: run each request as a StepLoop "
+                              "task")
         if call.error is not None:
             raise call.error
         return call.outputs
 
-    def _run_when_complete(self) -> None:
-        """With the lock held: when every active request has a call waiting, run the draft calls if there are any
-        (their requests then make their target calls), else the target calls; wake the threads."""
-        if len(self._pending) + len(self._drafting) < max(1, len(self._active)):
-            return
+    def run_step(self) -> bool:
+        """When every active request has a call waiting, run the draft calls if there are any (their requests then
+        make their target calls), else the target calls, and say so; their tasks go on at the loop's next turn."""
+        if not (self._pending or self._drafting) or len(self._pending) + len(self._drafting) < len(self._active):
+            return False
         if self._drafting:
             calls, self._drafting = self._drafting, {}
             run = self._run_drafts
@@ -299,7 +337,8 @@ class StepBatcher:
                 if call.outputs is None:
                     call.error = exc
         for call in calls.values():
-            call.done.set()
+            call.done = True
+        return True
 
     def _run_drafts(self, calls: dict[int, _Call]) -> None:
         outputs = self.drafts.run_slots({slot: (call.feeds, call.names) for slot, call in calls.items()},
@@ -314,27 +353,36 @@ class StepBatcher:
         """Whether the batch's requests draft this step (SpeculationSwitch)."""
         return self.switch.drafting
 
-    def _measure(self, pending: dict[int, _Call], small: dict[int, _Call]) -> None:
-        """Tokens the requests of the last batched step committed since, over its time, to the switch (at the
-        last step's width): requests that joined since are left out, and a step beside a lone prefill call is not
-        measured. Under load requests come and go at most steps, so a step is measured on those that stayed."""
-        now = time.perf_counter()
-        starts = {self._active[slot]: call.start for slot, call in small.items()}
-        last, self._last = self._last, (now, self.switch.drafting, starts)
-        stayed = [session for session in starts if last is not None and session in last[2]]
-        if not stayed or len(small) < len(pending):
+    def _measure(self, starts: dict[SlotSession, int]) -> None:
+        """The last batched step to the switch: the tokens its requests committed (`starts`, where this step's
+        rows start, less where its rows started) over the time from the end of the batched call before it to the
+        end of its own, which holds its draft call and the requests' work between the calls. Requests that joined
+        since are left out; under load requests come and go at most steps, so a step is measured on those that
+        stayed. A step with a lone prefill call, or without a batched call right before it, is not measured."""
+        last = self._last
+        if last is None or last.since is None or not last.clean:
             return
-        tokens = sum(starts[session] - last[2][session] for session in stayed)
-        self.switch.observe(len(last[2]), last[1], tokens * len(last[2]) / len(stayed), now - last[0])
+        stayed = [session for session in last.starts if session in starts]
+        if not stayed:
+            return
+        tokens = sum(starts[session] - last.starts[session] for session in stayed)
+        self.switch.observe(len(last.starts), last.drafting, tokens * len(last.starts) / len(stayed),
+                            last.ended - last.since)
 
     def _run(self, pending: dict[int, _Call]) -> None:
         small = {slot: call for slot, call in pending.items() if call.rows <= self.big_rows}
+        drafting = self.switch.drafting  # the mode this step's requests read as they began it
+        starts = {self._active[slot]: call.start for slot, call in small.items()}
         if small:
+            self._measure(starts)
             self._run_batched(pending, small)
         for slot, call in pending.items():
             if slot not in small:
                 call.outputs = self.store.run_slots(slot, call.feeds, call.names)
                 self.stats.lone_calls += 1
+        since = self._last.ended if self._last is not None else None
+        self._last = _Step(since, time.perf_counter(), drafting, starts, len(small) == len(pending)) if small \
+            else None
 
     def _run_batched(self, pending: dict[int, _Call], small: dict[int, _Call]) -> None:
         """One call over slots 0..n-1: each small call padded to the longest; a slot whose call is long (a
@@ -360,7 +408,6 @@ class StepBatcher:
         if state:  # a hybrid target's linear-attention state, per request (recurrent.py)
             feeds.update(recurrent.join_feeds([small[slot].feeds if slot in small else None for slot in range(count)],
                                               state))
-        self._measure(pending, small)
         outputs = self.store.run_slots(0, feeds, names)
         for slot, call in small.items():  # the K/V outputs stay in the store
             own = [name for name in call.names if name in outputs]
@@ -372,3 +419,53 @@ class StepBatcher:
         self.stats.batched_requests += len(small)
         self.stats.widest = max(self.stats.widest, len(small))
         self.stats.by_width[len(small)] = self.stats.by_width.get(len(small), 0) + 1
+
+
+class _Task(greenlet.greenlet):
+    """A request's loop as a StepLoop task; `waiting`: the batched call it waits on (None: ready to go on)."""
+
+    waiting: _Call | None = None
+
+
+class StepLoop:
+    """Requests' decoding loops side by side on one thread: each a task (a greenlet) that runs until its session
+    call waits at the batcher's barrier. A turn resumes every task whose call has run, each until its next call
+    waits or it ends, then runs the step once every request's call waits; tasks started between turns join the
+    next step. Every call into the loop comes from the thread that made it."""
+
+    def __init__(self, batcher: StepBatcher):
+        self.batcher = batcher
+        self.tasks: list[_Task] = []
+        self._hub = greenlet.getcurrent()
+
+    def start(self, work: Callable[[], None]) -> None:
+        """Run `work` (a request's whole decoding, catching its own errors) as a task, now, until its first call
+        waits or it ends."""
+        if greenlet.getcurrent() is not self._hub:
+            raise DFlashError("StepLoop.start is called from the loop's own thread, between turns")
+        task = _Task(work, parent=self._hub)
+        self.tasks.append(task)
+        task.switch()
+        self._prune()
+
+    def turn(self) -> None:
+        """Resume the tasks whose calls have run, then run the step if it is complete."""
+        for task in [task for task in self.tasks if task.waiting is None or task.waiting.done]:
+            task.switch()
+        self._prune()
+        if not self.batcher.run_step() and self.tasks and \
+                not any(task.waiting is None or task.waiting.done for task in self.tasks):
+            raise DFlashError(f"{len(self.tasks)} batched requests each wait on a call that no step will run")
+
+    def _prune(self) -> None:
+        self.tasks = [task for task in self.tasks if not task.dead]
+
+    def run(self, works: list[Callable[[], None]], slots: int) -> None:
+        """Every work as a task, at most `slots` at once, each started as soon as one ends (as the engine admits
+        queued requests)."""
+        waiting = list(works)
+        while waiting or self.tasks:
+            while waiting and len(self.tasks) < slots:
+                self.start(waiting.pop(0))
+            if self.tasks:
+                self.turn()

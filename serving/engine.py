@@ -4,9 +4,10 @@ The HTTP layer (app.py) and other hosts (Ray Serve, Triton's Python backend) cal
 request waits in a bounded queue, then is decoded with DFlash (`--verify auto`: never slower than greedy), its
 text deltas put on the request's own queue. A cancelled request (a client gone) stops at its next decoding step.
 Without a batch the engine thread decodes the requests one after another; with one (`targets.open_batch` on a
-lowering with the ragged attention) up to its slots run at once, each in its own thread, their target calls
-joined into one call per step, and their draft calls too where the lowering allows it (greedy requests; a sampled
-request drafts on a session of its own) (runtime/batching.py); a request joins or leaves between steps.
+lowering with the ragged attention) up to its slots run at once on the engine thread, each a task of one
+`StepLoop`, their target calls joined into one call per step, and their draft calls too where the lowering allows
+it (greedy requests; a sampled request drafts on a session of its own) (runtime/batching.py); a request joins or
+leaves between steps.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from runtime.batching import BatchParts, StepBatcher
+from runtime.batching import BatchParts, StepBatcher, StepLoop
 from runtime.decode import Decoder
 from runtime.errors import DFlashError
 from runtime.sampling import SamplingParams
@@ -115,9 +116,9 @@ class _StopText:
 
 
 class Engine:
-    """`submit(request) -> Submission`; the decoder's sessions are used by the engine's threads alone: one thread
-    without a batch, else one per batch slot, each decoding a request at a time, their target calls met in one
-    batched call per step (runtime/batching.py)."""
+    """`submit(request) -> Submission`; the decoder's sessions are used by the engine's thread alone: it decodes
+    one request at a time without a batch, else up to the batch's slots side by side, their target calls met in
+    one batched call per step (runtime/batching.py)."""
 
     def __init__(self, decoder: Decoder, codec: TextCodec, max_queue: int = 16, verify: str | int = "auto",
                  batch: BatchParts | None = None):
@@ -139,12 +140,11 @@ class Engine:
         self.finished: Counter[str] = Counter()  # requests ended, by finish reason ("error" for failures)
         self._counting = threading.Lock()
         self._stopping = threading.Event()
-        # the engine's threads, each taking requests from the queue: one, or one per batch slot (kept for the
-        # server's life: ORT's per-thread state is made once per thread, a few ms on a small model)
-        self._threads = [threading.Thread(target=self._run, name=f"dflash-engine-{index}", daemon=True)
-                         for index in range(self.max_batch)]
-        for thread in self._threads:
-            thread.start()
+        # the engine's thread, taking requests from the queue (kept for the server's life: ORT's per-thread state
+        # is made once per thread, a few ms on a small model)
+        self._thread = threading.Thread(target=self._run if self.batcher is None else self._run_batch,
+                                        name="dflash-engine", daemon=True)
+        self._thread.start()
 
     def submit(self, request: GenerationRequest) -> Submission:
         """Queue `request`; raises QueueFull when --max-queue requests wait already. Arguments the decoder
@@ -164,23 +164,41 @@ class Engine:
     def close(self) -> None:
         """Stop after the requests under way; requests still queued end as cancelled."""
         self._stopping.set()
-        for thread in self._threads:
-            thread.join(timeout=60)
+        self._thread.join(timeout=60)
+
+    def _next(self, timeout: float | None) -> Submission | None:
+        """The next queued request (None: none within `timeout`, or none at once where None); cancelled once the
+        engine is stopping, so that it ends without touching the sessions."""
+        try:
+            submission = self._queue.get(timeout=timeout) if timeout is not None else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        if self._stopping.is_set():
+            submission.cancel()
+        return submission
 
     def _run(self) -> None:
-        while True:
-            try:
-                submission = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                if self._stopping.is_set():
-                    return
-                continue
-            if self._stopping.is_set():
-                submission.cancel()
-            if self.batcher is None or submission.cancelled.is_set():
-                self._finish(submission, self.decoder)  # a cancelled request ends without touching the sessions
-            else:
-                self._batched(submission)
+        """One request at a time."""
+        while not (self._stopping.is_set() and self._queue.empty()):
+            submission = self._next(0.1)
+            if submission is not None:
+                self._finish(submission, self.decoder)
+
+    def _run_batch(self) -> None:
+        """Up to the batch's slots side by side: between steps, queued requests join while slots are free (a
+        cancelled one ends at once); then every request whose step has run goes on to its next call."""
+        tasks = StepLoop(self.batcher)
+        while tasks.tasks or not (self._stopping.is_set() and self._queue.empty()):
+            while self.batcher.active < self.max_batch:
+                submission = self._next(None if tasks.tasks else 0.1)
+                if submission is None:
+                    break
+                if submission.cancelled.is_set():
+                    self._finish(submission, self.decoder)
+                else:
+                    tasks.start(lambda submission=submission: self._batched(submission))
+            if tasks.tasks:
+                tasks.turn()
 
     def _batched(self, submission: Submission) -> None:
         """One request on a slot of the batch: the unchanged decoding loop; its draft calls joined with the other

@@ -4,14 +4,12 @@ cannot batch are refused in one line."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import onnxruntime as ort
 import pytest
 from conftest import CopiedWhenBound
 
-from runtime.batching import BatchParts, SpeculationSwitch, StepBatcher
+from runtime.batching import BatchParts, SpeculationSwitch, StepBatcher, StepLoop
 from runtime.decode import Decoder
 from runtime.errors import DFlashError
 from runtime.sampling import SamplingParams
@@ -46,8 +44,8 @@ def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
 
 def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampling=None, prefill_chunk: int = 20,
                   decode=None, prepare=None):
-    """Each prompt decoded in its own thread on a slot of one batch, the threads started a few at a time (so
-    requests join while others decode and leave before others end); the tokens and the batcher's stats.
+    """Each prompt decoded as a task of one StepLoop on a slot of one batch, a task started as soon as another ends
+    (so requests join while others decode and leave before others end); the tokens and the batcher's stats.
     `sampling`: one SamplingParams for all, or a function of the request's index giving its own;
     `decode(index, decoder)`: request `index`'s tokens from its decoder (default: generate in `mode`);
     `prepare(store)`: called on the batch's slot store before any request."""
@@ -58,7 +56,6 @@ def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampl
     batcher = StepBatcher(parts.store, big_rows=_step_rows(base), drafts=parts.drafts)
     tokens: dict[int, list[int]] = {}
     errors: list[BaseException] = []
-    gate = threading.Semaphore(slots)
 
     def one(index: int) -> None:
         try:
@@ -71,18 +68,10 @@ def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampl
                     decoder.generate(prompts[index], max_new, mode, params).tokens
             finally:
                 slot.release()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except Exception as exc:  # reported by the test
             errors.append(exc)
-        finally:
-            gate.release()
 
-    threads = []
-    for index in range(len(prompts)):
-        gate.acquire()
-        threads.append(threading.Thread(target=one, args=(index,)))
-        threads[-1].start()
-    for thread in threads:
-        thread.join(timeout=120)
+    StepLoop(batcher).run([lambda index=index: one(index) for index in range(len(prompts))], slots)
     assert not errors, errors
     return [tokens[i] for i in range(len(prompts))], batcher.stats
 
@@ -261,11 +250,8 @@ def test_a_slot_that_leaves_hands_its_kv_to_the_last_request(ragged):
     first, second, third = batcher.open(), batcher.open(), batcher.open()
     feeds = {"input_ids": np.array([[5, 6]]), "position_ids": np.array([[0, 1]]), "seqlens_k": np.array([1], np.int32),
              "total_sequence_length": np.array(2, np.int32)}
-    callers = [threading.Thread(target=slot.run, args=(feeds,)) for slot in (first, second, third)]
-    for caller in callers:  # calls of 2 rows are small: the three run as one batched call
-        caller.start()
-    for caller in callers:
-        caller.join(timeout=60)
+    # calls of 2 rows are small: the three run as one batched call
+    StepLoop(batcher).run([lambda slot=slot: slot.run(feeds) for slot in (first, second, third)], 3)
     assert batcher.stats.batched_calls == 1 and batcher.stats.widest == 3
     before = {name: buffer[2].copy() for name, buffer in store.kv_buffers().items()}
     first.release()
@@ -360,7 +346,8 @@ def test_ragged_buffers_follow_the_context_in_use(exported, tmp_path):
 
 def test_the_switch_drafts_where_drafting_steps_commit_faster():
     """Each mode's rate is measured on its own steps: the other mode is tried after 8 steps at a width (4 steps),
-    then the faster one is kept, per width, and tried again every 64 steps."""
+    then the faster one is kept, per width, and tried again every 64 steps; a width not yet compared follows the
+    nearest one that is."""
     switch = SpeculationSwitch()
 
     def run(width: int, steps: int, drafting_rate: float, greedy_rate: float) -> list[bool]:
@@ -375,10 +362,15 @@ def test_the_switch_drafts_where_drafting_steps_commit_faster():
     assert modes[:8] == [True] * 8 and modes[8:12] == [False] * 4 and not any(modes[12:])
     assert switch.rates[(8, False)] > switch.rates[(8, True)]
     modes = run(2, 20, drafting_rate=2000.0, greedy_rate=1200.0)  # another width: measured apart
-    assert modes[0] is False  # the last choice carries over until this width's own steps say otherwise
-    assert switch.drafting and (2, True) in switch.rates
+    # until its own probe has measured both modes, a new width runs as the nearest measured width chose (greedy at
+    # 8); its probe then finds drafting faster here, and it drafts from then on
+    assert modes[:8] == [False] * 8 and modes[8:12] == [True] * 4 and all(modes[12:])
+    assert switch.drafting and switch.rates[(2, True)] > switch.rates[(2, False)]
+    assert run(3, 1, drafting_rate=2000.0, greedy_rate=1200.0) == [True]  # 3 is nearer 2 than 8
+    assert run(5, 1, drafting_rate=2000.0, greedy_rate=1200.0) == [True]  # 5 is as near 2 as 8: the wider decides
+    assert not switch.drafting
     switch.observe(8, True, 100, 0.0)  # a step of no measurable time changes nothing
-    assert switch.drafting
+    assert not switch.drafting
 
 
 def test_a_mode_that_keeps_losing_is_probed_less_and_less_until_it_wins():
@@ -402,6 +394,68 @@ def test_a_mode_that_keeps_losing_is_probed_less_and_less_until_it_wins():
     modes = run(2000)
     first = modes.index(True)
     assert first < 1024 and all(modes[first + 4 : first + 60])  # its probe won: the batch drafts from then on
+
+
+class _CountingStore:
+    """A SlotStore that returns zeros and advances a fake clock by `call_s` per call."""
+
+    input_names, output_names = ["input_ids", "position_ids", "seqlens_k", "total_sequence_length"], ["greedy_ids"]
+
+    def __init__(self, slots: int, clock: list[float], call_s: float):
+        self.slots, self.active, self.clock, self.call_s = slots, 0, clock, call_s
+
+    def run_slots(self, first, feeds, names):
+        self.clock[0] += self.call_s
+        return {"greedy_ids": np.zeros(feeds["input_ids"].shape, np.int64)}
+
+    def move_slot(self, source: int, destination: int) -> None:
+        pass
+
+
+def test_the_switch_times_each_step_with_its_own_draft_call(monkeypatch):
+    """A step is measured from the end of the batched call before it to the end of its own, once the next call shows
+    what it committed: its draft call counts against its own mode (the draft call before the first drafting step
+    is not charged to the greedy step before it), and a request that joined since is left out."""
+    import runtime.batching as batching
+
+    clock = [0.0]
+    monkeypatch.setattr(batching.time, "perf_counter", lambda: clock[0])
+    batcher = StepBatcher(_CountingStore(4, clock, 0.001), big_rows=2)
+    first, second = batcher.open(), batcher.open()
+    seen = []
+    batcher.switch.observe = lambda width, drafting, tokens, seconds: seen.append((width, drafting, tokens,
+                                                                                    round(seconds, 6)))
+
+    def step(lengths: dict, drafting: bool, draft_s: float = 0.0) -> None:
+        batcher.switch.drafting = drafting
+        clock[0] += draft_s  # the step's draft call and the requests' work, before its target call
+        calls = {}
+        for session, length in lengths.items():
+            feeds = {"input_ids": np.zeros((1, 2), np.int64), "position_ids": np.zeros((1, 2), np.int64),
+                     "seqlens_k": np.array([length + 1], np.int32)}
+            calls[session.slot] = batching._Call(feeds, ["greedy_ids"])
+        batcher._run(calls)
+
+    step({first: 10, second: 20}, False)
+    step({first: 11, second: 21}, False, 0.0002)  # greedy: 1 token each
+    step({first: 12, second: 22}, True, 0.0005)  # drafting: its draft call 0.5 ms
+    step({first: 17, second: 25}, False, 0.0002)
+    third = batcher.open()
+    step({first: 18, second: 26, third: 5}, False, 0.0002)
+    assert seen == [(2, False, 2, 0.0012), (2, True, 8, 0.0015), (2, False, 2, 0.0012)]  # the third left out
+    step({first: 19, second: 27, third: 6}, False, 0.0002)
+    assert seen[-1] == (3, False, 3, 0.0012)  # now a step of three
+    second.release()  # the third moves into the second's slot
+    step({first: 21, third: 7}, False, 0.0002)
+    assert seen[-1] == (3, False, 4.5, 0.0012)  # the two that stayed, scaled to the step's width of three
+
+
+def test_a_modes_rate_is_the_median_of_its_recent_steps():
+    """One slow step (a K/V move, the collector) does not decide a mode's rate: the median of its last 8 steps."""
+    switch = SpeculationSwitch()
+    for seconds in (0.001, 0.001, 0.010, 0.001, 0.001):
+        switch.observe(4, False, 4, seconds)
+    assert switch.rates[(4, False)] == pytest.approx(4000.0)
 
 
 def test_a_batch_that_does_not_draft_decodes_greedily(ragged):

@@ -358,6 +358,18 @@ def test_the_load_benchmarks_client_counts_the_tokens_and_matches_solo_greedy(se
     assert [r["tokens"] for r in results] == [count] * 3 and {r["prompt"] for r in results} == {0}
 
 
+
+def test_the_load_benchmark_reports_the_median_round_with_every_rounds_errors():
+    """serve_load.py --rounds: a row is the round of median total tok/s, its errors summed over the rounds and its
+    identical share the lowest any round had (a fast round with errors cannot hide them)."""
+    from conftest import benchmark_script
+
+    script = benchmark_script("serve_load")
+    rounds = [[4, "900.0", "1", "2", "0.1", "0.2", 0, "100 %"], [4, "1200.0", "1", "2", "0.1", "0.2", 1, "94 %"],
+              [4, "1000.0", "1", "2", "0.1", "0.2", 0, "100 %"]]
+    assert script._median_round(rounds) == [4, "1000.0", "1", "2", "0.1", "0.2", 1, "94 %"]
+    assert script._median_round(rounds[:2]) == [4, "900.0", "1", "2", "0.1", "0.2", 1, "94 %"]
+
 # Triton's Python backend: the model serving/triton.py writes, run against tests/fake_triton (Triton's
 # triton_python_backend_utils exists only inside tritonserver); its config.pbtxt parsed with Triton's own schema.
 
