@@ -2,10 +2,10 @@
 target calls meet here, one batched call per step (numpy and greenlet only).
 
 The tasks share one thread: each is a greenlet (a suspendable call stack), so a request's loop, deep inside its
-session call, gives way to the next request's at the step's barrier without a thread switch. Threads, one per
-request, spent more on the barrier than the call on the demo pair: each step's wake-ups and the interpreter lock
-passed between them cost 4 requests 214 us against 11 us for the switches (measured beside a build; the figures
-in docs/serving.md are quiet).
+session call, gives way to the next request's at the step's barrier without a thread switch. With a thread per
+request, each step's wake-ups and the interpreter lock passed between them cost more than the demo pair's calls
+gain from batching: the barrier's own work was 131 us a step for 4 requests, 243 us for 8, against 54 and 86 us
+as tasks (docs/serving.md).
 
 Each request gets a `SlotSession`, a Session whose K/V live in one slot (batch row) of a shared `SlotStore` (the
 ORT ragged-attention target: targets/ort/batch_session.py). A slot's `run` waits until every active request has a
@@ -151,10 +151,11 @@ class SpeculationSwitch:
     requests, drafting steps committed less than greedy ones). Each mode's rate is measured on its own steps: the
     mode not in use is tried for PROBE_STEPS steps, first after FIRST_PROBE steps at a width, then PROBE_EVERY
     steps later; each probe that loses doubles the width's wait for the next (up to PROBE_MOST steps), one that
-    wins brings it back to PROBE_EVERY, so a mode that keeps losing costs few steps. Until a width has both modes
-    measured it runs in the mode that won at the nearest width that has (requests joining and leaving keep changing
-    the width, and each new width drafting until its first probe cost the demo's batches steps). Tokens do not depend
-    on it: drafted tokens are verified, greedy steps are greedy."""
+    wins brings it back to PROBE_EVERY, so a mode that keeps losing costs few steps. Requests joining and leaving
+    keep changing the width, and a drafting step of 8 requests cost the demo pair 2.2 greedy steps' time, so a width
+    not yet compared runs as the compared ones imply (drafting loses wider than where it lost, wins narrower than
+    where it won), skipping its first probe where they do, else as the nearest compared width chose. Tokens do not
+    depend on it: drafted tokens are verified, greedy steps are greedy."""
 
     FIRST_PROBE, PROBE_EVERY, PROBE_STEPS, PROBE_MOST = 8, 64, 4, 1024
     RECENT = 8  # steps per width and mode whose median rate is the mode's rate
@@ -172,14 +173,31 @@ class SpeculationSwitch:
         self._wait: dict[int, int] = {}  # steps from one probe at a width to its next
         self._next: dict[int, int] = {}  # the step count at which a width probes next
 
+    def _verdicts(self) -> dict[int, bool]:
+        """Whether drafting committed faster, at each width where both modes have been measured."""
+        return {w: rate >= self.rates[(w, False)] for (w, mode), rate in self.rates.items()
+                if mode and (w, False) in self.rates}
+
+    def _implied(self, width: int, verdicts: dict[int, bool]) -> bool | None:
+        """Drafting's verdict at a width not yet compared, from those that are: drafting gains less the wider the
+        batch (each request's share of a verify grows, a greedy step's shrinks), so it loses where it lost at a
+        narrower width and wins where it won at a wider one; None where neither holds."""
+        if any(not won for w, won in verdicts.items() if w <= width):
+            return False
+        if any(won for w, won in verdicts.items() if w >= width):
+            return True
+        return None
+
     def _faster(self, width: int) -> bool:
-        """Whether drafting commits faster at `width`: as measured there once both modes have been, else as at the
-        nearest width where both have been (drafting gains less the wider the batch: a neighbour's verdict is the
-        best guess until this width's first probe), else drafting."""
-        compared = {w for w, mode in self.rates if mode and (w, False) in self.rates}
-        if width not in compared and compared:
-            width = min(compared, key=lambda w: (abs(w - width), -w))
-        return self.rates.get((width, True), float("inf")) >= self.rates.get((width, False), 0.0)
+        """Whether drafting commits faster at `width`: as measured there once both modes have been, else as the
+        compared widths imply, else as at the nearest compared width, else drafting."""
+        verdicts = self._verdicts()
+        if width in verdicts:
+            return verdicts[width]
+        implied = self._implied(width, verdicts)
+        if implied is not None or not verdicts:
+            return implied is not False
+        return verdicts[min(verdicts, key=lambda w: (abs(w - width), -w))]
 
     def observe(self, width: int, drafting: bool, tokens: int, seconds: float) -> None:
         """A step of `width` requests in mode `drafting` committed `tokens` in `seconds`; then choose the mode of
@@ -201,7 +219,8 @@ class SpeculationSwitch:
             self._wait[width] = min(2 * wait, self.PROBE_MOST) if lost else self.PROBE_EVERY
             self._next[width] = steps + self._wait[width]
             return
-        if steps == self.FIRST_PROBE or steps >= self._next.get(width, self.PROBE_EVERY):
+        first = steps == self.FIRST_PROBE and self._implied(width, self._verdicts()) is None
+        if first or steps >= self._next.get(width, self.PROBE_EVERY):
             self._probed_from, self._next[width] = drafting, steps + self._wait.get(width, self.PROBE_EVERY)
             self.drafting, self._probe = not drafting, self.PROBE_STEPS
             return

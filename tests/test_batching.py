@@ -373,6 +373,24 @@ def test_the_switch_drafts_where_drafting_steps_commit_faster():
     assert not switch.drafting
 
 
+def test_a_width_runs_as_the_compared_widths_imply_without_its_first_probe():
+    """Drafting gains less the wider the batch: where it lost at 4 requests, 6 run greedy from their first step and
+    try drafting only after 64 steps; where it won at 4, 2 draft and try greedy only after 64 steps."""
+    for drafting_wins in (False, True):
+        switch = SpeculationSwitch()
+        rate = {True: 2000.0 if drafting_wins else 1000.0, False: 1500.0}
+        for _ in range(20):
+            mode = switch.drafting
+            switch.observe(4, mode, 100, 100 / rate[mode])
+        assert switch.drafting is drafting_wins
+        other = 6 if not drafting_wins else 2
+        modes = []
+        for _ in range(70):
+            modes.append(switch.drafting)
+            switch.observe(other, modes[-1], 100, 100 / rate[modes[-1]])
+        assert modes[:64] == [drafting_wins] * 64 and modes[64] is not drafting_wins
+
+
 def test_a_mode_that_keeps_losing_is_probed_less_and_less_until_it_wins():
     """Each losing probe doubles the width's wait for the next (64, 128, ... up to 1024 steps): over 2000 greedy-
     faster steps drafting runs the first 8 and 4 per probe, at steps 76, 208, 468 and 984 (a fixed 64-step wait:
