@@ -116,7 +116,25 @@ def test_a_server_that_dies_is_reported_with_its_own_error(tmp_path):
     with pytest.raises(DFlashError, match="llama-server exited .*unknown model architecture"):
         with runs.server(llama, tmp_path / "t.gguf", 1, 64):
             pass
-    with pytest.raises(DFlashError, match="llama-bench failed: error: unknown model architecture"):
+    with pytest.raises(DFlashError, match=r"llama-bench failed \(exit status 1: error: unknown model architecture"):
+        runs.bench_greedy_step(llama, tmp_path / "t.gguf", 1, 4, 0, 1, 8)
+
+
+def test_a_build_that_runs_an_instruction_the_machine_refuses_says_what_to_do(tmp_path):
+    """A llama.cpp built with GGML_NATIVE on a machine that advertises AMX but traps it (seen on a virtual machine)
+    dies of SIGILL: the peer says so and how to rebuild, instead of quoting its last log line."""
+    folder = tmp_path / "build" / "bin"
+    folder.mkdir(parents=True)
+    (tmp_path / "convert_hf_to_gguf.py").write_text("")
+    for tool in build.TOOLS:
+        script = folder / tool
+        script.write_text("#!/bin/sh\necho 'llama threadpool init, n_threads = 2'\nkill -ILL $$\n")
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    llama = build.find(tmp_path)
+    with pytest.raises(DFlashError, match=r"llama-server exited \(killed by SIGILL: .*-DGGML_NATIVE=OFF"):
+        with runs.server(llama, tmp_path / "t.gguf", 1, 64):
+            pass
+    with pytest.raises(DFlashError, match=r"llama-bench failed \(killed by SIGILL: .*--llama-cpp DIR"):
         runs.bench_greedy_step(llama, tmp_path / "t.gguf", 1, 4, 0, 1, 8)
 
 

@@ -4,6 +4,7 @@ llama.cpp vendored in the `llama-cpp-python` sdist, built once with cmake and ca
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -108,6 +109,23 @@ def allowed_cpus() -> int:
     import os
 
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def exit_reason(returncode: int, output: str) -> str:
+    """Why a llama.cpp tool ended: the signal that killed it, with what to do where that is an illegal instruction,
+    else the line of its output that says why."""
+    if returncode >= 0:
+        return f"exit status {returncode}: {failure_line(output)}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if -returncode == signal.SIGILL:
+        return (f"killed by {name}: the build runs an instruction this machine refuses (GGML_NATIVE compiles for "
+                "what the CPU advertises, e.g. AMX tiles, which a virtual machine may not run); rebuild it with "
+                "-DGGML_NATIVE=OFF and the instruction sets that run here (e.g. -DGGML_AVX512=ON), and pass "
+                "--llama-cpp DIR")
+    return f"killed by {name}: {failure_line(output)}"
 
 
 def failure_line(output: str) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 
 from runtime.errors import DFlashError
 
-from .build import LlamaCpp, failure_line
+from .build import LlamaCpp, exit_reason, failure_line
 
 START_TIMEOUT_S = 180.0
 
@@ -32,7 +32,7 @@ def bench_greedy_step(llama: LlamaCpp, target: Path, threads: int, tokens: int, 
                "-n", str(tokens), "-d", str(depth), "-r", str(max(1, repeats)), "-o", "json"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise DFlashError(f"llama-bench failed: {failure_line(done.stderr + done.stdout)}")
+        raise DFlashError(f"llama-bench failed ({exit_reason(done.returncode, done.stderr + done.stdout)})")
     try:
         tests = json.loads(done.stdout)
     except json.JSONDecodeError:
@@ -115,7 +115,7 @@ def _wait_ready(url: str, process: subprocess.Popen, log) -> None:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             log.seek(0)
-            raise DFlashError(f"llama-server exited ({process.returncode}): {failure_line(log.read())}")
+            raise DFlashError(f"llama-server exited ({exit_reason(process.returncode, log.read())})")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
