@@ -3,13 +3,13 @@ target calls meet here, one batched call per step (numpy and greenlet only).
 
 The tasks share one thread: each is a greenlet (a suspendable call stack), so a request's loop, deep inside its
 session call, gives way to the next request's at the step's barrier without a thread switch. With a thread per
-request, each step's wake-ups and the interpreter lock passed between them cost more than the demo pair's calls
-gain from batching: the barrier's own work was 131 us a step for 4 requests, 243 us for 8, against 54 and 86 us
-as tasks (docs/serving.md).
+request, each step paid every thread's wake-up and the interpreter lock passing between them, a large share of a
+demo-pair step: the barrier's own work was about 210 us a step for 4 requests and 380 us for 8, against 107 and
+180 us as tasks (benchmarks/step_loop.py, docs/serving.md).
 
 Each request gets a `SlotSession`, a Session whose K/V live in one slot (batch row) of a shared `SlotStore` (the
 ORT ragged-attention target: targets/ort/batch_session.py). A slot's `run` waits until every active request has a
-call waiting (the step's barrier); the last to arrive runs them all: the calls of up to `big_rows` rows (decode
+call waiting (the step's barrier); the loop then runs them all: the calls of up to `big_rows` rows (decode
 and verify steps) as one call over the active slots, each padded to the longest (its last id and position
 repeated, as runners.py pads; padding rows write K/V past the request's length, which its next call overwrites),
 and each longer call (a joining request's prefill chunk) alone on its slot, so a prefill neither pads the others'
@@ -152,10 +152,10 @@ class SpeculationSwitch:
     mode not in use is tried for PROBE_STEPS steps, first after FIRST_PROBE steps at a width, then PROBE_EVERY
     steps later; each probe that loses doubles the width's wait for the next (up to PROBE_MOST steps), one that
     wins brings it back to PROBE_EVERY, so a mode that keeps losing costs few steps. Requests joining and leaving
-    keep changing the width, and a drafting step of 8 requests cost the demo pair 2.2 greedy steps' time, so a width
-    not yet compared runs as the compared ones imply (drafting loses wider than where it lost, wins narrower than
-    where it won), skipping its first probe where they do, else as the nearest compared width chose. Tokens do not
-    depend on it: drafted tokens are verified, greedy steps are greedy."""
+    keep changing the width, and the demo pair's drafting steps of 8 requests committed at 0.45x greedy steps' rate,
+    so a width not yet compared runs as the compared ones imply (drafting loses wider than where it lost, wins
+    narrower than where it won), skipping its first probe where they do, else as the nearest compared width chose.
+    Tokens do not depend on it: drafted tokens are verified, greedy steps are greedy."""
 
     FIRST_PROBE, PROBE_EVERY, PROBE_STEPS, PROBE_MOST = 8, 64, 4, 1024
     RECENT = 8  # steps per width and mode whose median rate is the mode's rate
@@ -332,6 +332,7 @@ class StepBatcher:
                 task.parent.switch()
             task.waiting = None
         elif not self.run_step():
+            waiting.pop(session.slot)
             raise DFlashError("a batched call waits for the other requests' calls: run each request as a StepLoop "
                               "task")
         if call.error is not None:
