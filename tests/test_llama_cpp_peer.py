@@ -165,6 +165,17 @@ def test_llama_cpp_decodes_our_tokens_greedy_and_with_our_draft(exported, tmp_pa
     assert len(list((tmp_path / "llama.cpp" / "gguf").glob("*.gguf"))) == 2  # converted once, F32: not quantized
 
 
+def test_the_build_leaves_amx_out_where_the_cpu_advertises_it():
+    """A native build everywhere but where the CPU advertises AMX: there every instruction set it has is named, AMX
+    left out (a VM that advertises AMX but traps it killed every Q4_0 run of a native build)."""
+    assert build.instruction_options({"avx", "avx2", "fma"}) == ["-DGGML_NATIVE=ON"]
+    options = build.instruction_options({"avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni", "amx_tile",
+                                         "amx_int8"})
+    assert options[0] == "-DGGML_NATIVE=OFF" and not any("AMX" in option for option in options)
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF",
+            "-DGGML_F16C=ON"} <= set(options)
+
+
 def test_the_converters_refusal_names_the_statement_that_raised():
     """A bare AssertionError from inside llama.cpp's converter is reported with where it came from."""
     traceback = ('Traceback (most recent call last):\n  File "conversion/base.py", line 1588, in get_vocab_base\n'

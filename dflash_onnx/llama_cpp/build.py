@@ -71,7 +71,8 @@ def cached(cache: Path, progress: bool = True) -> LlamaCpp:
     _say(progress, f"llama.cpp: building {', '.join(TOOLS)} in {source / 'build'} (once; about 20 minutes on 2 "
                    "cores) ...")
     configure = ["cmake", "-S", str(source), "-B", str(source / "build"), "-DCMAKE_BUILD_TYPE=Release",
-                 "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
+                 *instruction_options(_cpu_flags()), "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                 "-DLLAMA_BUILD_TESTS=OFF"]
     build = ["cmake", "--build", str(source / "build"), "-j", str(allowed_cpus()), "--target", *TOOLS]
     log = root / "build.log"
     with open(log, "a") as sink:
@@ -79,6 +80,35 @@ def cached(cache: Path, progress: bool = True) -> LlamaCpp:
             if subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT).returncode != 0:
                 raise DFlashError(f"building llama.cpp failed ({' '.join(command[:2])}); its output is in {log}")
     return LlamaCpp(source, _binaries(source))
+
+
+# ggml's x86 instruction-set options, each with the /proc/cpuinfo flags it needs
+_X86_OPTIONS = {"GGML_AVX": ("avx",), "GGML_AVX2": ("avx2",), "GGML_FMA": ("fma",), "GGML_F16C": ("f16c",),
+                "GGML_BMI2": ("bmi2",), "GGML_AVX512": ("avx512f",), "GGML_AVX512_VBMI": ("avx512vbmi",),
+                "GGML_AVX512_VNNI": ("avx512_vnni",), "GGML_AVX512_BF16": ("avx512_bf16",),
+                "GGML_AVX_VNNI": ("avx_vnni",)}
+
+
+def instruction_options(cpu_flags: set[str]) -> list[str]:
+    """The build's instruction sets: GGML_NATIVE (what the compiler finds on this CPU), except where the CPU
+    advertises AMX. There a native build compiles ggml's AMX matmul, and a virtual machine that advertises AMX
+    without running it kills every 4-bit run with SIGILL (measured: an Intel Xeon VM trapping on `tilezero`); the
+    same instruction sets are then named one by one, AMX left out. Decoding one token at a time gains nothing from
+    AMX's tiles."""
+    if not any(flag.startswith("amx") for flag in cpu_flags):
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF", *(f"-D{option}={'ON' if set(needs) <= cpu_flags else 'OFF'}"
+                                   for option, needs in _X86_OPTIONS.items())]
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (empty elsewhere: the build is then native)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
 def _unpack(root: Path, progress: bool) -> None:
@@ -124,7 +154,8 @@ def exit_reason(returncode: int, output: str) -> str:
         return (f"killed by {name}: the build runs an instruction this machine refuses (GGML_NATIVE compiles for "
                 "what the CPU advertises, e.g. AMX tiles, which a virtual machine may not run); rebuild it with "
                 "-DGGML_NATIVE=OFF and the instruction sets that run here (e.g. -DGGML_AVX512=ON), and pass "
-                "--llama-cpp DIR")
+                "--llama-cpp DIR; a build cached before AMX was left out of it: delete the llama.cpp folder in the "
+                "dflash-onnx cache and it is rebuilt so")
     return f"killed by {name}: {failure_line(output)}"
 
 
