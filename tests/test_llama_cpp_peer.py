@@ -103,16 +103,21 @@ def test_a_llama_cpp_that_is_not_there_is_refused_in_one_line(tmp_path):
     assert build.built(tmp_path) is None
 
 
-def test_a_server_that_dies_is_reported_with_its_own_error(tmp_path):
-    """llama-server exiting at start (a GGUF it refuses) ends the peer in one line quoting its error."""
-    folder = tmp_path / "build" / "bin"
+def _fake_llama_cpp(tree: Path, body: str) -> build.LlamaCpp:
+    """A llama.cpp source tree whose every tool is a shell script running `body`."""
+    folder = tree / "build" / "bin"
     folder.mkdir(parents=True)
-    (tmp_path / "convert_hf_to_gguf.py").write_text("")
+    (tree / "convert_hf_to_gguf.py").write_text("")
     for tool in build.TOOLS:
         script = folder / tool
-        script.write_text("#!/bin/sh\necho 'loading model'\necho 'error: unknown model architecture: xyz'\nexit 1\n")
+        script.write_text(f"#!/bin/sh\n{body}\n")
         script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    llama = build.find(tmp_path)
+    return build.find(tree)
+
+
+def test_a_server_that_dies_is_reported_with_its_own_error(tmp_path):
+    """llama-server exiting at start (a GGUF it refuses) ends the peer in one line quoting its error."""
+    llama = _fake_llama_cpp(tmp_path, "echo 'loading model'\necho 'error: unknown model architecture: xyz'\nexit 1")
     with pytest.raises(DFlashError, match="llama-server exited .*unknown model architecture"):
         with runs.server(llama, tmp_path / "t.gguf", 1, 64):
             pass
@@ -123,14 +128,7 @@ def test_a_server_that_dies_is_reported_with_its_own_error(tmp_path):
 def test_a_build_that_runs_an_instruction_the_machine_refuses_says_what_to_do(tmp_path):
     """A llama.cpp built with GGML_NATIVE on a machine that advertises AMX but traps it (seen on a virtual machine)
     dies of SIGILL: the peer says so and how to rebuild, instead of quoting its last log line."""
-    folder = tmp_path / "build" / "bin"
-    folder.mkdir(parents=True)
-    (tmp_path / "convert_hf_to_gguf.py").write_text("")
-    for tool in build.TOOLS:
-        script = folder / tool
-        script.write_text("#!/bin/sh\necho 'llama threadpool init, n_threads = 2'\nkill -ILL $$\n")
-        script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    llama = build.find(tmp_path)
+    llama = _fake_llama_cpp(tmp_path, "echo 'llama threadpool init, n_threads = 2'\nkill -ILL $$")
     with pytest.raises(DFlashError, match=r"llama-server exited \(killed by SIGILL: .*-DGGML_NATIVE=OFF"):
         with runs.server(llama, tmp_path / "t.gguf", 1, 64):
             pass
