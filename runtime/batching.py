@@ -32,7 +32,6 @@ proposals alone in the last bits; the target verifies every proposal, so greedy 
 from __future__ import annotations
 
 import collections
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -158,13 +157,15 @@ class SpeculationSwitch:
     Tokens do not depend on it: drafted tokens are verified, greedy steps are greedy."""
 
     FIRST_PROBE, PROBE_EVERY, PROBE_STEPS, PROBE_MOST = 8, 64, 4, 1024
-    RECENT = 8  # steps per width and mode whose median rate is the mode's rate
+    RECENT = 16  # steps per width and mode whose tokens over their time are the mode's rate
 
     def __init__(self):
-        # (width, drafting) -> the tokens per second of its most recent steps. A median: one step slowed by
-        # something neither mode causes (a leaving request's K/V moved, the collector, a thread descheduled) would
-        # decide a running mean for many steps; the demo's batches measured greedy against greedy 4016 and 5517
-        self._recent: dict[tuple[int, bool], collections.deque[float]] = {}
+        # (width, drafting) -> the tokens its most recent steps committed over their time. Not a running mean of
+        # step rates: one step slowed by something neither mode causes (a thread descheduled) moved that for many
+        # steps (the demo's batches measured greedy against greedy 4016 and 5517 tok/s). Not a median either: a
+        # drafting mode's rare costly steps (a draft call taking in a long backlog, a long verify all rejected) are
+        # its own cost, and a median of 8 left them out
+        self._recent: dict[tuple[int, bool], collections.deque[tuple[float, float]]] = {}
         self.rates: dict[tuple[int, bool], float] = {}
         self.drafting = True
         self._steps: dict[int, int] = {}  # steps measured at each width
@@ -206,8 +207,8 @@ class SpeculationSwitch:
             return
         key = (width, drafting)
         recent = self._recent.setdefault(key, collections.deque(maxlen=self.RECENT))
-        recent.append(tokens / seconds)
-        self.rates[key] = statistics.median(recent)
+        recent.append((tokens, seconds))
+        self.rates[key] = sum(t for t, _ in recent) / sum(seconds for _, seconds in recent)
         steps = self._steps[width] = self._steps.get(width, 0) + 1
         if self._probe:
             self._probe -= 1
@@ -223,6 +224,7 @@ class SpeculationSwitch:
         if first or steps >= self._next.get(width, self.PROBE_EVERY):
             self._probed_from, self._next[width] = drafting, steps + self._wait.get(width, self.PROBE_EVERY)
             self.drafting, self._probe = not drafting, self.PROBE_STEPS
+            self._recent.pop((width, not drafting), None)  # the probe measures that mode as it is now
             return
         self.drafting = self._faster(width)
 

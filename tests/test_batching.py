@@ -468,12 +468,16 @@ def test_the_switch_times_each_step_with_its_own_draft_call(monkeypatch):
     assert seen[-1] == (3, False, 4.5, 0.0012)  # the two that stayed, scaled to the step's width of three
 
 
-def test_a_modes_rate_is_the_median_of_its_recent_steps():
-    """One slow step (a K/V move, the collector) does not decide a mode's rate: the median of its last 8 steps."""
+def test_a_modes_rate_is_its_recent_steps_tokens_over_their_time():
+    """A mode's rate is what its last 16 steps committed over their time: a costly step counts by its time (a
+    drafting step that took in a long backlog is drafting's cost), and the oldest steps drop out."""
     switch = SpeculationSwitch()
     for seconds in (0.001, 0.001, 0.010, 0.001, 0.001):
         switch.observe(4, False, 4, seconds)
-    assert switch.rates[(4, False)] == pytest.approx(4000.0)
+    assert switch.rates[(4, False)] == pytest.approx(20 / 0.014)
+    for _ in range(16):
+        switch.observe(4, False, 4, 0.002)
+    assert switch.rates[(4, False)] == pytest.approx(2000.0)
 
 
 def test_a_batch_that_does_not_draft_decodes_greedily(ragged):
