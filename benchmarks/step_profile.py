@@ -1,11 +1,11 @@
 """Where a one-token decode step of an ORT lowering spends its time: ONNX Runtime's profiler over `--steps`
 steps at `--context` tokens of (zero) K/V, each node's kernel time summed per op type, the median step reported.
 The K/V buffers are bound as the runtime binds them (each layer's past and present one buffer, written in place).
-Unpadded by default; `--padded` runs the step as the runners send it to a lowering with row multiple 2 (the
-token twice, its position repeated). For buffer-form target graphs (K/V buffers, seqlens_k,
-total_sequence_length); several directories print side by side.
+Unpadded by default; `--rows N` profiles an N-token call (a verify); `--padded` runs the step as the runners send it
+to a lowering with row multiple 2 (the token twice, its position repeated). For buffer-form target graphs (K/V
+buffers, seqlens_k, total_sequence_length); several directories print side by side.
 
-    python benchmarks/step_profile.py DIR [DIR ...] [--context 256] [--steps 12] [--threads 2] [--padded]
+    python benchmarks/step_profile.py DIR [DIR ...] [--context 256] [--steps 12] [--threads 2] [--padded | --rows N]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import onnxruntime as ort
 from dflash_onnx.figures import markdown_table, provenance
 
 
-def _feeds(session: ort.InferenceSession, context: int, rows: int) -> dict[str, np.ndarray]:
+def step_feeds(session: ort.InferenceSession, context: int, rows: int) -> dict[str, np.ndarray]:
     names = {i.name for i in session.get_inputs()}
     if not {"seqlens_k", "total_sequence_length"} <= names:
         raise SystemExit("step_profile reads buffer-form targets (lower --target ort, the default --kv-buffer on)")
@@ -38,7 +38,7 @@ def _feeds(session: ort.InferenceSession, context: int, rows: int) -> dict[str, 
     return feeds
 
 
-def _bound(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> ort.IOBinding:
+def bind_in_place(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> ort.IOBinding:
     """The feeds bound as the runtime binds them: each K/V buffer is its layer's past input and present output
     (written in place, nothing copied), the other outputs allocated by ORT."""
     binding = session.io_binding()
@@ -62,7 +62,7 @@ def profile(directory: Path, context: int, steps: int, threads: int, rows: int =
     with tempfile.TemporaryDirectory() as scratch:
         options.profile_file_prefix = str(Path(scratch) / "step")
         session = ort.InferenceSession(str(directory / "target.onnx"), options, providers=["CPUExecutionProvider"])
-        binding = _bound(session, _feeds(session, context, rows))
+        binding = bind_in_place(session, step_feeds(session, context, rows))
         for _ in range(steps + 2):  # the first two warm up (prepacking, allocations) and are left out
             session.run_with_iobinding(binding)
         events = json.loads(Path(session.end_profiling()).read_text())
@@ -88,13 +88,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top", type=int, default=8, help="op types shown (by the first directory's time)")
     parser.add_argument("--padded", action="store_true", help="the step padded to 2 rows as the runners pad it")
+    parser.add_argument("--rows", type=int, default=1, help="tokens per call (16: a block's verify)")
     args = parser.parse_args(argv)
-    rows = 2 if args.padded else 1
+    rows = 2 if args.padded else args.rows
     results = [profile(d, args.context, args.steps, args.threads, rows) for d in args.directories]
     ops = sorted({op for r in results for op in r} - {"step"}, key=lambda op: -results[0].get(op, 0))[: args.top]
     table = [[op, *(f"{r.get(op, 0):.2f}" for r in results)] for op in ops]
     table.append(["whole step (profiled)", *(f"{r['step']:.2f}" for r in results)])
-    title = f"ms per one-token step{', padded to 2 rows' if args.padded else ''}, context {args.context}"
+    title = (f"ms per one-token step{', padded to 2 rows' if args.padded else ''}" if rows <= 2 and args.rows == 1
+             else f"ms per {rows}-token step") + f", context {args.context}"
     print(markdown_table([title, *(str(d) for d in args.directories)], table))
     print()
     print(provenance())

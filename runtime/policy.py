@@ -26,6 +26,9 @@ expected of them (scored as the decision to draft scores them, optimistically), 
 realized share: whatever the model of a step misses, drafting that does not beat the greedy steps beside it
 stops. Probes wait twice as long after each that finds drafting still not paying (64 steps up to 1024).
 
+Near a request's end (its token budget within one step's reach) a step is chosen to finish soonest instead: what
+it leaves costs a later step whole.
+
 Only the number of verified rows changes: greedy output stays the target's greedy output, and sampled
 output stays exact (rejection sampling over the verified prefix). numpy only.
 """
@@ -318,11 +321,25 @@ class VerifyPolicy:
             self.calibrations.extend(Calibration() for _ in range(self.signals - len(self.calibrations)))
             self.history = np.zeros((0, self.signals, self.history.shape[-1]), np.intp)
         bins = self._bins[self.signal, :most]
-        chosen = int(np.argmax(self.rates(bins)))
+        rates = self.rates(bins)
+        if most < self.block_size - 1:  # the request's last tokens are all within this step's reach
+            chosen = self._finishing(rates, most + 1)
+        else:
+            chosen = int(np.argmax(rates))
         if self.times is not None:  # what the choice should deliver as wants_draft scores it (optimistically)
             hoped = self.rates(bins[:chosen], self.calibration.optimistic)[-1]
             self._expected = (float(hoped * self.round_ms[chosen]), float(self.round_ms[chosen]))
         return chosen
+
+    def _finishing(self, rates: np.ndarray, remaining: int) -> int:
+        """The verify length that ends a request's last `remaining` tokens soonest. The best rate per step is the
+        wrong aim there: a step that stops short leaves tokens that a later step pays whole for (verifying 13 of 14
+        sure proposals in 14 rows, and the last token in a greedy step, rather than 14 in a 16-row padded call).
+        So: this step's time, plus what it is expected to leave at a greedy step's rate, the way a short remainder
+        is finished."""
+        rounds = self.round_ms[: len(rates)]
+        left = np.maximum(0.0, remaining - rates * rounds)  # rates * rounds: the tokens each length commits
+        return int(np.argmin(rounds + left / (self.greedy_rate * (1.0 + self._guess_gain()))))
 
     def observe(self, verified: int, accepted: int) -> None:
         """The outcome of the step `choose` last chose for: `accepted` of its `verified` drafted tokens (every

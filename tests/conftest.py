@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ def benchmark_script(name: str):
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass looks its module up there while the class is made
     spec.loader.exec_module(module)
     return module
 

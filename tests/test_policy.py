@@ -283,3 +283,21 @@ def test_beside_other_requests_auto_verifies_less():
     shared = policy.choose(confidences, 15)
     policy.reprice(costs)
     assert shared < alone == policy.choose(confidences, 15)
+
+
+def test_the_last_step_of_a_request_finishes_it_rather_than_leave_a_token():
+    """Calls padded to 2 rows: verifying 14 of 14 sure proposals (15 rows) costs a 16-row call, 13 (14 rows) a 14-row
+    one, so by the rate of the step alone 13 wins; but the token it leaves costs a whole greedy step. Where the
+    request's budget is within reach, the step that finishes soonest is chosen; mid-request and at a low
+    confidence nothing changes."""
+    costs = CostModel([10.0 + 6.0 * ((t + 1) // 2) for t in range(1, 17)], 14.0)
+    policy = VerifyPolicy("auto", costs, 16)
+    sure = np.ones(15, np.float32)
+    for _ in range(20):  # every proposal accepted: the top bin learns it
+        assert policy.choose(sure, 15) == 15
+        policy.observe(15, 15)
+    bins = Calibration.bins(sure[:14])
+    assert int(np.argmax(policy.rates(bins))) == 13  # what the step's own rate would pick
+    assert policy.choose(sure[:14], 14) == 14
+    policy.observe(14, 14)
+    assert policy.choose(np.full(14, 0.05, np.float32), 14) <= 2
