@@ -8,7 +8,8 @@ hardware threads / 2; ORT runs with the same count); ORT by MatMulNBits in a one
 symmetric, accuracy level 4 (int8 activations, as our int4 pass writes them).
 
     python benchmarks/matmul_kernels.py [--hidden 1024 --heads 16 --kv-heads 8 --head-dim 128
-        --intermediate 3072 --vocab 151936] [--rows 1,2] [--test-backend-ops PATH] [--threads N]
+        --intermediate 3072 --vocab 151936] [--rows 1,2] [--activations float32|float16]
+        [--test-backend-ops PATH] [--threads N]
 """
 
 from __future__ import annotations
@@ -31,18 +32,23 @@ GGML_OP_MUL_MAT, GGML_TYPE_F32, GGML_TYPE_Q4_0 = 29, 0, 2
 Q4_0_BLOCK_BYTES = 18  # 32 weights: 16 bytes of nibbles and a float16 scale
 
 
-def _session(widths: list[int], k: int, threads: int, block: int = 32) -> ort.InferenceSession:
+ACTIVATIONS = {"float32": (TensorProto.FLOAT, np.float32), "float16": (TensorProto.FLOAT16, np.float16)}
+
+
+def _session(widths: list[int], k: int, threads: int, block: int = 32,
+             activations: str = "float32") -> ort.InferenceSession:
+    """MatMulNBits per width over one activation; its scales take the activations' type, as the op requires."""
+    elem, dtype = ACTIVATIONS[activations]
     rng = np.random.default_rng(0)
     nodes, inits, outputs = [], [], []
     for index, n in enumerate(widths):
         packed = rng.integers(0, 255, (n, k // block, block // 2), dtype=np.uint8)
         inits += [numpy_helper.from_array(packed, f"B{index}"),
-                  numpy_helper.from_array(rng.random(n * k // block).astype(np.float32) * 0.01, f"S{index}")]
+                  numpy_helper.from_array((rng.random(n * k // block) * 0.01).astype(dtype), f"S{index}")]
         nodes.append(helper.make_node("MatMulNBits", ["A", f"B{index}", f"S{index}"], [f"Y{index}"],
                                       domain="com.microsoft", K=k, N=n, bits=4, block_size=block, accuracy_level=4))
-        outputs.append(helper.make_tensor_value_info(f"Y{index}", TensorProto.FLOAT, ["M", n]))
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])], outputs,
-                              inits)
+        outputs.append(helper.make_tensor_value_info(f"Y{index}", elem, ["M", n]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("A", elem, ["M", k])], outputs, inits)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     options = ort.SessionOptions()
@@ -51,10 +57,10 @@ def _session(widths: list[int], k: int, threads: int, block: int = 32) -> ort.In
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def ort_us(widths: list[int], k: int, rows: int, threads: int) -> float:
+def ort_us(widths: list[int], k: int, rows: int, threads: int, activations: str = "float32") -> float:
     """Microseconds per call: the best of 5 means over enough calls to take ~0.2 s."""
-    session = _session(widths, k, threads)
-    feeds = {"A": np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)}
+    session = _session(widths, k, threads, activations=activations)
+    feeds = {"A": np.random.default_rng(1).standard_normal((rows, k)).astype(ACTIVATIONS[activations][1])}
     for _ in range(10):
         session.run(None, feeds)
     started = time.perf_counter()
@@ -103,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--intermediate", type=int, default=3072)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--rows", default="1,2", help="activation rows to time, comma-separated (default 1,2)")
+    parser.add_argument("--activations", choices=tuple(ACTIVATIONS), default="float32",
+                        help="ORT's activation and scale type (float16: a float16 graph's MatMulNBits)")
     parser.add_argument("--test-backend-ops", type=Path, help="llama.cpp's test-backend-ops binary (ggml's side)")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="ORT's threads (default: hardware threads / 2, as test-backend-ops perf runs ggml)")
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, (widths, k) in projections.items():
         first: tuple[float, float | None] | None = None  # this projection's times at the first row count
         for rows in rows_list:
-            ours = ort_us(widths, k, rows, args.threads)
+            ours = ort_us(widths, k, rows, args.threads, args.activations)
             ggml = theirs.get((sum(widths), k, rows))
             first = first or (ours, ggml)
             megabytes = sum(widths) * k * Q4_0_BLOCK_BYTES / 32 / 1e6
@@ -135,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(["projection", "N x K", "rows", "ORT MatMulNBits us", "ggml Q4_0 us", "ORT / ggml",
                           "ORT GB/s (Q4_0 bytes)", f"ORT / {rows_list[0]} row(s)", f"ggml / {rows_list[0]} row(s)"],
                          table))
-    print(f"\n{args.threads} thread(s). {provenance()}")
+    print(f"\n{args.threads} thread(s), {args.activations} activations. {provenance()}")
 
 
 if __name__ == "__main__":
