@@ -41,6 +41,7 @@ class BenchOptions:
     verify: str | int = "auto"  # the DFlash runs' verify policy; with auto, full blocks are measured beside it
     load: int = 0  # busy processes beside a second, loaded measurement of the runs (and peers)
     llama_cpp: Path | None = None  # the llama.cpp source tree (built) for --peers llama.cpp; None: built once, cached
+    llama_cpp_type: str | None = None  # llama-quantize's type for --peers llama.cpp; None: the one matching ours
     batch_invariant: bool = True  # pad target calls to the lowering's row multiple (decode.Decoder)
     lookup_guess: bool = True  # a lookup guess in the padding row of a one-token step (decode.Decoder)
     session_overrides: dict = field(default_factory=dict)  # the backend's session options (CoreML: compute_units)
@@ -329,6 +330,12 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
         from .peers import check_peer_names
 
         check_peer_names(peers)
+    if options.llama_cpp_type:
+        from .llama_cpp.gguf import named_precision
+
+        if "llama.cpp" not in peers:
+            raise DFlashError("--llama-cpp-type names the type --peers llama.cpp runs: add --peers llama.cpp")
+        named_precision(manifest, options.llama_cpp_type)  # an unknown type is refused before any run
     backend = backend_for(directory, manifest, backend).name
     decoder = open_decoder(directory, backend=backend, batch_invariant=options.batch_invariant,
                            guess_padding=options.lookup_guess, **options.session_overrides)

@@ -289,7 +289,7 @@ def _bench(args) -> int:
         contexts=_int_list(args.contexts, "--contexts") if args.contexts else None, curve_repeats=args.curve_repeats,
         verify=parse_verify(args.verify), load=args.load, batch_invariant=args.batch_invariant == "on",
         lookup_guess=args.lookup_guess == "on",
-        session_overrides=_session_overrides(args), llama_cpp=args.llama_cpp)
+        session_overrides=_session_overrides(args), llama_cpp=args.llama_cpp, llama_cpp_type=args.llama_cpp_type)
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
     costs = _cost_model(args, load_manifest(args.dir)) if args.cost_model else None
     report = run_bench(args.dir, args.backend, args.prompts, options, peers, (args.target, args.draft),
@@ -510,6 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "block 1 and B) and/or ort-genai (greedy and n-gram speculative) and/or mlx-lm (greedy, at the "
                        "directory's precision) and/or llama.cpp (llama-bench greedy step, llama-server greedy and "
                        "draft-dflash, at the directory's precision) on the checkpoints, e.g. hf,reference,llama.cpp")
+    bench.add_argument("--llama-cpp-type", metavar="TYPE",
+                       help="llama-quantize's type for --peers llama.cpp instead of the one matching this directory's "
+                       "precision, e.g. q4_k_m (llama.cpp's recommended 4-bit mix; it picks each tensor's type)")
     bench.add_argument("--llama-cpp", type=Path, metavar="DIR",
                        help="a built llama.cpp source tree for --peers llama.cpp (default: the llama.cpp vendored in "
                        "the llama-cpp-python sdist, downloaded and built once with cmake, cached)")

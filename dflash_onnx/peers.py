@@ -314,7 +314,7 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
         from .llama_cpp.peer import llama_cpp_rows
 
         rows += llama_cpp_rows(manifest, prompts, options.max_new_tokens, options.repeats, Path(target_dir),
-                               Path(draft_dir), options.llama_cpp, progress, _collect)
+                               Path(draft_dir), options.llama_cpp, progress, _collect, options.llama_cpp_type)
     for row in rows:  # every peer decodes greedily (or losslessly): its tokens must be ours
         outputs = row.pop("outputs", None)
         row["identical_to_ours"] = None if outputs is None else same_tokens(outputs, our_tokens, row.get("stops_at"))

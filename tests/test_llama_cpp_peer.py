@@ -52,6 +52,36 @@ def test_the_gguf_precision_follows_the_directorys(exported):
     assert gguf.precision_for(mlx).weights == "q4_1" and "groups of 64" in gguf.precision_for(mlx).note
 
 
+def test_a_named_llama_cpp_type_is_quantized_as_llama_cpp_mixes_it(exported, tmp_path):
+    """--llama-cpp-type q4_k_m: llama-quantize picks each tensor's type itself (no --pure, no head or embedding
+    type), the note says the formats differ and what ours are; the matching precision keeps every tensor at the
+    type matching ours. An unknown type is refused in one line naming the choices, before anything runs."""
+    export = load_manifest(exported("agree_b8").out)
+    int4 = replace(export, passes=[{"name": "int4", "lossy": True, "options": {"block_size": "32", "lm_head": "true"}}])
+    named = gguf.named_precision(int4, "Q4_K_M")
+    assert (named.weights, named.output, named.embedding, named.base) == ("q4_k_m", gguf.MIXED, gguf.MIXED, "f32")
+    assert named.quantized and "the formats differ" in named.note and "int4 in blocks of 32, lm_head int4" in named.note
+    assert "float32 throughout" in gguf.named_precision(export, "q8_0").note
+    with pytest.raises(DFlashError, match=r"--llama-cpp-type q4_k_x: choose one of q4_0, .*q4_k_m"):
+        gguf.named_precision(int4, "q4_k_x")
+    record = tmp_path / "argv"
+    llama = _fake_llama_cpp(tmp_path / "tree", f'for a in "$@"; do echo "$a" >> {record}; '
+                                               'case "$a" in *.partial) : > "$a";; esac; done')
+    commands = []
+    for precision in (named, gguf.precision_for(int4)):
+        gguf._quantize(llama, tmp_path / "model-f32.gguf", tmp_path / f"{precision.weights}.gguf", precision)
+        commands.append(record.read_text().split())
+        record.unlink()
+        assert (tmp_path / f"{precision.weights}.gguf").is_file()
+    assert commands[0][-1] == "q4_k_m" and "--pure" not in commands[0] and "--output-tensor-type" not in commands[0]
+    assert commands[1][:5] == ["--pure", "--output-tensor-type", "q4_0", "--token-embedding-type", "f32"]
+    pair = exported("agree_b8")
+    for peers, message in ((["llama.cpp"], "choose one of"), ([], "add --peers llama.cpp")):
+        with pytest.raises(DFlashError, match=message):
+            run_bench(pair.out, None, None, BenchOptions(llama_cpp_type="q9_9" if peers else "q4_k_m"), peers,
+                      (pair.target_dir, pair.draft_dir), progress=False)
+
+
 def _mlx_lowering():
     from runtime.manifest import Lowering
 

@@ -18,6 +18,10 @@ from runtime.manifest import Manifest
 from .build import LlamaCpp, failure_line
 
 FLOAT_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+# llama-quantize's quantized types that `bench --llama-cpp-type` may name instead of the one matching ours
+NAMED_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
+               "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
+MIXED = "mixed"  # a named type's output head and token embedding: llama-quantize's own choice for that type
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,30 @@ def precision_for(manifest: Manifest, tied: bool = False) -> Precision:
     return Precision(weights, output, embedding, float_type, note)
 
 
+def named_precision(manifest: Manifest, llama_type: str) -> Precision:
+    """A type the user names (`bench --llama-cpp-type`, e.g. q4_k_m, llama.cpp's recommended 4-bit mix) instead of the
+    one matching ours: llama-quantize then picks each tensor's type itself (output head and embedding included), as
+    a user running it would, and the note says the formats differ."""
+    kind = llama_type.lower()
+    if kind not in NAMED_TYPES:
+        raise DFlashError(f"--llama-cpp-type {llama_type}: choose one of {', '.join(NAMED_TYPES)} (llama-quantize's "
+                          "types; leave it out to match this directory's precision)")
+    base = FLOAT_TYPES[manifest.dtype if manifest.backend != "coreml" else "float32"]
+    return Precision(kind, MIXED, MIXED, base, f"{kind.upper()} as llama-quantize mixes it (its own type for each "
+                     f"tensor, output head and embedding included) against ours {_ours(manifest)}: the formats differ")
+
+
+def _ours(manifest: Manifest) -> str:
+    """Our weights' precision in a few words: the last quantization pass, its blocks and whether the head took it."""
+    quantized = [p for p in manifest.passes if p.get("name") in ("int4", "int8")]
+    if not quantized:
+        return f"{manifest.dtype} throughout"
+    options = quantized[-1].get("options", {})
+    head = str(options.get("lm_head", False)).lower() in ("true", "1", "yes")
+    return (f"{quantized[-1]['name']} in blocks of {int(options.get('block_size', 32))}, lm_head "
+            f"{quantized[-1]['name'] if head else manifest.dtype}")
+
+
 def ggufs(llama: LlamaCpp, target_dir: Path, draft_dir: Path | None, precision: Precision, cache: Path,
           progress: bool = True) -> tuple[Path, Path | None]:
     """The target and draft GGUF files at `precision` (made once, cached; each written whole or not at all); no
@@ -118,8 +146,10 @@ def _convert(llama: LlamaCpp, checkpoint: Path, out: Path, outtype: str, target_
 
 def _quantize(llama: LlamaCpp, source: Path, out: Path, precision: Precision) -> None:
     partial = out.with_suffix(".partial")
-    command = [str(llama.tool("llama-quantize")), "--pure", "--output-tensor-type", precision.output,
-               "--token-embedding-type", precision.embedding, str(source), str(partial), precision.weights]
+    command = [str(llama.tool("llama-quantize"))]
+    if precision.output != MIXED:  # every tensor at the type matching ours, head and embedding as ours keeps them
+        command += ["--pure", "--output-tensor-type", precision.output, "--token-embedding-type", precision.embedding]
+    command += [str(source), str(partial), precision.weights]
     _run(command, f"llama-quantize cannot make {precision.weights.upper()} from {source.name}", partial)
     os.replace(partial, out)
 

@@ -39,14 +39,16 @@ def physical_cores() -> int:
 
 
 def llama_cpp_rows(manifest: Manifest, prompts: list[dict], max_new_tokens: int, repeats: int, target_dir: Path,
-                   draft_dir: Path, llama_cpp_dir: Path | None, progress: bool, collect) -> list[dict]:
-    """Rows as peers.run_peers makes them: llama-bench's greedy step, llama-server greedy, llama-server DFlash."""
+                   draft_dir: Path, llama_cpp_dir: Path | None, progress: bool, collect,
+                   llama_type: str | None = None) -> list[dict]:
+    """Rows as peers.run_peers makes them: llama-bench's greedy step, llama-server greedy, llama-server DFlash;
+    `llama_type`: llama-quantize's type to run instead of the one matching ours (gguf.named_precision)."""
     from ..demo import cache_root
 
     try:
         llama = build.find(llama_cpp_dir) if llama_cpp_dir else build.cached(cache_root(), progress)
         tied = bool(read_config(target_dir, "target").get("tie_word_embeddings", False))
-        precision = gguf.precision_for(manifest, tied)
+        precision = gguf.named_precision(manifest, llama_type) if llama_type else gguf.precision_for(manifest, tied)
         unsupported = unsupported_draft(manifest, target_dir)
         target, draft = gguf.ggufs(llama, target_dir, None if unsupported else draft_dir, precision, cache_root(),
                                    progress)
