@@ -7,7 +7,9 @@ way (its K/V cache float16, llama.cpp's default), so a peer's measured rate (`--
 llama.cpp`'s llama-bench row) gets its own fraction.
 
 The count is of the tensors the graph holds: ONNX Runtime may repack some at load (MatMulNBits keeps its float32
-scales, and for int8 activations a float32 sum per block beside them), so it can read more than the count says.
+scales, and for int8 activations a float32 sum per block beside them), so it can read more than the count says. It
+is for dense targets: a mixture-of-experts step reads only the experts its token chose, which the count does not
+know.
 
     python benchmarks/roofline.py DIR [--context 256] [--threads 2] [--steps 32] [--bandwidth-mib 1024]
         [--gguf FILE [--peer-tok-s X]]
@@ -82,6 +84,9 @@ def onnx_step_bytes(path: Path) -> StepBytes:
     for value in graph.input:
         if value.name.startswith("past_key_values."):
             dims = value.type.tensor_type.shape.dim
+            if len(dims) != 4 or not (dims[1].dim_value and dims[3].dim_value):
+                raise SystemExit(f"{path}: {value.name} is not [batch, heads, rows, head_dim] with fixed heads and "
+                                 "head_dim (roofline reads the buffer form's K/V)")
             itemsize = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).itemsize
             kv += itemsize * dims[1].dim_value * dims[3].dim_value
     if not kv:

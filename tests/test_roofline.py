@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from conftest import benchmark_script
 from onnx import TensorProto, helper, numpy_helper
 
@@ -37,6 +38,9 @@ def test_onnx_step_bytes_counts_one_row_of_a_gathered_table_and_kv_per_token(tmp
     assert counted.weights == 4 * 4 + 4 * 6 * 2 + 3 * 4 * 4  # one float32 row, the float16 weight, the tied table
     assert counted.kv_per_token == 2 * 2 * 8 * 4  # key and value, 2 heads x 8 wide, float32
     assert counted.at(100) == counted.weights + 100 * counted.kv_per_token
+    _graph_with(tmp_path / "other.onnx", ["batch", "heads", "rows", 8])  # not the buffer form's fixed heads
+    with pytest.raises(SystemExit, match="past_key_values.0.key is not \\[batch, heads, rows, head_dim\\]"):
+        roofline.onnx_step_bytes(tmp_path / "other.onnx")
 
 
 def test_onnx_step_bytes_of_a_lowering_matches_its_checkpoint(exported, ort_lowered):
