@@ -14,7 +14,7 @@ directory in this process, decoded by the same tokenizer.
 
     python benchmarks/serve_load.py DIR [--clients 1,2,4,8] [--requests 16] [--max-tokens 64]
         [--memory-requests 1000] [--load 0|1] [--max-batch N [--own-drafts]] [--greedy] [--rounds 1]
-        [--peers llama.cpp [--llama-cpp DIR]]
+        [--peers llama.cpp [--llama-cpp DIR] [--llama-cpp-type TYPE]]
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _solo(directory: Path, prompts: list[str], max_tokens: int) -> list[str]:
 
 
 def _llama_cpp_rows(directory: Path, prompts: list[str], counts: list[int], requests: int, max_tokens: int,
-                    llama_cpp_dir: Path | None) -> list[list]:
+                    llama_cpp_dir: Path | None, llama_type: str | None = None) -> list[list]:
     """The rounds against llama-server, greedy and draft-dflash, K slots for K clients (rows as main's, the server
     named first; a run llama.cpp cannot do becomes a row saying why)."""
     from artifacts.model_dirs import read_config
@@ -150,7 +150,8 @@ def _llama_cpp_rows(directory: Path, prompts: list[str], counts: list[int], requ
     manifest = load_manifest(directory)
     target_dir, draft_dir = manifest.checkpoints()
     llama = build.find(llama_cpp_dir) if llama_cpp_dir else build.cached(cache_root(), True)
-    precision = gguf.precision_for(manifest, bool(read_config(target_dir, "target").get("tie_word_embeddings")))
+    tied = bool(read_config(target_dir, "target").get("tie_word_embeddings"))
+    precision = gguf.named_precision(manifest, llama_type) if llama_type else gguf.precision_for(manifest, tied)
     unsupported = unsupported_draft(manifest, target_dir)
     target, draft = gguf.ggufs(llama, target_dir, None if unsupported else draft_dir, precision, cache_root())
     codec, decoder = TextCodec(directory), open_decoder(directory)
@@ -274,9 +275,22 @@ def main(argv: list[str] | None = None) -> None:
                         "server drafting one request at a time (--shared-draft off)")
     parser.add_argument("--peers", default="", help="llama.cpp: also the rounds against llama-server")
     parser.add_argument("--llama-cpp", type=Path, help="a built llama.cpp tree (default: the cached build)")
+    parser.add_argument("--llama-cpp-type", help="llama-quantize's type for llama-server instead of the one matching "
+                        "ours, e.g. q4_k_m (as `bench --llama-cpp-type`)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.llama_cpp_type:
+        from dflash_onnx.llama_cpp.gguf import named_precision
+        from runtime.errors import DFlashError
+        from runtime.manifest import load_manifest
+
+        if "llama.cpp" not in args.peers:
+            parser.error("--llama-cpp-type names the type --peers llama.cpp runs: add --peers llama.cpp")
+        try:
+            named_precision(load_manifest(args.directory), args.llama_cpp_type)
+        except DFlashError as exc:
+            parser.error(str(exc))
     prompts = args.prompts_file.read_text().splitlines() if args.prompts_file else PROMPTS
     counts = [int(k) for k in args.clients.split(",")]
     print("solo greedy outputs ...", file=sys.stderr)
@@ -314,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         if "llama.cpp" in args.peers:
             for server in started:  # their sessions' memory and threads are not llama-server's to share
                 server.stop()
-            rows += _llama_cpp_rows(args.directory, prompts, counts, args.requests, args.max_tokens, args.llama_cpp)
+            rows += _llama_cpp_rows(args.directory, prompts, counts, args.requests, args.max_tokens, args.llama_cpp,
+                                    args.llama_cpp_type)
     finally:
         for server in started:
             server.stop()

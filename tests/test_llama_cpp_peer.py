@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_script
 
 from dflash_onnx.bench import BenchOptions, run_bench
 from dflash_onnx.llama_cpp import build, gguf, runs
@@ -52,7 +53,7 @@ def test_the_gguf_precision_follows_the_directorys(exported):
     assert gguf.precision_for(mlx).weights == "q4_1" and "groups of 64" in gguf.precision_for(mlx).note
 
 
-def test_a_named_llama_cpp_type_is_quantized_as_llama_cpp_mixes_it(exported, tmp_path):
+def test_a_named_llama_cpp_type_is_quantized_as_llama_cpp_mixes_it(exported, tmp_path, capsys):
     """--llama-cpp-type q4_k_m: llama-quantize picks each tensor's type itself (no --pure, no head or embedding
     type), the note says the formats differ and what ours are; the matching precision keeps every tensor at the
     type matching ours. An unknown type is refused in one line naming the choices, before anything runs."""
@@ -76,10 +77,15 @@ def test_a_named_llama_cpp_type_is_quantized_as_llama_cpp_mixes_it(exported, tmp
     assert commands[0][-1] == "q4_k_m" and "--pure" not in commands[0] and "--output-tensor-type" not in commands[0]
     assert commands[1][:5] == ["--pure", "--output-tensor-type", "q4_0", "--token-embedding-type", "f32"]
     pair = exported("agree_b8")
+    serve_load = benchmark_script("serve_load")
     for peers, message in ((["llama.cpp"], "choose one of"), ([], "add --peers llama.cpp")):
+        kind = "q9_9" if peers else "q4_k_m"
         with pytest.raises(DFlashError, match=message):
-            run_bench(pair.out, None, None, BenchOptions(llama_cpp_type="q9_9" if peers else "q4_k_m"), peers,
+            run_bench(pair.out, None, None, BenchOptions(llama_cpp_type=kind), peers,
                       (pair.target_dir, pair.draft_dir), progress=False)
+        with pytest.raises(SystemExit):  # serve_load refuses it the same way, before any server starts
+            serve_load.main([str(pair.out), "--llama-cpp-type", kind, *(["--peers", "llama.cpp"] if peers else [])])
+        assert message in capsys.readouterr().err
 
 
 def _mlx_lowering():
