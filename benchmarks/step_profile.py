@@ -87,15 +87,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top", type=int, default=8, help="op types shown (by the first directory's time)")
-    parser.add_argument("--padded", action="store_true", help="the step padded to 2 rows as the runners pad it")
-    parser.add_argument("--rows", type=int, default=1, help="tokens per call (16: a block's verify)")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--padded", action="store_true", help="the step padded to 2 rows as the runners pad it")
+    shape.add_argument("--rows", type=int, default=1, help="tokens per call (16: a block's verify)")
     args = parser.parse_args(argv)
+    if args.rows < 1:
+        parser.error("--rows must be at least 1")
     rows = 2 if args.padded else args.rows
     results = [profile(d, args.context, args.steps, args.threads, rows) for d in args.directories]
     ops = sorted({op for r in results for op in r} - {"step"}, key=lambda op: -results[0].get(op, 0))[: args.top]
     table = [[op, *(f"{r.get(op, 0):.2f}" for r in results)] for op in ops]
     table.append(["whole step (profiled)", *(f"{r['step']:.2f}" for r in results)])
-    title = (f"ms per one-token step{', padded to 2 rows' if args.padded else ''}" if rows <= 2 and args.rows == 1
+    title = (f"ms per one-token step{', padded to 2 rows' if args.padded else ''}" if args.rows == 1
              else f"ms per {rows}-token step") + f", context {args.context}"
     print(markdown_table([title, *(str(d) for d in args.directories)], table))
     print()

@@ -63,6 +63,9 @@ def test_a_named_llama_cpp_type_is_quantized_as_llama_cpp_mixes_it(exported, tmp
     assert (named.weights, named.output, named.embedding, named.base) == ("q4_k_m", gguf.MIXED, gguf.MIXED, "f32")
     assert named.quantized and "the formats differ" in named.note and "int4 in blocks of 32, lm_head int4" in named.note
     assert "float32 throughout" in gguf.named_precision(export, "q8_0").note
+    mlx = replace(export, lowering=replace(export.lowering or _mlx_lowering(), backend="mlx",
+                                           options={"bits": 4, "group_size": 64}))
+    assert "ours MLX 4-bit affine groups of 64" in gguf.named_precision(mlx, "q4_k_m").note
     with pytest.raises(DFlashError, match=r"--llama-cpp-type q4_k_x: choose one of q4_0, .*q4_k_m"):
         gguf.named_precision(int4, "q4_k_x")
     record = tmp_path / "argv"

@@ -93,7 +93,11 @@ def named_precision(manifest: Manifest, llama_type: str) -> Precision:
 
 
 def _ours(manifest: Manifest) -> str:
-    """Our weights' precision in a few words: the last quantization pass, its blocks and whether the head took it."""
+    """Our weights' precision in a few words: the last quantization pass, its blocks and whether the head took it
+    (an MLX lowering: its bits and groups)."""
+    bits = (manifest.lowering.options or {}).get("bits") if manifest.backend == "mlx" else None
+    if bits:
+        return f"MLX {bits}-bit affine groups of {manifest.lowering.options.get('group_size')}"
     quantized = [p for p in manifest.passes if p.get("name") in ("int4", "int8")]
     if not quantized:
         return f"{manifest.dtype} throughout"
