@@ -39,39 +39,61 @@ class Precision:
         return self.weights not in FLOAT_TYPES.values()
 
 
+@dataclass(frozen=True)
+class _Ours:
+    """What a directory's weights are, as the GGUF choice and its note read them."""
+
+    float_type: str  # the converter's float type for the directory's dtype
+    mlx: tuple[int, object] | None  # an MLX lowering's (bits, group size)
+    quantization: str | None  # the last int4/int8 pass
+    block: int = 32
+    symmetric: bool = True
+    head: bool = False  # the lm_head quantized too
+
+
+def _ours(manifest: Manifest) -> _Ours:
+    float_type = FLOAT_TYPES[manifest.dtype if manifest.backend != "coreml" else "float32"]
+    bits = (manifest.lowering.options or {}).get("bits") if manifest.backend == "mlx" else None
+    if bits:
+        return _Ours(float_type, (int(bits), manifest.lowering.options.get("group_size")), None)
+    quantized = [p for p in manifest.passes if p.get("name") in ("int4", "int8")]
+    if not quantized:
+        return _Ours(float_type, None, None)
+    options = quantized[-1].get("options", {})
+    return _Ours(float_type, None, quantized[-1]["name"], int(options.get("block_size", 32)),
+                 str(options.get("symmetric", True)).lower() not in ("false", "0", "no"),
+                 str(options.get("lm_head", False)).lower() in ("true", "1", "yes"))
+
+
 def precision_for(manifest: Manifest, tied: bool = False) -> Precision:
     """int4 in symmetric blocks of 32 -> Q4_0 (asymmetric -> Q4_1), int8 -> Q8_0, float -> the same float; an MLX
     lowering's affine groups of --bits 4 -> Q4_1, 8 -> Q8_0. Ours keeps the token embedding in float (a Gather)
     and the lm_head in float unless int4/int8 ran with lm_head=true; the GGUF keeps the same tensors in float;
     norms stay float on both sides. `tied`: the target ties its head to the embedding, so the GGUF has one tensor
     for both (token_embd), which takes the head's type."""
-    float_type = FLOAT_TYPES[manifest.dtype if manifest.backend != "coreml" else "float32"]
-    bits = (manifest.lowering.options or {}).get("bits") if manifest.backend == "mlx" else None
-    if bits:
-        weights = {4: "q4_1", 8: "q8_0"}.get(int(bits))
+    ours = _ours(manifest)
+    float_type = ours.float_type
+    if ours.mlx:
+        bits, group = ours.mlx
+        weights = {4: "q4_1", 8: "q8_0"}.get(bits)
         if weights is None:
             raise DFlashError(f"llama.cpp has no quantization that matches this MLX lowering's {bits}-bit groups")
-        group = manifest.lowering.options.get("group_size")
         return Precision(weights, float_type, float_type, float_type,
                          f"{weights.upper()} (blocks of 32) against ours MLX {bits}-bit affine groups of {group}; "
                          f"lm_head and token embedding {float_type.upper()} on both; norms float on both")
-    quantized = [p for p in manifest.passes if p.get("name") in ("int4", "int8")]
-    if not quantized:
+    if ours.quantization is None:
         return Precision(float_type, float_type, float_type, float_type, f"{float_type.upper()} throughout, as ours")
-    options = quantized[-1].get("options", {})
-    block = int(options.get("block_size", 32))
-    symmetric = str(options.get("symmetric", True)).lower() not in ("false", "0", "no")
-    head = str(options.get("lm_head", False)).lower() in ("true", "1", "yes")
-    if quantized[-1]["name"] == "int8":
+    block, symmetric = ours.block, ours.symmetric
+    if ours.quantization == "int8":
         weights, blocks = "q8_0", 32
     else:
         weights, blocks = ("q4_0" if symmetric else "q4_1"), 32
-    output = weights if head else float_type
+    output = weights if ours.head else float_type
     embedding = output if tied else float_type
     kept = (f"token embedding {float_type.upper()} on both" if not tied or embedding == float_type else
             f"token embedding {embedding.upper()} in llama.cpp (tied: its one tensor is also the head) against "
             f"{float_type.upper()} in ours")
-    note = (f"{weights.upper()} (blocks of {blocks}) against ours {quantized[-1]['name']} in blocks of {block}"
+    note = (f"{weights.upper()} (blocks of {blocks}) against ours {ours.quantization} in blocks of {block}"
             f"{'' if symmetric else ' with zero points'}; lm_head {output.upper()} on both; {kept}; norms float "
             "on both")
     if block != blocks:
@@ -87,24 +109,17 @@ def named_precision(manifest: Manifest, llama_type: str) -> Precision:
     if kind not in NAMED_TYPES:
         raise DFlashError(f"--llama-cpp-type {llama_type}: choose one of {', '.join(NAMED_TYPES)} (llama-quantize's "
                           "types; leave it out to match this directory's precision)")
-    base = FLOAT_TYPES[manifest.dtype if manifest.backend != "coreml" else "float32"]
-    return Precision(kind, MIXED, MIXED, base, f"{kind.upper()} as llama-quantize mixes it (its own type for each "
-                     f"tensor, output head and embedding included) against ours {_ours(manifest)}: the formats differ")
-
-
-def _ours(manifest: Manifest) -> str:
-    """Our weights' precision in a few words: the last quantization pass, its blocks and whether the head took it
-    (an MLX lowering: its bits and groups)."""
-    bits = (manifest.lowering.options or {}).get("bits") if manifest.backend == "mlx" else None
-    if bits:
-        return f"MLX {bits}-bit affine groups of {manifest.lowering.options.get('group_size')}"
-    quantized = [p for p in manifest.passes if p.get("name") in ("int4", "int8")]
-    if not quantized:
-        return f"{manifest.dtype} throughout"
-    options = quantized[-1].get("options", {})
-    head = str(options.get("lm_head", False)).lower() in ("true", "1", "yes")
-    return (f"{quantized[-1]['name']} in blocks of {int(options.get('block_size', 32))}, lm_head "
-            f"{quantized[-1]['name'] if head else manifest.dtype}")
+    ours = _ours(manifest)
+    if ours.mlx:
+        described = f"MLX {ours.mlx[0]}-bit affine groups of {ours.mlx[1]}"
+    elif ours.quantization:
+        described = (f"{ours.quantization} in blocks of {ours.block}, lm_head "
+                     f"{ours.quantization if ours.head else manifest.dtype}")
+    else:
+        described = f"{manifest.dtype} throughout"
+    return Precision(kind, MIXED, MIXED, ours.float_type, f"{kind.upper()} as llama-quantize mixes it (its own type "
+                     f"for each tensor, output head and embedding included) against ours {described}: the formats "
+                     "differ")
 
 
 def ggufs(llama: LlamaCpp, target_dir: Path, draft_dir: Path | None, precision: Precision, cache: Path,
