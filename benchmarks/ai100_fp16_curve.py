@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from targets.ai100.emulate import GraphSession, emulated_graph
-from targets.ai100.precision import norm_outputs
+from dflash_onnx.targets.ai100.emulate import GraphSession, emulated_graph
+from dflash_onnx.targets.ai100.precision import norm_outputs
 
 
 def feeds_for(model: onnx.ModelProto, position: int, rows: int, ctx_len: int, rng) -> dict[str, np.ndarray]:

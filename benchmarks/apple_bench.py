@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     target, draft = args.target, args.draft
     if target is None:
         pair = work / "pair"
-        stage("pair", [sys.executable, "-m", "exporter.tiny", "--preset", "qwen3-4b-shaped", "--out", pair],
+        stage("pair", [sys.executable, "-m", "dflash_onnx.exporter.tiny", "--preset", "qwen3-4b-shaped", "--out", pair],
               work, pair / "target" / "config.json")
         target, draft = pair / "target", pair / "draft"
     onnx, mlx, coreml = work / "onnx", work / "mlx4", work / "coreml4"

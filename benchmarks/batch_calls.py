@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from runtime.errors import DFlashError
-from targets import open_batch, open_decoder
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.targets import open_batch, open_decoder
 
 NAMES = ["draft_ids", "draft_confidence"]
 

@@ -1,5 +1,6 @@
 """Requests decoded side by side in one process against the same requests decoded one at a time: the share of
-outputs identical, and total tokens/s each way. The engine `serve` runs (serving/host.EngineSettings), without
+outputs identical, and total tokens/s each way. The engine `serve` runs (dflash_onnx/serving/host.EngineSettings),
+without
 HTTP, so it runs where FastAPI is not installed (a leased GPU machine) and on any provider the lowering was made
 for (CPU or CUDA, `lower --target ort --kv-attention ragged`).
 
@@ -23,9 +24,9 @@ import time
 
 import numpy as np
 
-from runtime.manifest import load_manifest
-from serving.engine import Engine, GenerationRequest
-from serving.host import EngineSettings
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.serving.engine import Engine, GenerationRequest
+from dflash_onnx.serving.host import EngineSettings
 
 
 def decode_all(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[list, float]:

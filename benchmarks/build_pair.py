@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--redistill", action="store_true",
                         help="keep the shipped target (OUT/target) and distill a new draft for it")
     args = parser.parse_args()
-    from training.distill import DistillOptions, distill
+    from dflash_onnx.training.distill import DistillOptions, distill
 
     train, held = stdlib_files()
     work = args.out.parent / "demo_work"

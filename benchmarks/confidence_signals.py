@@ -20,11 +20,11 @@ from pathlib import Path
 
 from dflash_onnx.demo import held_out_prompts
 from dflash_onnx.figures import markdown_table, provenance
-from runtime.errors import DFlashError
-from runtime.policy import Measured
-from runtime.runners import Proposal
-from runtime.tokenizer import TextCodec
-from targets import open_decoder
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.policy import Measured
+from dflash_onnx.runtime.runners import Proposal
+from dflash_onnx.runtime.tokenizer import TextCodec
+from dflash_onnx.targets import open_decoder
 
 # name -> (decoding mode, --verify, which of the draft's confidences the policy is handed)
 RUNS = {"greedy": ("greedy", "auto", None), "DFlash, full blocks": ("dflash", "full", None),

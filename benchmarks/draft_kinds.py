@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_pair import SPECIALS, stdlib_files  # noqa: E402
 
 from dflash_onnx.figures import markdown_table, provenance  # noqa: E402
-from training.distill import DistillOptions, distill  # noqa: E402
+from dflash_onnx.training.distill import DistillOptions, distill  # noqa: E402
 
 KINDS = ("dflash", "dflash2", "dspark")
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/draft_kinds"))
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--confidence-target", choices=["sampled", "greedy"], default="sampled",
-                        help="what DSpark's confidence head learns (training/objectives.py)")
+                        help="what DSpark's confidence head learns (dflash_onnx/training/objectives.py)")
     args = parser.parse_args(argv)
     target = Path(__file__).resolve().parents[1] / "dflash_onnx" / "demo_pair" / "target"
     train, _ = stdlib_files()

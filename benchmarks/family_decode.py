@@ -10,7 +10,7 @@ with the dense MLP widened by per_token x moe_intermediate and no experts: the s
 Qwen3.5 shape with every layer full attention: what the linear layers' recurrent state costs a decode step and a
 verify step (each token's update, and the commit's pending rows), against K/V attention at `--context` tokens.
 
-Both are random-weight pairs from exporter/tiny.py; each is built, exported, quantized (`--precision int4`:
+Both are random-weight pairs from dflash_onnx/exporter/tiny.py; each is built, exported, quantized (`--precision int4`:
 `optimize --passes int4`) and lowered for ORT; then `bench` runs on both directories in interleaved rounds
 (greedy and DFlash tokens/s, the target's step for 1 and block tokens), quiet and with `--load 1`. Prints the
 table in the docs' format.
@@ -29,8 +29,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
 from dflash_onnx.figures import markdown_table, provenance
-from exporter.tiny import TinySpec, build_pair
 
 CLI = [sys.executable, "-m", "dflash_onnx.cli"]
 

@@ -105,7 +105,7 @@ def main() -> int:
     pair, export = work / "pair", work / "export16"
     lowered = work / f"{args.provider}16{'' if args.kv_buffer == 'on' else '-concat'}"
     steps = [
-        ("pair", [sys.executable, "-m", "exporter.tiny", "--preset", args.preset, "--out", str(pair)],
+        ("pair", [sys.executable, "-m", "dflash_onnx.exporter.tiny", "--preset", args.preset, "--out", str(pair)],
          pair / "draft" / "config.json"),
         ("export", CLI + ["export", "--target", str(pair / "target"), "--draft", str(pair / "draft"), "--out",
                           str(export), "--dtype", "float16", "--quiet"], export / "dflash.json"),

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from runtime.manifest import load_manifest
-from targets.ort.session import OrtBufferSession
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets.ort.session import OrtBufferSession
 
 CALLS = ((0, 20), (20, 16), (36, 1))  # (start, new tokens): prefill, verify, decode
 ROWS = 256  # K/V rows of the plain run's buffers

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from dflash_onnx.figures import markdown_table, provenance
-from runtime.busy import busy_processes
-from runtime.manifest import load_manifest
-from targets import open_decoder
+from dflash_onnx.runtime.busy import busy_processes
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import open_decoder
 
 VARIANTS = {
     "recorded options": {},

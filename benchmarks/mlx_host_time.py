@@ -30,14 +30,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from dflash_onnx.exporter.export import export_pair
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
 from dflash_onnx.figures import markdown_table, provenance
-from exporter.export import export_pair
-from exporter.tiny import TinySpec, build_pair
-from runtime.manifest import load_manifest
-from targets.backend import LowerRequest
-from targets.mlx.lower import lower_mlx
-from targets.mlx.options import MlxOptions
-from targets.mlx.session import MlxSession
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets.backend import LowerRequest
+from dflash_onnx.targets.mlx.lower import lower_mlx
+from dflash_onnx.targets.mlx.options import MlxOptions
+from dflash_onnx.targets.mlx.session import MlxSession
 
 SPEC = TinySpec(vocab_size=8192, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=128, intermediate_size=1536,
                 target_layers=36, draft_layers=2, target_layer_ids=[1, 9, 17, 25, 33], block_size=16,

@@ -21,9 +21,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
 
+from dflash_onnx.exporter.models.experts import add_moe_function
 from dflash_onnx.figures import markdown_table, provenance
-from exporter.models.experts import add_moe_function
-from passes import experts
+from dflash_onnx.passes import experts
 
 TOKENS = (1, 2, 16)
 BLOCK = 64

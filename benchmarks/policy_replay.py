@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from dflash_onnx.figures import markdown_table, provenance
-from runtime.costs import read_costs
-from runtime.manifest import CostModel
-from runtime.policy import simulate
+from dflash_onnx.runtime.costs import read_costs
+from dflash_onnx.runtime.manifest import CostModel
+from dflash_onnx.runtime.policy import simulate
 
 TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "demo_trace.json"
 

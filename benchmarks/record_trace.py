@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from dflash_onnx.demo import held_out_prompts
-from runtime.tokenizer import TextCodec
-from targets import open_decoder
+from dflash_onnx.runtime.tokenizer import TextCodec
+from dflash_onnx.targets import open_decoder
 
 
 class Recording:

@@ -1,5 +1,6 @@
 """The Gated-DeltaNet recurrence alone, on ONNX Runtime's CPU provider: our export's token `Scan`
-(exporter/models/linear_attention.py) against ONNX Runtime's fused `com.microsoft::GatedDeltaNet` kernel, for one
+(dflash_onnx/exporter/models/linear_attention.py) against ONNX Runtime's fused `com.microsoft::GatedDeltaNet` kernel,
+for one
 layer's state at 1, 2 and 16 tokens per call (a decode, a decode padded to 2 rows, a 16-token verify).
 
 Both run the same recurrence token after token from the same state; the figure is the minimum over repeats, the
@@ -21,8 +22,8 @@ import torch
 from onnx import TensorProto, helper
 from torch._higher_order_ops.scan import scan
 
+from dflash_onnx.exporter.models.linear_attention import _token_operands, _token_step
 from dflash_onnx.figures import markdown_table, provenance
-from exporter.models.linear_attention import _token_operands, _token_step
 
 TOKENS = (1, 2, 16)
 

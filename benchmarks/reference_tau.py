@@ -18,7 +18,7 @@ from dflash import model as dflash_model
 from transformers import AutoModelForCausalLM
 
 from dflash_onnx.demo import PAIR_DIR, held_out_prompts
-from runtime.tokenizer import TextCodec
+from dflash_onnx.runtime.tokenizer import TextCodec
 
 dflash_model._cuda_time = time.perf_counter  # the reference times itself with CUDA events; plain clock on CPU
 

@@ -5,7 +5,7 @@ peak memory and output size, in one table.
 Stages, each a child process whose peak resident memory comes from `os.wait4` in a small launcher (the same
 figure as `/usr/bin/time`'s "Maximum resident set size"):
 
-1. `python -m exporter.tiny --preset P` (random weights, the published shapes, bfloat16 shards);
+1. `python -m dflash_onnx.exporter.tiny --preset P` (random weights, the published shapes, bfloat16 shards);
 2. `export --dtype float16`, 3. `optimize --passes int4 --pass-option int4.lm_head=true`, 4. `lower --target ort`;
 5. `generate` 16 tokens greedy and DFlash from one prompt (twice each): tokens compared, tokens/s reported;
 6. with `--ai100`, `--mlx`, `--coreml`: `lower --target ai100 --dry-run`, `lower --target mlx --bits 4`,
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from artifacts.publish import directory_bytes
+from dflash_onnx.artifacts.publish import directory_bytes
 from dflash_onnx.figures import markdown_table, provenance
 
 CLI = [sys.executable, "-m", "dflash_onnx.cli"]
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     bench = Bench(work)
     pair, onnx, int4, ort = work / "pair", work / "onnx", work / "int4", work / "ort"
     decoded: dict = {}
-    if bench.stage("pair", [sys.executable, "-m", "exporter.tiny", "--preset", args.preset, "--out", pair],
+    if bench.stage("pair", [sys.executable, "-m", "dflash_onnx.exporter.tiny", "--preset", args.preset, "--out", pair],
                    pair, None, writes=True)["exit"] == 0 and \
             bench.stage("export", [*CLI, "export", "--target", pair / "target", "--draft", pair / "draft",
                                    "--dtype", "float16", "--out", onnx], onnx, None, writes=True)["exit"] == 0:

@@ -121,8 +121,8 @@ def _round(url: str, clients: int, prompts: list[str], requests: int, max_tokens
 
 
 def _solo(directory: Path, prompts: list[str], max_tokens: int) -> list[str]:
-    from runtime.tokenizer import TextCodec
-    from targets import open_decoder
+    from dflash_onnx.runtime.tokenizer import TextCodec
+    from dflash_onnx.targets import open_decoder
 
     decoder, codec = open_decoder(directory), TextCodec(directory)
     stops = set(decoder.stop_token_ids)
@@ -137,15 +137,15 @@ def _llama_cpp_rows(directory: Path, prompts: list[str], counts: list[int], requ
                     llama_cpp_dir: Path | None, llama_type: str | None = None) -> list[list]:
     """The rounds against llama-server, greedy and draft-dflash, K slots for K clients (rows as main's, the server
     named first; a run llama.cpp cannot do becomes a row saying why)."""
-    from artifacts.model_dirs import read_config
+    from dflash_onnx.artifacts.model_dirs import read_config
     from dflash_onnx.demo import cache_root
     from dflash_onnx.llama_cpp import build, gguf, runs
     from dflash_onnx.llama_cpp.peer import threads_of, unsupported_draft
     from dflash_onnx.peers import same_tokens
-    from runtime.errors import DFlashError
-    from runtime.manifest import load_manifest
-    from runtime.tokenizer import TextCodec
-    from targets import open_decoder
+    from dflash_onnx.runtime.errors import DFlashError
+    from dflash_onnx.runtime.manifest import load_manifest
+    from dflash_onnx.runtime.tokenizer import TextCodec
+    from dflash_onnx.targets import open_decoder
 
     manifest = load_manifest(directory)
     target_dir, draft_dir = manifest.checkpoints()
@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--rounds must be at least 1")
     if args.llama_cpp_type:
         from dflash_onnx.llama_cpp.gguf import named_precision
-        from runtime.errors import DFlashError
-        from runtime.manifest import load_manifest
+        from dflash_onnx.runtime.errors import DFlashError
+        from dflash_onnx.runtime.manifest import load_manifest
 
         if "llama.cpp" not in args.peers:
             parser.error("--llama-cpp-type names the type --peers llama.cpp runs: add --peers llama.cpp")

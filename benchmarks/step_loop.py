@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from runtime.batching import StepBatcher, StepLoop
+from dflash_onnx.runtime.batching import StepBatcher, StepLoop
 
 
 class _InstantStore:

@@ -4,6 +4,6 @@ This package is the top layer: the `dflash-onnx` command line (cli.py) and what 
 parsing (bench and its peers, steps, parity, demo). It reaches backends only through the `targets` registry;
 the layers below it are the top-level packages runtime, artifacts, exporter, training, passes and targets."""
 
-from runtime import __version__
+from dflash_onnx.runtime import __version__
 
 __all__ = ["__version__"]

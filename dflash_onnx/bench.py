@@ -18,16 +18,15 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.costs import DRAFT_OUTPUTS, TARGET_OUTPUTS, call_ms, measurable
-from runtime.decode import Decoder
-from runtime.errors import DFlashError
-from runtime.feeds import draft_feeds, target_feeds
-from runtime.manifest import CostModel, Manifest, load_manifest
-from runtime.sampling import SamplingParams
-from runtime.tokenizer import TextCodec, has_tokenizer
-from targets import backend_for, open_decoder
-
-from .figures import markdown_table, provenance
+from dflash_onnx.figures import markdown_table, provenance
+from dflash_onnx.runtime.costs import DRAFT_OUTPUTS, TARGET_OUTPUTS, call_ms, measurable
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.feeds import draft_feeds, target_feeds
+from dflash_onnx.runtime.manifest import CostModel, Manifest, load_manifest
+from dflash_onnx.runtime.sampling import SamplingParams
+from dflash_onnx.runtime.tokenizer import TextCodec, has_tokenizer
+from dflash_onnx.targets import backend_for, open_decoder
 
 
 @dataclass
@@ -94,7 +93,7 @@ def default_verify_lengths(block_size: int) -> list[int]:
 def load_prompts(path: Path | None, codec: TextCodec | None, count: int, vocab_size: int) -> list[dict]:
     """Prompts as {"text", "ids"}: from a file (one prompt per line, or JSONL with "prompt" or "ids"), else
     held-out standard-library code when the directory has a tokenizer, else seeded random ids."""
-    from .demo import held_out_prompts
+    from dflash_onnx.demo import held_out_prompts
 
     if path is not None:
         if not Path(path).is_file():
@@ -327,11 +326,11 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
     if bad:
         raise DFlashError(f"verify lengths must lie in 1..{manifest.block_size} (the block size), got {bad}")
     if peers:
-        from .peers import check_peer_names
+        from dflash_onnx.peers import check_peer_names
 
         check_peer_names(peers)
     if options.llama_cpp_type:
-        from .llama_cpp.gguf import named_precision
+        from dflash_onnx.llama_cpp.gguf import named_precision
 
         if "llama.cpp" not in peers:
             raise DFlashError("--llama-cpp-type names the type --peers llama.cpp runs: add --peers llama.cpp")
@@ -364,7 +363,7 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
         "implied": implied_speedups(curve, summary.get("full_tau", summary["tau"]), manifest.block_size),
     }
     if peers:
-        from .peers import run_peers
+        from dflash_onnx.peers import run_peers
 
         report["peers"] = run_peers(manifest, prompts, options, peers, *checkpoints, ours=summary,
                                     our_tokens=[row["tokens"] for row in rows], progress=progress)
@@ -378,7 +377,7 @@ def _loaded(decoder: Decoder, prompts: list[dict], options: BenchOptions, peers:
     """The runs (and peers) again with `options.load` busy processes beside them, started and ended here."""
     from tqdm import tqdm
 
-    from runtime.busy import busy_processes
+    from dflash_onnx.runtime.busy import busy_processes
 
     manifest = decoder.manifest
     total = len(bench_modes(decoder, options)) * options.repeats * len(prompts)
@@ -390,7 +389,7 @@ def _loaded(decoder: Decoder, prompts: list[dict], options: BenchOptions, peers:
             rows = measure_generation(decoder, prompts, options, bar)
         loaded = {"load": options.load, "aggregate": aggregate(rows, manifest.block_size), "prompts": rows}
         if peers:
-            from .peers import run_peers
+            from dflash_onnx.peers import run_peers
 
             loaded["peers"] = run_peers(manifest, prompts, options, peers, *checkpoints, ours=loaded["aggregate"],
                                         our_tokens=[row["tokens"] for row in rows], progress=progress)
@@ -478,7 +477,7 @@ def format_report(report: dict) -> str:
                          + f" {curve['draft_ms'][context]:>7.2f} {implied.get('implied_speedup', 0):>7.2f}x "
                            f"{implied.get('break_even_tau', 0):>10.2f}")
     if report.get("peers"):
-        from .peers import format_peers
+        from dflash_onnx.peers import format_peers
 
         lines += ["", format_peers(report["peers"])]
     if report.get("loaded"):

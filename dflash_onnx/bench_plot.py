@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.errors import DFlashError
+from dflash_onnx.runtime.errors import DFlashError
 
 
 def plot_report(report: dict, path: Path) -> None:

@@ -9,7 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from runtime.errors import DFlashError
+from dflash_onnx.runtime.errors import DFlashError
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,12 +33,12 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args) -> int:
-    from exporter.export_request import check_export_request
+    from dflash_onnx.exporter.export_request import check_export_request
 
     check_export_request(Path(args.target), Path(args.draft), Path(args.out), args.opset, args.overwrite,
                          args.block_size)
-    from artifacts.publish import lock_out, scratch_directory
-    from exporter.export import export_pair
+    from dflash_onnx.artifacts.publish import lock_out, scratch_directory
+    from dflash_onnx.exporter.export import export_pair
 
     passes = [n.strip() for n in (getattr(args, "passes", None) or "").split(",") if n.strip()]
     if not passes:
@@ -48,7 +48,7 @@ def run_export(args) -> int:
             stream=getattr(args, "stream", True),
         )
     else:
-        from passes.pipeline import apply_pipeline, parse_pass_options
+        from dflash_onnx.passes.pipeline import apply_pipeline, parse_pass_options
 
         with lock_out(Path(args.out)), scratch_directory(Path(args.out)) as raw:  # OUT is ours for the whole run
             exported = export_pair(args.target, args.draft, raw / "raw", block_size=args.block_size,
@@ -75,17 +75,17 @@ def _cost_model(args, manifest):
     """--cost-model FILE: a cost curve measured elsewhere, replayed instead of the directory's."""
     if args.cost_model is None:
         return None
-    from runtime.costs import read_costs
+    from dflash_onnx.runtime.costs import read_costs
 
     return read_costs(args.cost_model, manifest.verify_rows)
 
 
 def _generate(args) -> int:
-    from runtime.decode import check_max_new_tokens
-    from runtime.policy import parse_verify
-    from runtime.sampling import SamplingParams
-    from runtime.tokenizer import TextCodec, TextStream, has_tokenizer
-    from targets import open_decoder
+    from dflash_onnx.runtime.decode import check_max_new_tokens
+    from dflash_onnx.runtime.policy import parse_verify
+    from dflash_onnx.runtime.sampling import SamplingParams
+    from dflash_onnx.runtime.tokenizer import TextCodec, TextStream, has_tokenizer
+    from dflash_onnx.targets import open_decoder
 
     if args.prompt is not None:
         try:
@@ -141,7 +141,7 @@ def _generate(args) -> int:
 
 
 def _lower(args) -> int:
-    from targets import BACKENDS, LowerRequest, get_backend
+    from dflash_onnx.targets import BACKENDS, LowerRequest, get_backend
 
     backend = get_backend(args.backend)
     given = {}  # flags on the command line: values other than argparse's None (a switch: set)
@@ -166,14 +166,14 @@ def _lower(args) -> int:
 
 def _on_ort(directory: Path, manifest):
     """How the passes open an export's graphs to record calibration inputs: on ONNX Runtime, via the registry."""
-    from targets import open_session
+    from dflash_onnx.targets import open_session
 
     return lambda graph: open_session(directory, manifest, graph, "ort")
 
 
 def _optimize(args) -> int:
-    from passes.pipeline import apply_pipeline, parse_pass_options
-    from runtime.manifest import load_export
+    from dflash_onnx.passes.pipeline import apply_pipeline, parse_pass_options
+    from dflash_onnx.runtime.manifest import load_export
 
     names = [n.strip() for n in args.passes.split(",") if n.strip()]
     source = load_export(Path(args.out), "run passes on")
@@ -189,7 +189,7 @@ def _optimize(args) -> int:
 
 
 def _steps(args) -> int:
-    from .steps import markdown, measure, table
+    from dflash_onnx.steps import markdown, measure, table
 
     if args.repeats < 1 or args.context < 0:
         raise DFlashError(f"--repeats must be at least 1 and --context at least 0, got {args.repeats} and "
@@ -204,10 +204,10 @@ def _steps(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from artifacts.publish import lock_out
-    from runtime.costs import measure_costs, read_costs
-    from runtime.manifest import load_manifest
-    from targets import backend_for, open_session, record_row_multiple
+    from dflash_onnx.artifacts.publish import lock_out
+    from dflash_onnx.runtime.costs import measure_costs, read_costs
+    from dflash_onnx.runtime.manifest import load_manifest
+    from dflash_onnx.targets import backend_for, open_session, record_row_multiple
 
     if args.repeats < 1 or args.context < 0:
         raise DFlashError(f"--repeats must be at least 1 and --context at least 0, got {args.repeats} and "
@@ -234,7 +234,7 @@ def _calibrate(args) -> int:
 
 
 def _parity(args) -> int:
-    from .parity import run_parity
+    from dflash_onnx.parity import run_parity
 
     report = run_parity(args.out, args.target, args.draft, num_prompts=args.prompts,
                         max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -243,7 +243,7 @@ def _parity(args) -> int:
 
 
 def _distill(args) -> int:
-    from training.distill import DistillOptions, distill
+    from dflash_onnx.training.distill import DistillOptions, distill
 
     tapped = None if args.target_layers_tapped == "auto" else [int(i) for i in args.target_layers_tapped.split(",")]
     options = DistillOptions(block_size=args.block_size, draft_layers=args.draft_layers, target_layer_ids=tapped,
@@ -272,10 +272,9 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _bench(args) -> int:
-    from runtime.manifest import load_manifest
-    from runtime.policy import parse_verify
-
-    from .bench import BenchOptions, format_report, markdown_report, run_bench
+    from dflash_onnx.bench import BenchOptions, format_report, markdown_report, run_bench
+    from dflash_onnx.runtime.manifest import load_manifest
+    from dflash_onnx.runtime.policy import parse_verify
 
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
                         ("--num-prompts", args.num_prompts), ("--curve-repeats", args.curve_repeats)):
@@ -301,7 +300,7 @@ def _bench(args) -> int:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
     if args.plot:
-        from .bench_plot import plot_report
+        from dflash_onnx.bench_plot import plot_report
 
         plot_report(report, args.plot)
         print(f"wrote {args.plot}")
@@ -315,13 +314,13 @@ def _session_overrides(args) -> dict:
 
 
 def _serve(args) -> int:
-    from runtime.sampling import SamplingParams
+    from dflash_onnx.runtime.sampling import SamplingParams
 
     try:
         import uvicorn
 
-        from serving.app import ServerOptions, create_app
-        from serving.host import EngineSettings
+        from dflash_onnx.serving.app import ServerOptions, create_app
+        from dflash_onnx.serving.host import EngineSettings
     except ModuleNotFoundError as exc:
         raise DFlashError(f"serve needs {exc.name}, which is not installed: pip install 'dflash-onnx[serve]'") from None
 
@@ -353,7 +352,7 @@ def _serve(args) -> int:
 
 
 def _demo(args) -> int:
-    from .demo import run_demo
+    from dflash_onnx.demo import run_demo
 
     return run_demo(as_json=args.json, max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
 
@@ -399,7 +398,7 @@ def _shown(flag, value) -> str:
 def _add_lower(commands) -> None:
     """`lower`: the flags every backend takes, then each backend's own group (a flag several backends take
     is listed once, with each one's default)."""
-    from targets import BACKENDS
+    from dflash_onnx.targets import BACKENDS
 
     lower = commands.add_parser(
         "lower", help=f"lower an exported directory for a backend ({', '.join(BACKENDS)})",
@@ -437,7 +436,7 @@ def _add_lower(commands) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from targets import BACKENDS
+    from dflash_onnx.targets import BACKENDS
 
     backends = list(BACKENDS)
     parser = argparse.ArgumentParser(

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.decode import Decoder
-from runtime.manifest import MANIFEST_NAME, load_manifest
-from runtime.tokenizer import TextCodec, TextStream, has_tokenizer
-from targets import LowerRequest, get_backend, open_decoder
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.manifest import MANIFEST_NAME, load_manifest
+from dflash_onnx.runtime.tokenizer import TextCodec, TextStream, has_tokenizer
+from dflash_onnx.targets import LowerRequest, get_backend, open_decoder
 
 PAIR_DIR = Path(__file__).parent / "demo_pair"
 PROMPT_BYTES = 160
@@ -39,7 +39,7 @@ def _shipped() -> bool:
 
 def ensure_demo_export(progress: bool = True) -> Path:
     """Export the demo pair unless the cache already holds this version; return the export directory."""
-    from exporter.export import GRAPH_REVISION, export_pair
+    from dflash_onnx.exporter.export import GRAPH_REVISION, export_pair
 
     if _shipped():
         digest = hashlib.sha256()
@@ -49,7 +49,7 @@ def ensure_demo_export(progress: bool = True) -> Path:
         if not (out / MANIFEST_NAME).is_file():
             export_pair(PAIR_DIR / "target", PAIR_DIR / "draft", out, overwrite=True, progress=progress)
         return out
-    from exporter.tiny import TinySpec, build_pair
+    from dflash_onnx.exporter.tiny import TinySpec, build_pair
 
     root = cache_root() / f"tiny-agree-v1-g{GRAPH_REVISION}"
     out = root / "onnx"
@@ -118,7 +118,7 @@ def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int 
     *prompts, (_, warm_up) = _prompts(decoder, codec, num_prompts + 1)
     # one untimed request on a prompt of its own first: sessions' first-call setup is not decoding speed, and the
     # verify policy learns this machine's step costs over its first drafted steps, as a server's does over its
-    # first requests (runtime/policy.py)
+    # first requests (dflash_onnx/runtime/policy.py)
     decoder.generate(warm_up, max_new_tokens, "dflash", stop_token_ids=[])
     rows, totals, every = [], {mode: [0, 0.0] for mode in MODES}, []
     for index, (text, ids) in enumerate(prompts):

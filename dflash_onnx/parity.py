@@ -13,16 +13,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from exporter.models.draft import DFlashDraft
-from exporter.models.hybrid import wrap_target
-from exporter.models.target import TappedTarget, hf_greedy
-from exporter.pair import LOGIT_TOLERANCE, load_draft, load_reference_draft, load_target
-from runtime.decode import Decoder
-from runtime.differences import finite_scale, max_difference
-from runtime.errors import DFlashError
-from runtime.feeds import sampling_feeds
-from runtime.manifest import Manifest
-from targets import open_decoder
+from dflash_onnx.exporter.models.draft import DFlashDraft
+from dflash_onnx.exporter.models.hybrid import wrap_target
+from dflash_onnx.exporter.models.target import TappedTarget, hf_greedy
+from dflash_onnx.exporter.pair import LOGIT_TOLERANCE, load_draft, load_reference_draft, load_target
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.differences import finite_scale, max_difference
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.feeds import sampling_feeds
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.targets import open_decoder
 
 # measured on a tiny Qwen3.5 pair (tests/test_hybrid.py): the reference's output leaves HF greedy's
 HYBRID_REFERENCE = ("it rolls a verify back with transformers' DynamicCache.crop, which crops a linear-attention "

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from artifacts.model_dirs import checkpoint_stamp, read_config, weight_files
-from runtime.errors import DFlashError
-from runtime.manifest import Manifest
+from dflash_onnx.artifacts.model_dirs import checkpoint_stamp, read_config, weight_files
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest
 
 PEERS = ("hf", "reference", "ort-genai", "mlx-lm", "llama.cpp")
 
@@ -35,7 +35,7 @@ PEERS = ("hf", "reference", "ort-genai", "mlx-lm", "llama.cpp")
 def _hf_greedy(lm, prompts: list[dict], max_new_tokens: int, repeats: int) -> dict:
     from transformers.generation.streamers import BaseStreamer
 
-    from exporter.models.target import hf_greedy
+    from dflash_onnx.exporter.models.target import hf_greedy
 
     class FirstToken(BaseStreamer):
         def __init__(self):
@@ -101,7 +101,7 @@ def genai_model_dir(target_dir: Path, precision: str, provider: str, block_size:
     import hashlib
     import subprocess
 
-    from .demo import cache_root
+    from dflash_onnx.demo import cache_root
 
     digest = checkpoint_stamp(hashlib.sha256(), Path(target_dir))
     blocks = f"-b{block_size}" if block_size else ""
@@ -264,7 +264,7 @@ def check_peer_names(names: list[str]) -> None:
 def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str], target_dir: Path | None,
               draft_dir: Path | None, ours: dict, our_tokens: list[list[int]], progress: bool = True) -> dict:
     """Each named peer's aggregate figures, ours beside them, and the ratios the bench reports."""
-    from exporter.pair import load_reference_draft, load_target
+    from dflash_onnx.exporter.pair import load_reference_draft, load_target
 
     check_peer_names(names)
     lossy = [p["name"] for p in manifest.passes if p.get("lossy")]
@@ -311,7 +311,7 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
             print("peers: mlx-lm greedy ...", file=sys.stderr, flush=True)
         rows.append(_mlx_lm(Path(target_dir), manifest, prompts, options.max_new_tokens, options.repeats))
     if "llama.cpp" in names:
-        from .llama_cpp.peer import llama_cpp_rows
+        from dflash_onnx.llama_cpp.peer import llama_cpp_rows
 
         rows += llama_cpp_rows(manifest, prompts, options.max_new_tokens, options.repeats, Path(target_dir),
                                Path(draft_dir), options.llama_cpp, progress, _collect, options.llama_cpp_type)

@@ -14,12 +14,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from runtime.errors import DFlashError
-from runtime.feeds import draft_feeds, target_feeds
-from runtime.manifest import Manifest, load_manifest
-from targets import backend_for, open_session
-
-from .figures import markdown_table, provenance
+from dflash_onnx.figures import markdown_table, provenance
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.feeds import draft_feeds, target_feeds
+from dflash_onnx.runtime.manifest import Manifest, load_manifest
+from dflash_onnx.targets import backend_for, open_session
 
 
 def _feeds(manifest: Manifest, context: int) -> dict[str, dict[str, np.ndarray]]:

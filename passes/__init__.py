@@ -15,13 +15,13 @@ lowerings share them: MLX runs the same fused buffer-form graphs (targets/mlx/op
 
 from __future__ import annotations
 
-from .base import GraphPass, PassContext, PassFunction, loaded_proto
+from dflash_onnx.passes.base import GraphPass, PassContext, PassFunction, loaded_proto
 
 __all__ = ["GraphPass", "PassContext", "PassFunction", "loaded_proto", "registry"]
 
 
 def registry() -> dict[str, GraphPass]:
-    from . import (
+    from dflash_onnx.passes import (
         cleanup,
         draft_attention,
         draft_rows,

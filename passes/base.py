@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from runtime.errors import DFlashError
-from runtime.manifest import Manifest
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from runtime.decode import Decoder
-from runtime.manifest import Manifest
-from runtime.session import Session
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.runtime.session import Session
 
 OpenGraph = Callable[[str], Session]  # "target" or "draft" -> a session on that graph of the source export
 

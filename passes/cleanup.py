@@ -10,7 +10,7 @@ from onnx_ir.passes.common import (
     ShapeInferencePass,
 )
 
-from .base import PassContext
+from dflash_onnx.passes.base import PassContext
 
 
 def run(ir_model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:

@@ -9,7 +9,8 @@ layer's chain becomes one Reshape and one Attention. GroupQueryAttention cannot 
 Drafts with as many kv heads as query heads reach MultiHeadAttention through one Reshape and are left
 alone. Applied by the ORT lowering after ort-fusions; bound: float reordering only.
 
-Option key_mask=1 (the ragged lowering's, for one draft call over several requests: runtime/batching.py) gives
+Option key_mask=1 (the ragged lowering's, for one draft call over several requests: dflash_onnx/runtime/batching.py)
+gives
 every rewritten Attention a boolean mask over its keys [past, new context rows, block], made in the graph from two
 inputs, `draft_past_rows` and `draft_context_rows` (per batch row: how many of the call's past and new context rows
 are that request's own; the rest pad it to the call's longest). Both default to "all of them" (overridable
@@ -27,11 +28,10 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from runtime.feeds import KEY_MASK_INPUTS
-from runtime.manifest import GraphSpec
-
-from .base import PassContext
-from .ir_graph import add_constant, attr, const_ints, static_dims
+from dflash_onnx.passes.base import PassContext
+from dflash_onnx.passes.ir_graph import add_constant, attr, const_ints, static_dims
+from dflash_onnx.runtime.feeds import KEY_MASK_INPUTS
+from dflash_onnx.runtime.manifest import GraphSpec
 
 ATTENTION_OPSET = 23
 ALL_ROWS = 2**62  # the inputs' default: more rows than any call has

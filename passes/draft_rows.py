@@ -14,8 +14,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .base import PassContext
-from .ir_graph import attr, made_by, readers
+from dflash_onnx.passes.base import PassContext
+from dflash_onnx.passes.ir_graph import attr, made_by, readers
 
 
 def _plan(past: ir.Value, present: ir.Value) -> tuple[ir.Node, list[ir.Node]] | None:

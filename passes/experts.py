@@ -1,6 +1,7 @@
 """Mixture-of-experts nodes for ONNX Runtime: dflash::MoE -> com.microsoft::MoE (float) or QMoE (int4 / int8).
 
-The export's dflash::MoE (exporter/models/experts.py) is a model-local function that computes every expert; ONNX
+The export's dflash::MoE (dflash_onnx/exporter/models/experts.py) is a model-local function that computes every expert;
+ONNX
 Runtime's MoE and QMoE kernels route each token to its k experts and compute only those, so a decode step reads the
 active experts' weights, not all of them. Both take SwiGLU's gate and up rows interleaved in one fc1 [experts,
 2 * intermediate, hidden] (swiglu_fusion=1: row 2i is gate row i, row 2i + 1 up row i), fc2 = down_proj [experts,
@@ -10,7 +11,8 @@ nibble first) with an implicit zero point of 8 (128 for 8 bits), scales [experts
 ORT's MatMulNBits quantizer, whose kernel quantizes here, one expert at a time. Every weight is re-laid out or
 quantized lazily, when the graph is written, one layer's experts at a time.
 
-Padding rows (runtime/runners.py pads a call to the lowering's row multiple by repeating its last row, id and
+Padding rows (dflash_onnx/runtime/runners.py pads a call to the lowering's row multiple by repeating its last row, id
+and
 position) skip the experts: the kernel gets the call's real rows only (a row whose position repeats the one before
 it is padding), and a padding row's result is the one of the row it repeats (its outputs are dropped, its K/V
 overwritten). The kernel's time grows with its rows, a pair of rows
@@ -25,9 +27,8 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from artifacts.graph_files import MOE_DOMAIN, MOE_OP, SWIGLU_MOE_OP
-
-from .base import PassContext
+from dflash_onnx.artifacts.graph_files import MOE_DOMAIN, MOE_OP, SWIGLU_MOE_OP
+from dflash_onnx.passes.base import PassContext
 
 SWIGLU = {"activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha": 1.0, "activation_beta": 0.0}
 

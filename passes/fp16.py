@@ -15,9 +15,9 @@ import onnx_ir as ir
 from onnx import numpy_helper
 from onnx_ir.passes.common import ShapeInferencePass
 
-from .base import PassContext, loaded_proto
-from .calibration import activation_peaks
-from .fp16_range import fp16_range_report, power_of_two_scale
+from dflash_onnx.passes.base import PassContext, loaded_proto
+from dflash_onnx.passes.calibration import activation_peaks
+from dflash_onnx.passes.fp16_range import fp16_range_report, power_of_two_scale
 
 FP32_ISLANDS = ["Pow", "ReduceMean", "Sqrt", "Reciprocal", "Softmax", "Cos", "Sin", "Range", "CumSum"]
 DRAFT_FEATURES = "target_hidden"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .base import PassContext
+from dflash_onnx.passes.base import PassContext
 
 NARROW = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
 ROWS = 8192  # rows widened at a time when the tensor is written

@@ -25,13 +25,12 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from artifacts.graph_files import MOE_DOMAIN, SINK_ATTENTION_OP
-from runtime.errors import DFlashError
-
-from . import kv_ragged
-from .base import PassContext
-from .ir_graph import add_constant, attr, made_by, readers
-from .rope_cache import rope_tables
+from dflash_onnx.artifacts.graph_files import MOE_DOMAIN, SINK_ATTENTION_OP
+from dflash_onnx.passes import kv_ragged
+from dflash_onnx.passes.base import PassContext
+from dflash_onnx.passes.ir_graph import add_constant, attr, made_by, readers
+from dflash_onnx.passes.rope_cache import rope_tables
+from dflash_onnx.runtime.errors import DFlashError
 
 SHAPE_ONLY = {"Unsqueeze", "Expand", "Reshape", "Transpose", "Squeeze", "Identity"}
 SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"

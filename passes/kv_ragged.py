@@ -19,9 +19,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from runtime.errors import DFlashError
-
-from .ir_graph import add_constant, attr
+from dflash_onnx.passes.ir_graph import add_constant, attr
+from dflash_onnx.runtime.errors import DFlashError
 
 HEADS_FIRST = [0, 2, 1, 3]
 HINT = "lower with --kv-attention gqa"

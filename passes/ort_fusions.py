@@ -21,7 +21,7 @@ from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
 
-from .base import PassContext
+from dflash_onnx.passes.base import PassContext
 
 # the fused norms whose scale ORT binds to the normalized input's type, and the scale's input index
 # (SimplifiedLayerNormalization takes a scale of another type, and returns that type)

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from artifacts.graph_files import checked_graph, graph_io, share_initializers
-from artifacts.publish import check_out_dir, copy_tokenizer_files, staged_directory
-from runtime.errors import DFlashError
-from runtime.manifest import GraphSpec, Manifest, load_export
-
-from . import registry
-from .base import GraphPass, PassContext
-from .calibration import OpenGraph, record_feeds
+from dflash_onnx.artifacts.graph_files import checked_graph, graph_io, share_initializers
+from dflash_onnx.artifacts.publish import check_out_dir, copy_tokenizer_files, staged_directory
+from dflash_onnx.passes import registry
+from dflash_onnx.passes.base import GraphPass, PassContext
+from dflash_onnx.passes.calibration import OpenGraph, record_feeds
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import GraphSpec, Manifest, load_export
 
 
 def parse_pass_options(items: list[str]) -> dict[str, dict]:

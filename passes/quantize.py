@@ -22,10 +22,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from runtime.errors import DFlashError
-
-from . import experts, routed_experts
-from .base import PassContext
+from dflash_onnx.passes import experts, routed_experts
+from dflash_onnx.passes.base import PassContext
+from dflash_onnx.runtime.errors import DFlashError
 
 COLUMNS = 8192  # output columns quantized at a time
 # ONNX Runtime's CPU kernel holds int4 weights packed with a float32 scale and a float32 block sum per block:

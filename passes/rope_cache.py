@@ -16,8 +16,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .base import PassContext
-from .ir_graph import add_constant, const_ints, made_by
+from dflash_onnx.passes.base import PassContext
+from dflash_onnx.passes.ir_graph import add_constant, const_ints, made_by
 
 
 def rope_tables(rows: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

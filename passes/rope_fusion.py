@@ -26,9 +26,8 @@ from onnx_ir.passes.common import (
 from onnxscript import version_converter
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
-from runtime.errors import DFlashError
-
-from .base import PassContext
+from dflash_onnx.passes.base import PassContext
+from dflash_onnx.runtime.errors import DFlashError
 
 FORMS = ("com.microsoft", "onnx", "hoist")
 # Unsqueeze axis that broadcasts [batch, seq, head_dim] cos/sin over the heads -> layout of x.

@@ -1,7 +1,7 @@
 """Gemma 4's routed experts in int4 / int8 for ONNX Runtime: each dflash::GeluTanhExperts as two QMoE calls (int4),
 or its gathered weights read through GatherBlockQuantized (int8, or where the two calls do not fit).
 
-The export's function (exporter/models/gelu_experts.py) takes the router's chosen experts and weights and
+The export's function (dflash_onnx/exporter/models/gelu_experts.py) takes the router's chosen experts and weights and
 computes `down(gelu_tanh(gate(x)) * up(x))`. ONNX Runtime's QMoE reads int4 experts in place at MatMulNBits'
 speed (GatherBlockQuantized unpacks int4 to float slowly, int8 fast), but computes `fc2(act(fc1(x)))` with a
 unary activation or SwiGLU, not Gemma 4's gelu-tanh gate. So, where the gate and up rows fit in the hidden size
@@ -29,10 +29,17 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import InlinePass
 
-from artifacts.graph_files import GELU_EXPERTS_OP, MOE_DOMAIN
-from runtime.errors import DFlashError
-
-from .experts import QuantizedExperts, expanded_rows, insert_nodes, int64s, kept_rows, lazy_initializer, weighted_sum
+from dflash_onnx.artifacts.graph_files import GELU_EXPERTS_OP, MOE_DOMAIN
+from dflash_onnx.passes.experts import (
+    QuantizedExperts,
+    expanded_rows,
+    insert_nodes,
+    int64s,
+    kept_rows,
+    lazy_initializer,
+    weighted_sum,
+)
+from dflash_onnx.runtime.errors import DFlashError
 
 
 def _is_gelu_experts(function: ir.Function) -> bool:

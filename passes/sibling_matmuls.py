@@ -15,7 +15,7 @@ from collections import defaultdict
 import numpy as np
 import onnx_ir as ir
 
-from .base import PassContext
+from dflash_onnx.passes.base import PassContext
 
 FUSED_ATTRIBUTES = ("K", "bits", "block_size", "accuracy_level")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from .base import PassContext
+from dflash_onnx.passes.base import PassContext
 
 
 def _same_shape(a: ir.Value, b: ir.Value) -> bool:

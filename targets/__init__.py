@@ -13,18 +13,17 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from runtime.batching import BatchParts
-from runtime.decode import Decoder
-from runtime.errors import DFlashError
-from runtime.manifest import Manifest, load_manifest
-from runtime.session import Session
-
-from .ai100 import BACKEND as AI100
-from .backend import Backend, Flag, LowerRequest
-from .coreml import BACKEND as COREML
-from .mlx import BACKEND as MLX
-from .ort import BACKEND as ORT
-from .row_invariance import record_row_multiple
+from dflash_onnx.runtime.batching import BatchParts
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest, load_manifest
+from dflash_onnx.runtime.session import Session
+from dflash_onnx.targets.ai100 import BACKEND as AI100
+from dflash_onnx.targets.backend import Backend, Flag, LowerRequest
+from dflash_onnx.targets.coreml import BACKEND as COREML
+from dflash_onnx.targets.mlx import BACKEND as MLX
+from dflash_onnx.targets.ort import BACKEND as ORT
+from dflash_onnx.targets.row_invariance import record_row_multiple
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (ORT, AI100, MLX, COREML)}
 
@@ -81,13 +80,14 @@ def open_decoder(directory: Path, backend: str | None = None, prefill_chunk: int
 
 
 def open_batch(decoder: Decoder, slots: int) -> BatchParts:
-    """For decoding up to `slots` requests side by side on `decoder`'s sessions (runtime/batching.py): a SlotStore
+    """For decoding up to `slots` requests side by side on `decoder`'s sessions (dflash_onnx/runtime/batching.py): a
+    SlotStore
     over its target session, a DraftStore over its draft where the lowering lets requests share one draft call a
     step (else None), and a function giving a request a draft session of its own (sharing the loaded graph).
     DFlashError in one line where the directory cannot batch."""
-    from .ort.batch_session import OrtBatchSession, batch_refusal
-    from .ort.draft_batch import OrtDraftBatch, batched_drafts_refusal
-    from .ort.session import OrtBufferSession, OrtRowsSession
+    from dflash_onnx.targets.ort.batch_session import OrtBatchSession, batch_refusal
+    from dflash_onnx.targets.ort.draft_batch import OrtDraftBatch, batched_drafts_refusal
+    from dflash_onnx.targets.ort.session import OrtBufferSession, OrtRowsSession
 
     refusal = batch_refusal(decoder.manifest)
     if refusal is None and not isinstance(decoder.target, OrtBufferSession):

@@ -9,9 +9,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import DFlashError
-from runtime.manifest import Manifest
-from runtime.session import Session
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.runtime.session import Session
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class LowerRequest:
 def validate_before_import(source: Path, options: Any) -> None:
     """Check a lowering's options against the export before importing a lowering whose imports take seconds
     (torch, for AI 100 and CoreML): a bad flag fails at once. The lowering checks them again."""
-    from runtime.manifest import load_export
+    from dflash_onnx.runtime.manifest import load_export
 
     options.validate(load_export(source, "lower").block_size)
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field, replace
 import ml_dtypes
 import numpy as np
 
-from runtime.differences import scaled_difference
-from runtime.feeds import draft_feeds, target_feeds
-from runtime.manifest import Manifest, TensorSpec
-from runtime.runners import open_draft_runner, open_runners
-from runtime.session import Session
+from dflash_onnx.runtime.differences import scaled_difference
+from dflash_onnx.runtime.feeds import draft_feeds, target_feeds
+from dflash_onnx.runtime.manifest import Manifest, TensorSpec
+from dflash_onnx.runtime.runners import open_draft_runner, open_runners
+from dflash_onnx.runtime.session import Session
 
 # a row's experts may differ between the export and its lowering where the reference's k-th and (k + 1)-th router
 # logits are this close, relative to the row's largest |logit| (float16 carries about 1e-3)

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from passes.fp16_range import FP16_MAX, power_of_two_scale
+from dflash_onnx.passes.fp16_range import FP16_MAX, power_of_two_scale
 
 
 def calibrate_fc_scale(tapped, draft, vocab_size: int, mask_token_id: int, block_size: int, prompts: int = 4,

@@ -4,7 +4,7 @@ and MLX sessions size the buffers to the context in use and grow them as it does
 
 from __future__ import annotations
 
-from runtime.errors import DFlashError
+from dflash_onnx.runtime.errors import DFlashError
 
 FIRST_ROWS = 256  # rows a buffer starts with; it doubles when a call needs more (one copy each time)
 STEP_ROWS = 64  # the ragged attention's buffers grow (and shrink) in steps of these rows (rows_in_steps)

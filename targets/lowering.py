@@ -9,15 +9,14 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from artifacts.publish import check_out_dir, directory_bytes, staged_directory
-from runtime.costs import TARGET_OUTPUTS, measurable, measure_costs
-from runtime.errors import DFlashError
-from runtime.feeds import target_feeds
-from runtime.manifest import CostModel, Manifest, load_export
-from runtime.session import Session
-
-from .backend import LowerRequest
-from .row_invariance import fewest_calls, record_row_multiple
+from dflash_onnx.artifacts.publish import check_out_dir, directory_bytes, staged_directory
+from dflash_onnx.runtime.costs import TARGET_OUTPUTS, measurable, measure_costs
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.feeds import target_feeds
+from dflash_onnx.runtime.manifest import CostModel, Manifest, load_export
+from dflash_onnx.runtime.session import Session
+from dflash_onnx.targets.backend import LowerRequest
+from dflash_onnx.targets.row_invariance import fewest_calls, record_row_multiple
 
 COST_REPEATS = 5  # timed calls per step size in the lowering's cost curve
 # the lowering's measurements are skipped when even their fewest calls would take longer than this: a Qwen3-4B-

@@ -16,9 +16,9 @@ import sys
 
 import numpy as np
 
-from runtime.manifest import Manifest
-from runtime.runners import open_runners
-from runtime.session import Session
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.runtime.runners import open_runners
+from dflash_onnx.runtime.session import Session
 
 CANDIDATES = (1, 2, 4, 8)
 CONTEXTS = (20, 300)  # committed context before the block: within one prefill chunk, and past one

@@ -12,10 +12,10 @@ from pathlib import Path
 import onnxruntime
 import pytest
 
-from exporter.export import export_pair
-from exporter.tiny import TinySpec, build_pair
-from runtime.decode import Decoder
-from targets import LowerRequest, open_decoder
+from dflash_onnx.exporter.export import export_pair
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.targets import LowerRequest, open_decoder
 
 # Each exported pair covers a different corner: GQA ratios 1/2/4, 1-3 draft layers, tapped layers
 # including the last but one, block sizes 2/4/8/16, causal and non-causal, sliding windows in the draft and
@@ -137,8 +137,8 @@ def lowered(exported, tmp_path_factory):
     agree_b8 is lowered with a fake qaic-compile on PATH (so the compile step runs); others are dry runs.
     agree_b2's graphs also return logits (sampling); the others return ids only.
     """
-    from targets.ai100.lower import lower_ai100
-    from targets.ai100.options import Ai100Options
+    from dflash_onnx.targets.ai100.lower import lower_ai100
+    from dflash_onnx.targets.ai100.options import Ai100Options
 
     cache: dict[str, tuple] = {}
 
@@ -171,8 +171,8 @@ def lowered(exported, tmp_path_factory):
 @pytest.fixture(scope="session")
 def ort_lowered(exported, tmp_path_factory):
     """ort_lowered(name) -> the `lower --target ort` directory of an exported pair (ctx_len 512)."""
-    from targets.ort.lower import lower_ort
-    from targets.ort.options import OrtOptions
+    from dflash_onnx.targets.ort.lower import lower_ort
+    from dflash_onnx.targets.ort.options import OrtOptions
 
     cache: dict[str, Path] = {}
 

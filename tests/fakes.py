@@ -3,7 +3,7 @@ over scripted sessions, passes run on hand-made graphs)."""
 
 from __future__ import annotations
 
-from runtime.manifest import CostModel, GraphSpec, Lowering, Manifest, TensorSpec
+from dflash_onnx.runtime.manifest import CostModel, GraphSpec, Lowering, Manifest, TensorSpec
 
 
 def _graph(file: str, layers: int, kv_heads: int, head_dim: int, inputs: dict, outputs: dict) -> GraphSpec:

@@ -6,7 +6,7 @@ import onnx
 import onnx_ir as ir
 from fakes import make_manifest
 
-from passes import PassContext
+from dflash_onnx.passes import PassContext
 
 
 def apply_pass(run, model: onnx.ModelProto, graph: str = "target", options: dict | None = None,
@@ -20,8 +20,8 @@ def apply_pass(run, model: onnx.ModelProto, graph: str = "target", options: dict
 
 def on_ort(directory):
     """How the CLI hands calibrated passes an export's graphs: its sessions on ONNX Runtime, via the registry."""
-    from runtime.manifest import load_manifest
-    from targets import open_session
+    from dflash_onnx.runtime.manifest import load_manifest
+    from dflash_onnx.targets import open_session
 
     manifest = load_manifest(directory)
     return lambda graph: open_session(directory, manifest, graph, "ort")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.manifest import Manifest
+from dflash_onnx.runtime.manifest import Manifest
 
 POISON = -1e9  # a logit whose probability is exactly 0 after sampling_probs' max shift (float64 exp)
 REAL, BLOCK = 1.0, 2.0  # row flags: a committed context row, a draft block row (must never be fed back)

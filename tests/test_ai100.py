@@ -15,12 +15,12 @@ from reference import (  # skips the module when the oracle is missing
 )
 from transformers import AutoModelForCausalLM
 
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
-from runtime.sampling import SamplingParams
-from targets import LowerRequest, open_decoder
-from targets.ai100.lower import lower_ai100
-from targets.ai100.options import Ai100Options
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.runtime.sampling import SamplingParams
+from dflash_onnx.targets import LowerRequest, open_decoder
+from dflash_onnx.targets.ai100.lower import lower_ai100
+from dflash_onnx.targets.ai100.options import Ai100Options
 
 
 def _prompts(count, vocab, seed):
@@ -120,7 +120,7 @@ def test_graphs_use_standard_ops_rotary_tables_and_emit_ids(lowered, graph):
 
 
 def test_missing_compiler_writes_compile_sh_and_says_so(exported, tmp_path, monkeypatch):
-    import targets.ai100.lower as ai100
+    import dflash_onnx.targets.ai100.lower as ai100
 
     pair = exported("agree_b2")
     monkeypatch.setattr(ai100, "find_compiler", lambda: None)
@@ -159,9 +159,9 @@ def test_bad_lowering_options(exported, tmp_path, options, message):
 
 
 def test_fp16_calibration_scales_fc_and_reports_the_largest_activation(exported):
-    from exporter.models.target import TappedTarget
-    from exporter.pair import load_draft, load_target
-    from targets.fp16_calibration import calibrate_fc_scale
+    from dflash_onnx.exporter.models.target import TappedTarget
+    from dflash_onnx.exporter.pair import load_draft, load_target
+    from dflash_onnx.targets.fp16_calibration import calibrate_fc_scale
 
     pair = exported("agree_b2")
     lm = load_target(pair.target_dir)
@@ -177,9 +177,9 @@ def test_fp16_calibration_scales_fc_and_reports_the_largest_activation(exported)
 
 
 def test_scaled_fc_leaves_the_context_unchanged(exported):
-    from exporter.models.retained import RetainedTarget
-    from exporter.models.target import TappedTarget
-    from exporter.pair import load_draft, load_target
+    from dflash_onnx.exporter.models.retained import RetainedTarget
+    from dflash_onnx.exporter.models.target import TappedTarget
+    from dflash_onnx.exporter.pair import load_draft, load_target
 
     pair = exported("agree_b2")
     lm = load_target(pair.target_dir)
@@ -234,10 +234,10 @@ def test_the_streamed_calibration_and_retained_export_equal_the_loaded_ones(name
     """The lowering runs the calibration on a meta pair whose modules read their weights when called, and writes
     each weight from its checkpoint (fc divided by its scale) as the graphs are saved: same numbers, same graphs
     as with the pair loaded whole (--no-stream)."""
-    from exporter.lazy_weights import pair_sources, weights_on_demand
-    from exporter.pair import DTYPES, load_tapped_pair, meta_pair
-    from targets.ai100.lower import export_retained
-    from targets.fp16_calibration import calibrate_fc_scale
+    from dflash_onnx.exporter.lazy_weights import pair_sources, weights_on_demand
+    from dflash_onnx.exporter.pair import DTYPES, load_tapped_pair, meta_pair
+    from dflash_onnx.targets.ai100.lower import export_retained
+    from dflash_onnx.targets.fp16_calibration import calibrate_fc_scale
 
     pair = exported(name)
     manifest = load_manifest(pair.out)

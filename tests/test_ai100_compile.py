@@ -11,12 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
-from targets import LowerRequest
-from targets.ai100.compiler import SDK_EXEC, compile_commands, compile_flags, compile_script, partition_config
-from targets.ai100.lower import lower_ai100
-from targets.ai100.options import Ai100Options
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import LowerRequest
+from dflash_onnx.targets.ai100.compiler import (
+    SDK_EXEC,
+    compile_commands,
+    compile_flags,
+    compile_script,
+    partition_config,
+)
+from dflash_onnx.targets.ai100.lower import lower_ai100
+from dflash_onnx.targets.ai100.options import Ai100Options
 
 RECORDER = '#!/usr/bin/env bash\necho "$(basename "$0") $@" >> "$FAKE_QAIC_LOG"\n{extra}'
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
-from targets import open_decoder
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import open_decoder
 
 FAKE = Path(__file__).parent / "fake_qaic_sdk"
 
@@ -107,7 +107,7 @@ def test_binding_types_follow_qefficients_map():
     try:
         import QAicApi_pb2 as aicapi
 
-        from targets.ai100.session import binding_dtypes
+        from dflash_onnx.targets.ai100.session import binding_dtypes
 
         types = binding_dtypes(aicapi)
     finally:

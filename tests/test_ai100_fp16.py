@@ -9,13 +9,13 @@ import onnx
 import pytest
 import torch
 
-from exporter.export import export_program
-from runtime.manifest import load_manifest
-from targets import LowerRequest
-from targets.ai100.emulate import GraphSession, emulated_graph
-from targets.ai100.lower import lower_ai100
-from targets.ai100.options import Ai100Options
-from targets.ai100.precision import norm_outputs
+from dflash_onnx.exporter.export import export_program
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import LowerRequest
+from dflash_onnx.targets.ai100.emulate import GraphSession, emulated_graph
+from dflash_onnx.targets.ai100.lower import lower_ai100
+from dflash_onnx.targets.ai100.options import Ai100Options
+from dflash_onnx.targets.ai100.precision import norm_outputs
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_onnx.cli import main
-from exporter.architectures import refused_unless_built
-from exporter.tiny import TinySpec, build_pair
-from runtime.errors import DFlashError
+from dflash_onnx.exporter.architectures import refused_unless_built
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.runtime.errors import DFlashError
 
 # model_type -> what the refusal names (transformers' own default configs of each family)
 FAMILIES = {
@@ -75,7 +75,7 @@ DENSE = ["qwen3", "llama", "qwen2", "mistral", "phi3", "olmo2", "glm4", "gemma3_
 def test_dense_families_pass_the_architecture_check(model_type):
     from transformers import CONFIG_MAPPING
 
-    from exporter.architectures import check_architecture, missing_parts
+    from dflash_onnx.exporter.architectures import check_architecture, missing_parts
 
     config = CONFIG_MAPPING[model_type]()
     assert missing_parts(config.get_text_config(decoder=True)) == []
@@ -86,8 +86,8 @@ def test_dense_families_pass_the_architecture_check(model_type):
 def test_other_dense_families_export_and_decode_exactly(model_type, tmp_path):
     """Besides the Qwen3 / LLaMA pairs of the other tests: the ORT export against the family's own transformers
     class, shape by shape, and DFlash tokens equal to its HF greedy `generate` (parity)."""
+    from dflash_onnx.exporter.export import export_pair
     from dflash_onnx.parity import run_parity
-    from exporter.export import export_pair
 
     target, draft = build_pair(TinySpec(model_type=model_type, agree=True, tie_embeddings=False), tmp_path)
     export_pair(target, draft, tmp_path / "out", progress=False)

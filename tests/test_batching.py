@@ -1,4 +1,5 @@
-"""Requests decoded side by side (runtime/batching.py over the ragged-attention ORT lowering, passes/kv_ragged.py):
+"""Requests decoded side by side (dflash_onnx/runtime/batching.py over the ragged-attention ORT lowering,
+passes/kv_ragged.py):
 each request's tokens equal the same request decoded alone, whatever joins or leaves beside it; directories that
 cannot batch are refused in one line."""
 
@@ -9,17 +10,17 @@ import onnxruntime as ort
 import pytest
 from conftest import CopiedWhenBound
 
-from runtime.batching import BatchParts, SpeculationSwitch, StepBatcher, StepLoop
-from runtime.decode import Decoder
-from runtime.errors import DFlashError
-from runtime.sampling import SamplingParams
-from runtime.tokenizer import TextCodec
-from serving.engine import Engine, GenerationRequest, _step_rows
-from serving.host import EngineSettings
-from targets import LowerRequest, open_batch, open_decoder
-from targets.ort.draft_batch import batched_drafts_refusal
-from targets.ort.lower import lower_ort
-from targets.ort.options import OrtOptions
+from dflash_onnx.runtime.batching import BatchParts, SpeculationSwitch, StepBatcher, StepLoop
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.sampling import SamplingParams
+from dflash_onnx.runtime.tokenizer import TextCodec
+from dflash_onnx.serving.engine import Engine, GenerationRequest, _step_rows
+from dflash_onnx.serving.host import EngineSettings
+from dflash_onnx.targets import LowerRequest, open_batch, open_decoder
+from dflash_onnx.targets.ort.draft_batch import batched_drafts_refusal
+from dflash_onnx.targets.ort.lower import lower_ort
+from dflash_onnx.targets.ort.options import OrtOptions
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +435,7 @@ def test_the_switch_times_each_step_with_its_own_draft_call(monkeypatch):
     """A step is measured from the end of the batched call before it to the end of its own, once the next call shows
     what it committed: its draft call counts against its own mode (the draft call before the first drafting step
     is not charged to the greedy step before it), and a request that joined since is left out."""
-    import runtime.batching as batching
+    import dflash_onnx.runtime.batching as batching
 
     clock = [0.0]
     monkeypatch.setattr(batching.time, "perf_counter", lambda: clock[0])

@@ -20,8 +20,8 @@ from dflash_onnx.bench import (
     run_bench,
 )
 from dflash_onnx.cli import main
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
 
 SMALL = dict(max_new_tokens=24, repeats=1, num_prompts=2, contexts=[16, 64], curve_repeats=2)
 
@@ -194,7 +194,7 @@ def test_ort_genai_peer_is_built_at_the_directorys_precision_and_provider():
     from fakes import make_manifest
 
     from dflash_onnx.peers import genai_block_size, genai_build
-    from runtime.manifest import Lowering
+    from dflash_onnx.runtime.manifest import Lowering
 
     export = make_manifest()
     assert genai_build(export) == ("fp32", "cpu")
@@ -213,7 +213,7 @@ def test_ort_genai_peer_is_built_at_the_directorys_precision_and_provider():
 def test_busy_processes_run_for_the_block_and_are_ended_by_pid():
     import os
 
-    from runtime.busy import busy_processes
+    from dflash_onnx.runtime.busy import busy_processes
 
     def alive(pid: int) -> bool:
         try:

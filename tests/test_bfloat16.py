@@ -15,16 +15,16 @@ import torch
 from onnx import numpy_helper
 from safetensors.torch import load_file, save_file
 
+from dflash_onnx.exporter.export import export_pair
+from dflash_onnx.exporter.models.target import hf_greedy
+from dflash_onnx.exporter.pair import load_target
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
 from dflash_onnx.parity import run_parity
-from exporter.export import export_pair
-from exporter.models.target import hf_greedy
-from exporter.pair import load_target
-from exporter.tiny import TinySpec, build_pair
-from passes.pipeline import apply_pipeline
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
-from targets import LowerRequest, open_decoder
-from targets.ort.lower import lower_ort
+from dflash_onnx.passes.pipeline import apply_pipeline
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import LowerRequest, open_decoder
+from dflash_onnx.targets.ort.lower import lower_ort
 
 SPEC = TinySpec(agree=True, tie_embeddings=False, block_size=8, draft_layers=1, target_layer_ids=[1, 2], seed=13)
 PROMPTS = [[5, 9, 2], [40, 41, 42, 43, 44, 45, 46]]
@@ -107,8 +107,8 @@ def test_widened_then_quantized_runs_on_cpu_and_dflash_keeps_its_greedy_tokens(p
 
 
 def test_ai100_gets_float16_graphs_from_a_bfloat16_export(pair, tmp_path):
-    from targets.ai100.lower import lower_ai100
-    from targets.ai100.options import Ai100Options
+    from dflash_onnx.targets.ai100.lower import lower_ai100
+    from dflash_onnx.targets.ai100.options import Ai100Options
 
     lowered = lower_ai100(pair / "export", tmp_path / "ai100", Ai100Options(dry_run=True, ctx_len=64, prefill_len=16),
                           LowerRequest(progress=False))
@@ -120,8 +120,8 @@ def test_ai100_gets_float16_graphs_from_a_bfloat16_export(pair, tmp_path):
 
 def test_mlx_computes_in_bfloat16_checked_against_the_widened_export(pair, tmp_path, monkeypatch):
     pytest.importorskip("mlx.core", reason="MLX is not installed: pip install 'mlx[cpu]' (Linux) or mlx (macOS)")
-    from targets.mlx import lower as mlx_lower
-    from targets.mlx.options import MlxOptions
+    from dflash_onnx.targets.mlx import lower as mlx_lower
+    from dflash_onnx.targets.mlx.options import MlxOptions
 
     directory = tmp_path / "mlx"
     lowered = mlx_lower.lower_mlx(pair / "export", directory, MlxOptions(bits=4, group_size=32, ctx_len=256),

@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 from dflash_onnx.cli import main
-from runtime.errors import DFlashError
-from runtime.tokenizer import TextCodec
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.tokenizer import TextCodec
 
 QWEN3_LIKE = (
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"

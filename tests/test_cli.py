@@ -88,7 +88,7 @@ def test_parity_passes_on_an_exported_pair(exported, capsys):
 
 def test_parity_fails_on_a_mismatched_graph(exported, tmp_path, capsys):
     """Parity against a different checkpoint must report mismatches and exit 1."""
-    from exporter.tiny import TinySpec, build_pair
+    from dflash_onnx.exporter.tiny import TinySpec, build_pair
 
     pair = exported("causal_gqa4_b4")
     other_target, other_draft = build_pair(TinySpec(num_heads=8, num_kv_heads=2, head_dim=8, draft_layers=2,

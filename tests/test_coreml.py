@@ -16,19 +16,19 @@ import numpy as np
 import pytest
 import torch
 
-from exporter.models.stateful import StatefulDraft, StatefulTarget
-from exporter.models.target import TappedTarget
-from exporter.pair import load_draft, load_target
-from runtime.decode import Decoder
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
-from targets import LowerRequest, open_decoder
+from dflash_onnx.exporter.models.stateful import StatefulDraft, StatefulTarget
+from dflash_onnx.exporter.models.target import TappedTarget
+from dflash_onnx.exporter.pair import load_draft, load_target
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import LowerRequest, open_decoder
 
 ct = pytest.importorskip("coremltools", reason="coremltools is not installed: pip install 'coremltools>=9,<10'")
 
-from targets.coreml.check import TorchStatefulSession  # noqa: E402
-from targets.coreml.lower import lower_coreml  # noqa: E402
-from targets.coreml.options import CoremlOptions  # noqa: E402
+from dflash_onnx.targets.coreml.check import TorchStatefulSession  # noqa: E402
+from dflash_onnx.targets.coreml.lower import lower_coreml  # noqa: E402
+from dflash_onnx.targets.coreml.options import CoremlOptions  # noqa: E402
 
 CTX_LEN, PREFILL = 96, 16
 
@@ -155,7 +155,7 @@ def test_coreml_backend_says_it_needs_macos(coreml_lowered, capsys):
 
 
 def test_consecutive_padding_reserves_the_tail(coreml_lowered):
-    from runtime.runners import RetainedTarget
+    from dflash_onnx.runtime.runners import RetainedTarget
 
     runner = RetainedTarget(TorchStatefulSession(None, []), load_manifest(coreml_lowered))  # positions only
     assert runner.capacity == CTX_LEN - PREFILL
@@ -181,7 +181,7 @@ def test_bad_coreml_options(options, message, exported, tmp_path):
 
 
 def test_a_conversion_too_big_for_the_machine_names_the_parts_that_fit(exported, tmp_path, monkeypatch):
-    from artifacts import publish
+    from dflash_onnx.artifacts import publish
 
     source = exported("agree_b8").out
     monkeypatch.delenv(publish.MEMORY_CHECK_ENV, raising=False)
@@ -232,7 +232,7 @@ def test_int4_packages(exported, coreml_lowered, tmp_path, monkeypatch):
     assert lowered.options["bits"] == 4
     # checked against the modules with their weights rounded as the package holds them: float16 compute only
     assert lowered.max_relative_difference < 5e-3
-    from targets.coreml import rounded_weights
+    from dflash_onnx.targets.coreml import rounded_weights
 
     # a package whose blocks run along the other axis than the reference's (measured: 0.16 of the logit scale,
     # as with unrounded weights) is refused
@@ -253,7 +253,7 @@ def test_the_checks_rounded_weights_are_coremltools_quantization(bits):
     leaves in float16 (too small, or rows not a multiple of the block) unchanged."""
     from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights
 
-    from targets.coreml.rounded_weights import rounded
+    from dflash_onnx.targets.coreml.rounded_weights import rounded
 
     weight = torch.randn(96, 256, generator=torch.Generator().manual_seed(bits)) * 0.05
     weight[3, 32:64] = 0
@@ -268,7 +268,7 @@ def test_the_checks_rounded_weights_are_coremltools_quantization(bits):
 
 
 def test_rounded_weights_are_put_back_and_tied_ones_stay_tied():
-    from targets.coreml.rounded_weights import rounded, rounded_weights
+    from dflash_onnx.targets.coreml.rounded_weights import rounded, rounded_weights
 
     embedding = torch.nn.Embedding(96, 64)
     head = torch.nn.Linear(64, 96, bias=False)
@@ -291,7 +291,7 @@ def test_packages_evaluated_in_numpy_match_the_modules(coreml_lowered, exported,
     lower_coreml(exported("causal_gqa4_b4").out, out, CoremlOptions(ctx_len=CTX_LEN, prefill_len=PREFILL),
                  LowerRequest(progress=False))
     assert load_manifest(out).lowering.max_relative_difference < 5e-3
-    from targets.coreml import mil_eval
+    from dflash_onnx.targets.coreml import mil_eval
 
     monkeypatch.setitem(mil_eval.OPS, "rsqrt", lambda a: 1.0 / np.sqrt(a["x"].astype(np.float32) + 1.0))
     with pytest.raises(DFlashError, match="the CoreML packages change target logits"):
@@ -337,8 +337,8 @@ def test_a_target_in_parts(exported, coreml_lowered, tmp_path):
     """--layers-per-part: each part of the target has its own functions, with its own layers' states, converted
     from the checkpoints read as needed and checked in numpy against the parts' modules; the parts run in turn
     decode exactly as the target in one part does."""
-    from targets.coreml.check import MilSession
-    from targets.coreml.session import part_packages
+    from dflash_onnx.targets.coreml.check import MilSession
+    from dflash_onnx.targets.coreml.session import part_packages
 
     spec = exported("agree_b8").spec
     out = tmp_path / "parts"
@@ -387,8 +387,8 @@ def test_tied_weights_read_for_a_trace_share_storage_not_parameters(exported):
     """A part's weights read from the checkpoints (--layers-per-part): the draft's embedding and lm_head of a tied
     target are one tensor read once, held by two Parameters (torch.jit.trace refuses one Parameter in two places),
     and go back to the meta device after."""
-    from exporter.lazy_weights import pair_sources, weights_loaded
-    from exporter.pair import meta_pair
+    from dflash_onnx.exporter.lazy_weights import pair_sources, weights_loaded
+    from dflash_onnx.exporter.pair import meta_pair
 
     pair = exported("causal_gqa4_b4")  # tied embeddings
     tapped, draft = meta_pair(pair.target_dir, pair.draft_dir, pair.spec.target_layer_ids)

@@ -9,9 +9,9 @@ import shutil
 import pytest
 
 from dflash_onnx.cli import main
-from runtime.costs import read_costs
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
+from dflash_onnx.runtime.costs import read_costs
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
 
 
 def test_the_ort_lowering_records_a_non_decreasing_curve(ort_lowered):
@@ -27,8 +27,8 @@ def test_the_curve_holds_one_graph_at_a_time(ort_lowered):
     import gc
     import weakref
 
-    from runtime.costs import measure_costs
-    from targets import open_session
+    from dflash_onnx.runtime.costs import measure_costs
+    from dflash_onnx.targets import open_session
 
     directory = ort_lowered("agree_b8")
     manifest, alive = load_manifest(directory), {}
@@ -102,11 +102,11 @@ def test_graphs_at_compiled_sizes_take_a_replayed_curve(lowered, capsys):
 def test_a_lowering_too_slow_to_measure_leaves_it_to_calibrate(exported, tmp_path, monkeypatch, capsys):
     """Measurements whose fewest calls would outlast the budget are skipped with a warning naming the figures;
     `calibrate` later records the row multiple and the cost curve the lowering would have."""
-    from targets import lowering
-    from targets.backend import LowerRequest
-    from targets.ort.lower import lower_ort
-    from targets.ort.options import OrtOptions
-    from targets.row_invariance import fewest_calls
+    from dflash_onnx.targets import lowering
+    from dflash_onnx.targets.backend import LowerRequest
+    from dflash_onnx.targets.ort.lower import lower_ort
+    from dflash_onnx.targets.ort.options import OrtOptions
+    from dflash_onnx.targets.row_invariance import fewest_calls
 
     monkeypatch.setattr(lowering, "MEASUREMENT_BUDGET_S", 0.0)
     out = tmp_path / "ort"
@@ -128,8 +128,8 @@ def test_a_lowering_too_slow_to_measure_leaves_it_to_calibrate(exported, tmp_pat
 
 def test_fewest_calls_is_what_the_measurement_makes_at_least(ort_lowered):
     """The budget's count: the calls measure_row_multiple makes when the first candidate agrees (more when not)."""
-    from targets.ort.session import open_session
-    from targets.row_invariance import CANDIDATES, fewest_calls, measure_row_multiple
+    from dflash_onnx.targets.ort.session import open_session
+    from dflash_onnx.targets.row_invariance import CANDIDATES, fewest_calls, measure_row_multiple
 
     directory = ort_lowered("agree_b8")
     manifest = load_manifest(directory)
@@ -169,7 +169,7 @@ def test_a_neighbour_that_starts_halfway_cannot_steepen_the_curve(monkeypatch):
     interleaved rounds keeping each T's fastest give every T its quiet time."""
     import numpy as np
 
-    from runtime import costs
+    from dflash_onnx.runtime import costs
 
     clock = [0.0]
     monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
@@ -183,8 +183,8 @@ def test_a_neighbour_that_starts_halfway_cannot_steepen_the_curve(monkeypatch):
 
 
 def test_a_decode_says_when_its_steps_disagree_with_the_curve():
-    from runtime.costs import curve_disagreement
-    from runtime.manifest import CostModel
+    from dflash_onnx.runtime.costs import curve_disagreement
+    from dflash_onnx.runtime.manifest import CostModel
 
     steep = CostModel(verify_ms=[1.0 + 1.2 * t for t in range(16)], draft_ms=1.0)  # t(16) 19 ms, 10x t(1)
     greedy_steps, full_steps = [0] * 10, [15] * 4

@@ -11,8 +11,8 @@ from reference import (  # skips the module when the oracle is missing
 )
 from transformers import AutoModelForCausalLM
 
-from runtime.errors import DFlashError
-from runtime.runners import KVState
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.runners import KVState
 
 
 def _reference(pair, prompt, max_new_tokens, stops):
@@ -150,7 +150,7 @@ def test_kv_outputs_are_paired_with_inputs_by_name(decoders):
 
 
 def test_chunked_prefill_changes_nothing(exported, decoders):
-    from targets import open_decoder
+    from dflash_onnx.targets import open_decoder
 
     pair, whole = exported("agree_b8"), decoders("agree_b8")
     chunked = open_decoder(pair.out, prefill_chunk=3)
@@ -173,7 +173,7 @@ def test_streaming_yields_what_generate_returns(decoders):
 def test_time_spent_by_the_stream_consumer_is_not_decode_time(decoders, monkeypatch):
     import time as real_time
 
-    import runtime.decode as decode_module
+    import dflash_onnx.runtime.decode as decode_module
 
     class Clock:  # real time plus whatever the consumer "spends"
         offset = 0.0

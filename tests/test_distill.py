@@ -13,11 +13,11 @@ from reference import (  # skips the module when the oracle is missing
 )
 from transformers import AutoModelForCausalLM
 
-from exporter.pair import load_draft, load_target
-from exporter.tiny import TinySpec, build_pair
-from runtime.errors import DFlashError
-from training import distill as distill_module
-from training.distill import DistillOptions, distill
+from dflash_onnx.exporter.pair import load_draft, load_target
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.training import distill as distill_module
+from dflash_onnx.training.distill import DistillOptions, distill
 
 OPTIONS = {"block_size": 8, "steps": 150, "new_tokens": 40, "held_out": 8, "eval_every": 50, "lr": 2e-3}
 

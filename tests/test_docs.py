@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-# a path into the repository, as the pages name files: `runtime/decode.py`, `benchmarks/seed_size.py`
+# a path into the repository, as the pages name files: `dflash_onnx/runtime/decode.py`, `benchmarks/seed_size.py`
 REPO_PATH = re.compile(r"`((?:dflash_onnx|passes|targets|benchmarks|tests|docs)/[\w./-]*)`")
 MODULE_RUN = re.compile(r"python3? -m ([\w.]+)")
 

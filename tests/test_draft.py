@@ -8,10 +8,10 @@ import pytest
 import torch
 from reference import dflash_model  # skips the module when the oracle is missing
 
-from exporter.models.draft import DraftSpec, draft_attention_mask
-from exporter.pair import load_draft
-from exporter.tiny import TinySpec, build_pair
-from runtime.errors import DFlashError
+from dflash_onnx.exporter.models.draft import DraftSpec, draft_attention_mask
+from dflash_onnx.exporter.pair import load_draft
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.runtime.errors import DFlashError
 
 SHAPES = {
     "gqa1_l1_b2": TinySpec(num_heads=4, num_kv_heads=4, draft_layers=1, block_size=2),

@@ -12,8 +12,8 @@ import onnx
 import pytest
 from transformers import AutoModelForCausalLM
 
-from exporter.tiny import TinySpec, build_pair
-from runtime.manifest import load_manifest
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.runtime.manifest import load_manifest
 
 TAPS = [0, 1, 2]
 
@@ -25,12 +25,12 @@ def test_exported_and_ort_lowered_drafts_decode_the_targets_greedy_tokens(kind, 
     oracle, on MLX, AI 100's retained form and CoreML too; DSpark verifies block_size + 1 tokens a step (its anchor slot
     proposes too)."""
     from dflash_onnx.cli import main
-    from exporter.export import export_pair
-    from exporter.models.target import hf_greedy
-    from runtime.sampling import SamplingParams
-    from targets import LowerRequest, open_decoder
-    from targets.ort.lower import lower_ort
-    from targets.ort.options import OrtOptions
+    from dflash_onnx.exporter.export import export_pair
+    from dflash_onnx.exporter.models.target import hf_greedy
+    from dflash_onnx.runtime.sampling import SamplingParams
+    from dflash_onnx.targets import LowerRequest, open_decoder
+    from dflash_onnx.targets.ort.lower import lower_ort
+    from dflash_onnx.targets.ort.options import OrtOptions
 
     spec = TinySpec(draft_kind=kind, draft_format="speculators", target_layer_ids=TAPS, block_size=8, agree=True,
                     tie_embeddings=False, draft_layers=2, sliding_window=3)  # a window counted from the anchor
@@ -99,8 +99,8 @@ def _coreml_chain_draws_from_the_logits_it_returns(directory: Path) -> None:
     import numpy as np
     from coremltools.proto import MIL_pb2
 
-    from runtime.runners import open_runners
-    from targets.coreml.mil_eval import read_spec
+    from dflash_onnx.runtime.runners import open_runners
+    from dflash_onnx.targets.coreml.mil_eval import read_spec
 
     decoder = _numpy_coreml_decoder(directory)
     manifest = decoder.manifest
@@ -132,7 +132,7 @@ def _argmax_probability_beside_the_head(decoder) -> None:
     both."""
     import numpy as np
 
-    from runtime.runners import ARGMAX_PROBABILITY, open_runners
+    from dflash_onnx.runtime.runners import ARGMAX_PROBABILITY, open_runners
 
     manifest = decoder.manifest
     assert ARGMAX_PROBABILITY in manifest.draft.output_names()
@@ -158,9 +158,9 @@ def _argmax_probability_beside_the_head(decoder) -> None:
 
 def _numpy_coreml_decoder(directory: Path):
     """A CoreML lowering's decoder with its packages evaluated in numpy (CoreML itself needs macOS)."""
-    from runtime.decode import Decoder
-    from targets.coreml.check import MilSession
-    from targets.coreml.session import part_packages
+    from dflash_onnx.runtime.decode import Decoder
+    from dflash_onnx.targets.coreml.check import MilSession
+    from dflash_onnx.targets.coreml.session import part_packages
 
     manifest = load_manifest(directory)
     functions = manifest.lowering.functions

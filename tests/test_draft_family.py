@@ -13,11 +13,11 @@ from safetensors.torch import load_file
 from speculators_reference import MODELS, SpeculatorModelConfig  # skips the module when the oracle is missing
 from transformers import AutoModelForCausalLM
 
-from exporter.models.draft import DraftSpec
-from exporter.models.draft_formats import DFLASH2_KEYS, speculators_config
-from exporter.pair import load_draft
-from exporter.tiny import TinySpec, build_pair
-from runtime.errors import DFlashError
+from dflash_onnx.exporter.models.draft import DraftSpec
+from dflash_onnx.exporter.models.draft_formats import DFLASH2_KEYS, speculators_config
+from dflash_onnx.exporter.pair import load_draft
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.runtime.errors import DFlashError
 
 TAPS = [0, 1, 2]
 CASES = {
@@ -233,7 +233,7 @@ def test_zlab_dflash2_matches_the_reference_package(tmp_path):
 
 def _config(**changes) -> dict:
     raw = json.loads(json.dumps(TinySpec(draft_kind="dspark", draft_format="speculators").__dict__))
-    from exporter.tiny import _draft_config
+    from dflash_onnx.exporter.tiny import _draft_config
 
     config = _draft_config(TinySpec(**raw))
     config.update(changes)
@@ -276,7 +276,7 @@ def test_the_reference_peer_runs_zlab_layouts_only(tmp_path):
     have no reference for a speculators-format draft (the package cannot read it)."""
     from reference import dflash_model
 
-    from exporter.pair import load_reference_draft
+    from dflash_onnx.exporter.pair import load_reference_draft
 
     _, zlab = build_pair(TinySpec(draft_kind="dflash2", target_layer_ids=TAPS), tmp_path / "zlab")
     assert isinstance(load_reference_draft(zlab), dflash_model.DFlash2DraftModel)

@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
+from dflash_onnx.exporter.export import export_pair
+from dflash_onnx.exporter.models.target import hf_greedy
+from dflash_onnx.exporter.pair import load_target
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
 from dflash_onnx.parity import run_parity
-from exporter.export import export_pair
-from exporter.models.target import hf_greedy
-from exporter.pair import load_target
-from exporter.tiny import TinySpec, build_pair
-from runtime.differences import scaled_difference
-from runtime.errors import DFlashError
-from runtime.runners import open_draft_runner
-from runtime.sampling import SamplingParams
-from targets import LowerRequest, open_decoder
-from targets.ort.lower import lower_ort
+from dflash_onnx.runtime.differences import scaled_difference
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.runners import open_draft_runner
+from dflash_onnx.runtime.sampling import SamplingParams
+from dflash_onnx.targets import LowerRequest, open_decoder
+from dflash_onnx.targets.ort.lower import lower_ort
 
 SPEC = TinySpec(draft_kind="dflash", draft_format="speculators", draft_vocab_size=24, agree=True,
                 tie_embeddings=False, block_size=8, target_layer_ids=[1, 2])
@@ -111,8 +111,8 @@ def test_a_reduced_draft_missing_its_maps_or_head_is_refused_in_one_line(pair, t
 
 def test_the_mlx_lowering_runs_it_too(pair, tmp_path):
     pytest.importorskip("mlx.core", reason="MLX is not installed: pip install 'mlx[cpu]' (Linux) or mlx (macOS)")
-    from targets.mlx.lower import lower_mlx
-    from targets.mlx.options import MlxOptions
+    from dflash_onnx.targets.mlx.lower import lower_mlx
+    from dflash_onnx.targets.mlx.options import MlxOptions
 
     lower_mlx(pair / "export", tmp_path / "mlx", MlxOptions(ctx_len=512), LowerRequest(progress=False))
     lm = load_target(pair / "target", "float32")

@@ -14,16 +14,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_onnx.cli import main
-from exporter.lazy_weights import Checkpoint, converted_sources
-from exporter.models.target import hf_greedy
-from exporter.pair import load_target
-from exporter.tiny import TinySpec, build_pair
-from passes.pipeline import apply_pipeline
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
-from targets import LowerRequest, open_decoder
-from targets.ort.lower import lower_ort
-from targets.ort.options import OrtOptions
+from dflash_onnx.exporter.lazy_weights import Checkpoint, converted_sources
+from dflash_onnx.exporter.models.target import hf_greedy
+from dflash_onnx.exporter.pair import load_target
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.passes.pipeline import apply_pipeline
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import LowerRequest, open_decoder
+from dflash_onnx.targets.ort.lower import lower_ort
+from dflash_onnx.targets.ort.options import OrtOptions
 
 QUIET = LowerRequest(progress=False)
 PROMPTS = ([4, 5, 6], [9, 1, 2, 8, 3, 30, 31])
@@ -80,7 +80,7 @@ def test_a_checkpoint_missing_an_expert_is_refused_before_tracing(moe, tmp_path)
     tensors = load_file(str(moe.target_dir / "model.safetensors"))
     del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
     save_file(tensors, str(target / "model.safetensors"))
-    from exporter.export import export_pair
+    from dflash_onnx.exporter.export import export_pair
 
     with pytest.raises(DFlashError, match=r"experts\.0\.gate_proj\.weight \(and 14 more tensors, converted to "
                                           r"model\.layers\.2\.mlp\.experts\.gate_up_proj\) .* do not convert as "
@@ -110,7 +110,7 @@ def test_the_export_matches_transformers_and_dflash_decodes_its_greedy_tokens(mo
 
 def test_the_loaded_export_equals_the_streamed_one(moe, tmp_path):
     """--no-stream (from_pretrained, transformers' own loading) gives the same graph outputs."""
-    from exporter.export import export_pair
+    from dflash_onnx.exporter.export import export_pair
 
     export_pair(moe.target_dir, moe.draft_dir, tmp_path / "loaded", progress=False, stream=False)
     ids = np.array([[3, 4, 5, 6, 7]])
@@ -148,9 +148,9 @@ def _moe_graph(lowering: str | None, experts: int = 8, hidden: int = 64, k: int 
     """One dflash::MoE node over random experts (the export's function); `lowering` "fused": through the
     moe-fusion pass (com.microsoft::MoE), "int4": through the int4 pass (QMoE, int8 activations); `positions`:
     the graph also takes position_ids [b, s] (b * s = t), as a target does."""
-    from exporter.models.experts import add_moe_function
-    from passes import PassContext
-    from passes.experts import fuse
+    from dflash_onnx.exporter.models.experts import add_moe_function
+    from dflash_onnx.passes import PassContext
+    from dflash_onnx.passes.experts import fuse
 
     rng = np.random.default_rng(0)
     inner = hidden // 2
@@ -173,7 +173,7 @@ def _moe_graph(lowering: str | None, experts: int = 8, hidden: int = 64, k: int 
             DefaultWeightOnlyQuantizer,
         )
 
-        from passes import experts
+        from dflash_onnx.passes import experts
 
         config = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, accuracy_level=4, bits=4)
         experts.quantize(model, 4, 32, DefaultWeightOnlyQuantizer(config), accuracy_level=4)
@@ -303,7 +303,7 @@ def test_the_other_lowerings_refuse_experts_in_one_line(backend, moe, tmp_path, 
 def test_moe_families_pass_the_architecture_check_and_others_do_not():
     from transformers import CONFIG_MAPPING
 
-    from exporter.architectures import check_architecture
+    from dflash_onnx.exporter.architectures import check_architecture
 
     for family in ("qwen3_moe", "qwen2_moe", "qwen3_5_moe", "qwen3_next"):
         check_architecture(CONFIG_MAPPING[family](), family)
@@ -329,8 +329,8 @@ SHARED_EXPERT_PAIRS = {
 def test_shared_expert_families_export_lower_and_decode_hf_greedy(family, tmp_path):
     """Export against transformers' own class (parity: logits, K/V, state, DFlash tokens == HF greedy), then the
     ORT lowering: the routed experts as com.microsoft MoE, the shared expert as plain ops, tokens == HF greedy."""
+    from dflash_onnx.exporter.export import export_pair
     from dflash_onnx.parity import run_parity
-    from exporter.export import export_pair
 
     spec = SHARED_EXPERT_PAIRS[family]
     target, draft = build_pair(spec, tmp_path)
@@ -352,7 +352,7 @@ def test_the_check_leaves_out_only_rows_whose_experts_flip_at_a_near_tie():
     """A lowering's float rounding may pick another expert where a row's k-th and (k + 1)-th router logits nearly
     tie; the check leaves such rows out, but not a flip without a near tie (a wrong router), nor flips in most
     rows."""
-    from targets.check import _near_tie_flips, _without_rows
+    from dflash_onnx.targets.check import _near_tie_flips, _without_rows
 
     rng = np.random.default_rng(0)
     reference = rng.normal(0, 1, (6, 8)).astype(np.float32)

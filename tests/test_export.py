@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 import pytest
 
-from exporter.export import export_pair
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
+from dflash_onnx.exporter.export import export_pair
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
 
 
 def test_graphs_pass_checker_and_keep_dynamic_axes(exported):
@@ -93,7 +93,7 @@ def test_share_initializers_reads_a_pre_transposed_copy_through_transpose(tmp_pa
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from artifacts.graph_files import share_initializers
+    from dflash_onnx.artifacts.graph_files import share_initializers
 
     vocab, hidden = 11, 4
     weight = np.random.default_rng(0).normal(size=(vocab, hidden)).astype(np.float32)
@@ -147,7 +147,7 @@ def test_the_streamed_export_equals_the_loaded_one(name, exported, tmp_path):
 
 
 def test_a_pair_built_for_streaming_holds_no_weights(exported):
-    from exporter.pair import meta_pair
+    from dflash_onnx.exporter.pair import meta_pair
 
     pair = exported("agree_b8")
     tapped, draft = meta_pair(pair.target_dir, pair.draft_dir, pair.spec.target_layer_ids)

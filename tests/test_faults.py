@@ -29,7 +29,7 @@ exec(os.environ.get("DFLASH_TEST_INJECT", ""))
 from dflash_onnx.cli import main
 sys.exit(main(sys.argv[1:]))
 """
-KILL_AT = "import artifacts.publish as p, os; p.{0} = lambda *a, **k: os.kill(os.getpid(), 9)"
+KILL_AT = "import dflash_onnx.artifacts.publish as p, os; p.{0} = lambda *a, **k: os.kill(os.getpid(), 9)"
 # the disk fills up while the first graph's weights are written: part of the file is on disk, then ENOSPC
 FULL_DISK = ("import errno, onnx_ir\n"
              "def full(model, path, **k):\n"
@@ -368,7 +368,7 @@ def test_kill_at_the_publish_step_leaves_out_complete_and_the_next_run_cleans_up
 
 def test_a_second_writer_of_one_out_fails_at_once(world, tmp_path):
     out, go = tmp_path / "out", tmp_path / "go"
-    hold = ("import artifacts.publish as p, time, pathlib\n"
+    hold = ("import dflash_onnx.artifacts.publish as p, time, pathlib\n"
             "real = p._publish\n"
             f"def held(*a):\n    while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.05)\n    return real(*a)\n"
             "p._publish = held")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_onnx.parity import run_parity
-from runtime.manifest import load_manifest
+from dflash_onnx.runtime.manifest import load_manifest
 
 
 def test_fp16_graphs_take_fp16_kv(exported):
@@ -18,7 +18,7 @@ def test_fp16_graphs_take_fp16_kv(exported):
 def test_fp16_draft_keeps_float32_rope_frequencies(exported):
     import torch
 
-    from exporter.pair import load_draft, load_target
+    from dflash_onnx.exporter.pair import load_draft, load_target
 
     pair = exported("agree_b4_fp16")
     draft = load_draft(pair.draft_dir, load_target(pair.target_dir, "float16"), "float16")

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from dflash_onnx.cli import main
-from exporter.models.target import hf_greedy
-from exporter.pair import load_target
-from exporter.tiny import TinySpec, build_pair
-from runtime.manifest import load_manifest
-from targets import LowerRequest, open_decoder
-from targets.ort.lower import lower_ort
-from targets.ort.options import OrtOptions
+from dflash_onnx.exporter.models.target import hf_greedy
+from dflash_onnx.exporter.pair import load_target
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import LowerRequest, open_decoder
+from dflash_onnx.targets.ort.lower import lower_ort
+from dflash_onnx.targets.ort.options import OrtOptions
 
 # 4 layers: sliding (head 16, 2 K/V heads), full (head 32, 1 K/V head, K as V), then two reading layers 0 and 1's
 SPEC = TinySpec(model_type="gemma4_text", num_heads=4, num_kv_heads=2, head_dim=16, global_head_dim=32,
@@ -27,7 +27,7 @@ PROMPTS = ([5, 9, 11, 3, 20], [40, 2, 66, 17, 9, 31, 8, 70, 12, 4, 51])
 
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory):
-    from exporter.export import export_pair
+    from dflash_onnx.exporter.export import export_pair
 
     root = tmp_path_factory.mktemp("gemma4")
     target, draft = build_pair(SPEC, root)
@@ -36,7 +36,7 @@ def gemma4(tmp_path_factory):
 
 
 def test_the_wrapper_is_the_model_past_its_window_with_shared_kv_and_softcapping(gemma4):
-    from exporter.models.hybrid import wrap_target
+    from dflash_onnx.exporter.models.hybrid import wrap_target
 
     lm = load_target(gemma4 / "target")
     tapped = wrap_target(lm, [1, 2])
@@ -95,8 +95,8 @@ def test_the_published_multimodal_layout_exports_streamed_and_decodes_hf_greedy(
     the composite forward reads)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    from exporter.export import export_pair
-    from exporter.tiny import _target_config, build_draft, write_char_tokenizer
+    from dflash_onnx.exporter.export import export_pair
+    from dflash_onnx.exporter.tiny import _target_config, build_draft, write_char_tokenizer
 
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
               "num_key_value_heads": 2, "head_dim": 16}
@@ -117,7 +117,7 @@ def test_the_published_multimodal_layout_exports_streamed_and_decodes_hf_greedy(
 def test_the_architecture_checks_small_model_keeps_the_sharing_and_the_shapes(gemma4):
     """The weightless export checks the wrapper on the fewest layers holding each layer type: for Gemma 4 that
     must keep a reading layer of each type and each kept layer's own head size."""
-    from exporter.pair import architecture_check_model
+    from dflash_onnx.exporter.pair import architecture_check_model
 
     tapped = architecture_check_model(gemma4 / "target")
     text = tapped.lm.config.get_text_config(decoder=True)
@@ -140,7 +140,7 @@ def test_gemma4s_experts_export_as_one_node_per_layer_and_the_buffer_form_decode
     form (buffers of each layer's own shape, the sliding layers' windows in GroupQueryAttention) decodes HF greedy."""
     from safetensors.torch import load_file, save_file
 
-    from exporter.export import export_pair
+    from dflash_onnx.exporter.export import export_pair
 
     target, draft = build_pair(MOE_SPEC, tmp_path)
     weights = load_file(str(target / "model.safetensors"))
@@ -196,8 +196,8 @@ def test_the_experts_function_reads_the_chosen_experts_only_and_equals_the_torch
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from exporter.models import gelu_experts
-    from exporter.models.experts import add_moe_function
+    from dflash_onnx.exporter.models import gelu_experts
+    from dflash_onnx.exporter.models.experts import add_moe_function
 
     generator = torch.Generator().manual_seed(3)
     tokens, hidden, inter, experts = 3, 16, 8, 6
@@ -234,7 +234,7 @@ def test_the_family_benchmarks_dense_gemma4_reads_the_same_mlp_weights_per_token
     from conftest import benchmark_script
     from transformers import AutoConfig
 
-    from exporter.tiny import _target_config
+    from dflash_onnx.exporter.tiny import _target_config
 
     script = benchmark_script("family_decode")
     args = script.argparse.Namespace(family="gemma4-moe", vocab=512, hidden=256, layers=4, experts=16, per_token=4,

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from dflash_onnx.cli import main
-from exporter.models.target import hf_greedy
-from exporter.pair import load_target
-from exporter.tiny import TinySpec, build_pair
-from runtime.manifest import load_manifest
-from targets import LowerRequest, open_decoder
-from targets.ort.lower import lower_ort
-from targets.ort.options import OrtOptions
+from dflash_onnx.exporter.models.target import hf_greedy
+from dflash_onnx.exporter.pair import load_target
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import LowerRequest, open_decoder
+from dflash_onnx.targets.ort.lower import lower_ort
+from dflash_onnx.targets.ort.options import OrtOptions
 
 SPEC = TinySpec(model_type="gpt_oss", num_experts=8, experts_per_token=2, tie_embeddings=False, block_size=4,
                 target_layer_ids=[1, 2], seed=19, target_sliding_window=5, max_positions=131072)
@@ -26,7 +26,7 @@ PROMPTS = ([5, 9, 11, 3, 20], [40, 2, 66, 17, 9, 31, 8, 70, 12, 4, 51])
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
-    from exporter.export import export_pair
+    from dflash_onnx.exporter.export import export_pair
 
     root = tmp_path_factory.mktemp("gpt_oss")
     target, draft = build_pair(SPEC, root)
@@ -37,7 +37,7 @@ def gpt_oss(tmp_path_factory):
 def test_the_wrapper_reproduces_sinks_and_sliding_windows_with_additive_masks(gpt_oss):
     """Boolean masks added to eager attention's scores would read as 0 / 1 (the issue's 0.51 logit difference):
     the wrapper hands gpt-oss additive masks, and matches the model's own forward past the sliding window."""
-    from exporter.models.hybrid import wrap_target
+    from dflash_onnx.exporter.models.hybrid import wrap_target
 
     lm = load_target(gpt_oss / "target")
     assert lm.config._attn_implementation == "eager"
@@ -104,8 +104,8 @@ def test_int4_quantizes_its_experts_into_qmoe_with_their_biases_and_activation(g
         assert decoder.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == greedy
     # the check finds each layer's router in the export, in the int4 export (QMoE fed by its TopK) and in the
     # lowering (ONNX Runtime may keep a float32 copy under its own name)
-    from runtime.manifest import load_manifest
-    from targets.ort.check import lowered_routers, routers
+    from dflash_onnx.runtime.manifest import load_manifest
+    from dflash_onnx.targets.ort.check import lowered_routers, routers
 
     for exported in ("out", "int4"):
         found = routers(gpt_oss / exported / "target.onnx", load_manifest(gpt_oss / exported))
@@ -148,7 +148,7 @@ def test_a_checkpoint_with_mxfp4_experts_exports_streamed_dequantized_as_transfo
 
     from safetensors.torch import load_file, save_file
 
-    from exporter.export import export_pair
+    from dflash_onnx.exporter.export import export_pair
 
     target, draft = build_pair(SPEC, tmp_path)
     weights = load_file(str(target / "model.safetensors"))

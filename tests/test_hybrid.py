@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from dflash_onnx.cli import main
-from exporter.models.hybrid import HybridTarget
-from exporter.models.target import hf_greedy
-from exporter.pair import load_target
-from exporter.tiny import build_pair
-from runtime.manifest import load_manifest
-from runtime.recurrent import input_names, output_names
-from targets import LowerRequest, open_decoder
-from targets.ort.lower import lower_ort
-from targets.ort.options import OrtOptions
+from dflash_onnx.exporter.models.hybrid import HybridTarget
+from dflash_onnx.exporter.models.target import hf_greedy
+from dflash_onnx.exporter.pair import load_target
+from dflash_onnx.exporter.tiny import build_pair
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.runtime.recurrent import input_names, output_names
+from dflash_onnx.targets import LowerRequest, open_decoder
+from dflash_onnx.targets.ort.lower import lower_ort
+from dflash_onnx.targets.ort.options import OrtOptions
 
 PROMPTS = ([5, 9, 11, 3, 20], [40, 2, 66, 17, 9, 31, 8, 70, 12, 4, 51])
 NEW_TOKENS = 24
@@ -131,7 +131,7 @@ def test_the_reference_package_leaves_greedy_on_a_hybrid_target(hybrid, hf_lm):
     rejected tokens in the recurrent state. Should transformers fix that, this fails and parity can compare it."""
     from dflash.model import dflash_generate
 
-    from exporter.pair import load_reference_draft
+    from dflash_onnx.exporter.pair import load_reference_draft
 
     reference = load_reference_draft(hybrid.draft_dir)
     diverged = 0
@@ -218,7 +218,7 @@ def test_the_gated_deltanet_families_pass_the_architecture_check():
     method; exported and decoded in tests/test_experts.py)."""
     from transformers import CONFIG_MAPPING
 
-    from exporter.architectures import missing_parts
+    from dflash_onnx.exporter.architectures import missing_parts
 
     for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         assert missing_parts(CONFIG_MAPPING[family]().get_text_config(decoder=True)) == []
@@ -229,8 +229,8 @@ def test_a_published_multimodal_checkpoint_exports_its_text_model_streamed(tmp_p
     export reads the text weights through transformers' own renaming and decodes HF greedy's tokens."""
     from transformers import Qwen3_5ForConditionalGeneration
 
-    from exporter.export import export_pair
-    from exporter.tiny import TinySpec
+    from dflash_onnx.exporter.export import export_pair
+    from dflash_onnx.exporter.tiny import TinySpec
 
     spec = TinySpec(model_type="qwen3_5_text", full_attention_interval=2, tie_embeddings=False, block_size=4,
                     target_layer_ids=[1, 2], seed=17, multimodal=True)
@@ -251,7 +251,7 @@ def test_a_published_multimodal_checkpoint_exports_its_text_model_streamed(tmp_p
 def test_a_float16_export_lowers_with_its_zero_centred_norms_fused(hybrid, tmp_path, references):
     """Qwen3.5's RMSNorm scales by (1 + w) in float32: fused beside float16 inputs, ORT refused to load the graph
     (the Qwen3.5-4B-shaped lowering failed so). The scale is cast to the input's type; tokens still equal."""
-    from exporter.export import export_pair
+    from dflash_onnx.exporter.export import export_pair
 
     export_pair(hybrid.target_dir, hybrid.draft_dir, tmp_path / "fp16", dtype="float16", progress=False)
     lowered = lower_ort(tmp_path / "fp16", tmp_path / "ort", OrtOptions(ctx_len=256), LowerRequest(progress=False))
@@ -267,7 +267,7 @@ def test_the_family_benchmark_compares_the_hybrid_with_the_same_shape_all_full_a
     from conftest import benchmark_script
     from transformers import AutoConfig
 
-    from exporter.tiny import _target_config
+    from dflash_onnx.exporter.tiny import _target_config
 
     script = benchmark_script("family_decode")
     args = script.argparse.Namespace(family="hybrid", vocab=512, hidden=256, layers=8, linear_heads=(2, 4),

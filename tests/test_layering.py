@@ -11,9 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("runtime", "artifacts", "exporter", "training", "passes", "targets", "serving", "dflash_onnx")
-# each layer (a top-level folder; the CLI apart) and the layers it may import, bottom up; exporter, training and
-# passes are siblings that never import each other's modules, except that training trains the exporter's draft
+PACKAGE = "dflash_onnx"
+# the layers beneath the one import name: dflash_onnx.<layer>; the design card's passes/ and targets/ stay at the top
+# of the repository and install as dflash_onnx.passes and dflash_onnx.targets (pyproject.toml's package-dir)
+LAYERS = ("runtime", "artifacts", "exporter", "training", "passes", "targets", "serving")
+MAPPED = {"passes": ROOT / "passes", "targets": ROOT / "targets"}
+# each layer (the CLI apart) and the layers it may import, bottom up; exporter, training and passes are siblings that
+# never import each other's modules, except that training trains the exporter's draft; the commands are the modules
+# of dflash_onnx/ outside the layers' folders
 MAY_IMPORT = {
     "runtime": {"runtime"},
     "artifacts": {"runtime", "artifacts"},
@@ -35,27 +40,34 @@ SESSION_LIBRARIES = {"ort": {"onnxruntime", "onnx"}, "ai100": {"QAicApi_pb2", "q
                      "coreml": {"coremltools"}}
 # neutral helpers a session may use: artifact names checked to stay inside their directory; how many rows the
 # K/V buffers of the ORT and MLX sessions hold (no runtime import of its own)
-SESSION_HELPERS = {"artifacts.graph_files", "targets.kv_rows"}
+SESSION_HELPERS = {"dflash_onnx.artifacts.graph_files", "dflash_onnx.targets.kv_rows"}
 HEAVY = {"torch", "transformers", "safetensors", "onnx", "onnxruntime", "onnx_ir", "onnxscript", "mlx", "coremltools"}
 THIRD_PARTY = HEAVY | RUNTIME_LIBRARIES | {"tqdm", "matplotlib", "onnxruntime_genai", "dflash", "scipy", "optimum",
                                           "QAicApi_pb2", "qaicrt"}
 
 
 def layer(module: str) -> str:
-    """The layer a project module belongs to: its top-level folder; dflash_onnx/ holds the commands and the CLI."""
-    if module == "dflash_onnx.cli":
+    """The layer a project module belongs to: dflash_onnx.<layer>...; the package's other modules are the commands,
+    and its entry points (cli, __main__) the CLI."""
+    if module in (f"{PACKAGE}.cli", f"{PACKAGE}.__main__"):
         return "cli"
-    top = module.split(".")[0]
-    return "commands" if top == "dflash_onnx" else top
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "commands"
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for name, folder in MAPPED.items():
+        if path.is_relative_to(folder):
+            parts = [PACKAGE, name, *path.relative_to(folder).with_suffix("").parts]
+            break
+    else:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+    files = [p for folder in (ROOT / PACKAGE, *MAPPED.values()) for p in sorted(folder.rglob("*.py"))]
+    return {_module_name(p): p for p in files if "demo_pair" not in p.parts}
 
 
 MODULES = _modules()
@@ -97,12 +109,13 @@ def _libraries(imports: set[str]) -> set[str]:
 
 
 def test_the_walk_sees_the_code():
-    assert {f"runtime.{name}" for name in ("errors", "manifest", "session", "runners", "sampling", "decode", "feeds",
-                                           "tokenizer", "chat", "paths", "policy", "costs")} <= RUNTIME
-    assert "targets.ort.session" in MODULES and "passes.kv_buffer" in MODULES
-    assert "runtime.manifest" in GRAPH["runtime.decode"]
-    assert "targets.ort.lower" in GRAPH["targets.ort"]  # imports inside functions count
-    assert {"torch"} <= _libraries(GRAPH["exporter.export"])
+    core = ("errors", "manifest", "session", "runners", "sampling", "decode", "feeds", "tokenizer", "chat", "paths",
+            "policy", "costs")
+    assert {f"dflash_onnx.runtime.{name}" for name in core} <= RUNTIME
+    assert "dflash_onnx.targets.ort.session" in MODULES and "dflash_onnx.passes.kv_buffer" in MODULES
+    assert "dflash_onnx.runtime.manifest" in GRAPH["dflash_onnx.runtime.decode"]
+    assert "dflash_onnx.targets.ort.lower" in GRAPH["dflash_onnx.targets.ort"]  # imports inside functions count
+    assert {"torch"} <= _libraries(GRAPH["dflash_onnx.exporter.export"])
     assert {layer(m) for m in MODULES} == set(MAY_IMPORT), "a folder the layering does not know"
 
 
@@ -139,9 +152,10 @@ def test_a_module_imports_only_the_layers_below_its_own(module):
 
 @pytest.mark.parametrize("backend", sorted(SESSION_LIBRARIES))
 def test_a_session_imports_the_runtime_and_its_own_library_only(backend):
-    module = f"targets.{backend}.session"
-    own = {m for m in MODULES if m.startswith(f"targets.{backend}.")} - {f"targets.{backend}.lower"}
-    allowed = RUNTIME | SESSION_HELPERS | own | {"targets.backend"}
+    module = f"dflash_onnx.targets.{backend}.session"
+    package = f"dflash_onnx.targets.{backend}"
+    own = {m for m in MODULES if m.startswith(f"{package}.")} - {f"{package}.lower"}
+    allowed = RUNTIME | SESSION_HELPERS | own | {"dflash_onnx.targets.backend"}
     reached, pending = set(), [module]
     while pending:  # everything the session needs loaded, transitively (within its own package)
         current = pending.pop()
@@ -170,10 +184,13 @@ def _top_level_imports(module: str) -> set[str]:
 
 
 def _loaded_at_import(start: str) -> tuple[set[str], set[str]]:
-    """The project modules and third-party libraries importing `start` loads right away."""
+    """The project modules and third-party libraries importing `start` loads right away (its parent packages
+    first)."""
     loaded, libraries, pending = {start}, set(), [start]
     while pending:
-        imports = _top_level_imports(pending.pop())
+        current = pending.pop()
+        parents = {".".join(current.split(".")[:i]) for i in range(1, current.count(".") + 1)}
+        imports = _top_level_imports(current) | parents
         libraries |= _libraries(imports)
         for imported in _project(imports) - loaded:
             loaded.add(imported)
@@ -185,11 +202,11 @@ def test_loading_the_registry_needs_only_the_core_runtime():
     """Every command imports `targets`: that must not pull in torch, onnx (~1 s with ml_dtypes: a bad flag is
     refused before it) or the lowerings' tools; the ORT and MLX sessions, which need onnx, load when one opens,
     with the core runtime and onnx only."""
-    loaded, libraries = _loaded_at_import("targets")
+    loaded, libraries = _loaded_at_import("dflash_onnx.targets")
     assert libraries <= RUNTIME_LIBRARIES | {"onnxruntime"}, libraries
     assert not {m for m in loaded if m.endswith(".lower")}, loaded
-    assert not {"targets.ort.session", "targets.mlx.session"} & loaded, loaded
-    for session in ("targets.ort.session", "targets.mlx.session"):
+    assert not {"dflash_onnx.targets.ort.session", "dflash_onnx.targets.mlx.session"} & loaded, loaded
+    for session in ("dflash_onnx.targets.ort.session", "dflash_onnx.targets.mlx.session"):
         loaded, libraries = _loaded_at_import(session)
         assert libraries <= RUNTIME_LIBRARIES | {"onnx", "onnxruntime"}, (session, libraries)
         assert not {m for m in loaded if m.endswith(".lower")}, (session, loaded)
@@ -199,5 +216,5 @@ def test_commands_reach_backends_through_the_registry():
     for module, imports in GRAPH.items():
         if layer(module) not in ("commands", "cli"):
             continue
-        direct = {m for m in _project(imports) if m.startswith("targets.")}
+        direct = {m for m in _project(imports) if m.startswith("dflash_onnx.targets.")}
         assert not direct, f"{module} imports {sorted(direct)}: go through the targets registry"

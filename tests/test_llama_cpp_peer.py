@@ -17,8 +17,8 @@ from dflash_onnx.bench import BenchOptions, run_bench
 from dflash_onnx.llama_cpp import build, gguf, runs
 from dflash_onnx.llama_cpp.peer import llama_cpp_rows, threads_of, unsupported_draft
 from dflash_onnx.peers import same_tokens
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
 
 
 def _llama_cpp() -> build.LlamaCpp | None:
@@ -92,7 +92,7 @@ def test_a_named_llama_cpp_type_is_quantized_as_llama_cpp_mixes_it(exported, tmp
 
 
 def _mlx_lowering():
-    from runtime.manifest import Lowering
+    from dflash_onnx.runtime.manifest import Lowering
 
     return Lowering(backend="mlx", options={})
 

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from runtime.decode import Decoder
-from runtime.lookup import NgramLookup
-from runtime.sampling import SamplingParams
-from targets import open_decoder
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.lookup import NgramLookup
+from dflash_onnx.runtime.sampling import SamplingParams
+from dflash_onnx.targets import open_decoder
 
 
 def test_the_guess_is_what_followed_the_longest_ngram_seen_before():

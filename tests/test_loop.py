@@ -19,10 +19,10 @@ from scripted import (
     reference,
 )
 
-from runtime.decode import Decoder
-from runtime.errors import DFlashError
-from runtime.manifest import CostModel, Lowering
-from runtime.sampling import SamplingParams, sampling_probs
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import CostModel, Lowering
+from dflash_onnx.runtime.sampling import SamplingParams, sampling_probs
 
 VOCAB = 32  # make_manifest's default; its mask token is 31
 PROMPT = [3, 14, 15, 9, 2, 6]

@@ -9,8 +9,8 @@ from dataclasses import asdict
 import pytest
 from fakes import make_manifest
 
-from runtime.errors import DFlashError
-from runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, Lowering, load_export, load_manifest
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, Lowering, load_export, load_manifest
 
 
 def _written(tmp_path, manifest) -> dict:
@@ -69,7 +69,7 @@ def test_damaged_manifests_are_refused_in_one_line(tmp_path, damage, message):
 
 
 def test_options_another_version_wrote_are_refused_when_a_session_opens(tmp_path):
-    from targets import open_session
+    from dflash_onnx.targets import open_session
 
     manifest = make_manifest(lowering=Lowering(backend="ort", options={"colour": "blue"}, provider="cpu"))
     _written(tmp_path, manifest)

@@ -14,15 +14,15 @@ from reference import (  # skips the module when the oracle is missing
 )
 from transformers import AutoModelForCausalLM
 
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
-from targets import LowerRequest, open_decoder
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import LowerRequest, open_decoder
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed: pip install 'mlx[cpu]' (Linux) or mlx (macOS)")
 
-from targets.mlx.lower import lower_mlx  # noqa: E402
-from targets.mlx.options import MlxOptions  # noqa: E402
-from targets.mlx.session import MlxSession  # noqa: E402
+from dflash_onnx.targets.mlx.lower import lower_mlx  # noqa: E402
+from dflash_onnx.targets.mlx.options import MlxOptions  # noqa: E402
+from dflash_onnx.targets.mlx.session import MlxSession  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +65,7 @@ def test_mlx_decodes_exactly_like_ort(name, kv_buffer, exported, decoders, mlx_l
 def test_mlx_buffers_grow_with_the_context_and_decode_like_ort(decoders, mlx_lowered):
     """The buffer form's K/V start empty, take FIRST_ROWS rows on the first call and double past them (up to
     ctx_len 512), the rows written before kept: a 300-token prompt decodes the export's tokens across the growth."""
-    from targets.kv_rows import FIRST_ROWS
+    from dflash_onnx.targets.kv_rows import FIRST_ROWS
 
     mlx = open_decoder(mlx_lowered("agree_b8"), backend="mlx")
     target, draft = mlx.target.state, mlx.draft.state
@@ -150,7 +150,7 @@ def test_the_lowering_check_refuses_a_wrong_graph(exported, mlx_lowered, tmp_pat
         lower_mlx(exported("causal_gqa4_b4").out, tmp_path / "sliding", MlxOptions(kv_buffer=True, ctx_len=512),
                   LowerRequest(progress=False))
     assert load_manifest(mlx_lowered("agree_b8")).lowering.max_relative_difference < 1e-5  # before the bad op
-    from targets.mlx import ops
+    from dflash_onnx.targets.mlx import ops
 
     monkeypatch.setitem(ops.OPS, ("", "SimplifiedLayerNormalization"),
                         lambda inputs, attrs: [mx.fast.rms_norm(ops.device(inputs[0]), ops.device(inputs[1]), 1e-2)])
@@ -187,7 +187,7 @@ def test_quantized_mlx_is_lossless_against_its_own_greedy(bits, exported, mlx_lo
 def test_half_precision_quantized_matmuls_keep_float_accuracy_on_the_cpu(dtype):
     """mlx[cpu]'s quantized_matmul accumulates bfloat16 inputs in bfloat16 (7.6 % of the output's scale at K = 2048)
     and runs float16 ones ~38x slower: the session's MatMul gives it float32 activations on the CPU."""
-    from targets.mlx.ops import OPS, QuantizedWeight
+    from dflash_onnx.targets.mlx.ops import OPS, QuantizedWeight
 
     half = getattr(mx, dtype)
     mx.random.seed(0)
@@ -207,7 +207,7 @@ def test_the_selector_ops_match_onnx_runtime():
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from targets.mlx.ops import OPS
+    from dflash_onnx.targets.mlx.ops import OPS
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 5, 40)).astype(np.float32)
@@ -259,7 +259,7 @@ def test_new_call_shapes_do_not_copy_the_weights(mlx_lowered):
 def test_the_quantized_check_tells_rounding_from_float(exported, mlx_lowered, monkeypatch):
     """Held to the float tolerance, an MLX int4 lowering checked against unrounded weights (what a wrong
     quantization looks like to the check) is refused."""
-    from targets.mlx import lower
+    from dflash_onnx.targets.mlx import lower
 
     directory, source = mlx_lowered("agree_b8", bits=4), exported("agree_b8").out
     assert lower._check(source, load_manifest(source), directory, load_manifest(directory), 4) < 1e-4
@@ -286,7 +286,7 @@ def test_backend_and_lowering_must_agree(exported, mlx_lowered, tmp_path):
         open_decoder(mlx_lowered("agree_b8"), intra_op_threads=1)
     with pytest.raises(DFlashError, match="already lowered"):
         lower_mlx(mlx_lowered("agree_b8"), tmp_path / "again", request=LowerRequest(progress=False))
-    from passes.pipeline import apply_pipeline
+    from dflash_onnx.passes.pipeline import apply_pipeline
 
     with pytest.raises(DFlashError, match=r"already lowered \(for mlx\)"):  # its graphs carry no weights
         apply_pipeline(mlx_lowered("agree_b8"), ["cleanup"], tmp_path / "passes", progress=False)
@@ -345,7 +345,7 @@ def test_mlx_lm_peer_decodes_our_tokens(exported, mlx_lowered):
 def test_rope_tables_are_recognised_only_when_exact():
     """cos/sin tables of HF's default RoPE run as mx.fast.rope by base theta; frequencies that no base gives (e.g.
     LLaMA 3's scaled ones) by wavelengths; scaled tables (attention scaling) row by row. Each equals the tables."""
-    from targets.mlx import ops
+    from dflash_onnx.targets.mlx import ops
 
     half, rows = 8, 64
     default = 1.0 / 1e6 ** (np.arange(0, 2 * half, 2, dtype=np.float32) / (2 * half))
@@ -365,7 +365,7 @@ def test_rope_tables_are_recognised_only_when_exact():
 def test_the_check_is_skipped_with_both_figures_when_the_reference_cannot_fit(exported, tmp_path, monkeypatch, capsys):
     """At a size where ONNX Runtime could not hold the export (float16 held as float32 on CPU), the lowering says
     so with the memory it would need and what is available, and records no difference instead of running out."""
-    import targets.mlx.lower as mlx_lower
+    import dflash_onnx.targets.mlx.lower as mlx_lower
 
     monkeypatch.setattr(mlx_lower, "available_memory", lambda: 1000)
     manifest = lower_mlx(exported("agree_b8").out, tmp_path / "big", MlxOptions(ctx_len=512), LowerRequest())
@@ -376,7 +376,7 @@ def test_the_check_is_skipped_with_both_figures_when_the_reference_cannot_fit(ex
 def test_the_check_needs_room_for_the_larger_graph_only(exported, tmp_path, monkeypatch):
     """The check opens one graph's session at a time, so memory for the larger graph's reference is enough: with
     room for the target's files but not for both graphs' together, the check still runs."""
-    import targets.mlx.lower as mlx_lower
+    import dflash_onnx.targets.mlx.lower as mlx_lower
 
     source = exported("agree_b8").out
     sizes = [sum(p.stat().st_size for p in source.glob(f"{graph}.onnx*")) for graph in ("target", "draft")]
@@ -389,7 +389,7 @@ def test_a_target_too_slow_to_check_skips_the_check_and_measurements_with_the_fi
                                                                                      capsys):
     """Where one decode call shows the check and the measurements would outlast the budget (a 4B target on
     mlx[cpu] takes minutes per call), the lowering says so with the figures instead of running for hours."""
-    from targets import lowering
+    from dflash_onnx.targets import lowering
 
     monkeypatch.setattr(lowering, "MEASUREMENT_BUDGET_S", 0.0)
     manifest = lower_mlx(exported("agree_b8").out, tmp_path / "slow", MlxOptions(ctx_len=512),

@@ -10,14 +10,14 @@ import onnx
 import pytest
 from conftest import KV_BUFFER, CopiedWhenBound
 
-import targets.ort.check as ort_check
+import dflash_onnx.targets.ort.check as ort_check
 from dflash_onnx.cli import main
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
-from targets import LowerRequest, open_decoder
-from targets.ort.lower import lower_ort
-from targets.ort.options import OrtOptions
-from targets.ort.session import OrtBufferSession
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import LowerRequest, open_decoder
+from dflash_onnx.targets.ort.lower import lower_ort
+from dflash_onnx.targets.ort.options import OrtOptions
+from dflash_onnx.targets.ort.session import OrtBufferSession
 
 QUIET = LowerRequest(progress=False)
 REWRITES = ["draft-attention", "rope-cache", "kv-buffer", "draft-rows", "tidy"]  # the lowering's own, in order
@@ -68,7 +68,7 @@ def _buffer_call(session, ids: np.ndarray, start: int) -> None:
 def test_buffer_form_writes_kv_in_place_into_buffers_that_grow_with_the_context(exported, ort_lowered):
     """After each call the session's own buffers hold the export's K/V rows (no copy handed back); they start
     at FIRST_ROWS rows and grow to ctx_len (512) when a call needs more, keeping the rows written before."""
-    from targets.kv_rows import FIRST_ROWS
+    from dflash_onnx.targets.kv_rows import FIRST_ROWS
 
     lowered = open_decoder(ort_lowered("agree_b8"))
     session, manifest = lowered.target, lowered.manifest
@@ -112,8 +112,8 @@ def test_a_lowering_whose_graph_fixes_the_buffer_rows_still_decodes(decoders, or
 def test_sliding_window_layers_get_their_window_in_the_buffer_form(exported, tmp_path):
     """causal_gqa4_b4's target slides over 5 positions in layers 0 and 2: GroupQueryAttention's
     local_window_size masks as the export does, and the buffer form decodes HF greedy's tokens past the window."""
-    from exporter.models.target import hf_greedy
-    from exporter.pair import load_target
+    from dflash_onnx.exporter.models.target import hf_greedy
+    from dflash_onnx.exporter.pair import load_target
 
     pair = exported("causal_gqa4_b4")
     assert load_manifest(pair.out).target.kv_windows == [5, 0, 5, 0]
@@ -142,7 +142,7 @@ def test_buffer_form_is_refused_where_it_would_change_the_output(exported, tmp_p
 def test_rows_form_draft_keeps_the_exports_context_cache_in_its_buffers(exported, ort_lowered):
     """Proposal by proposal, the lowered draft session's buffers hold the rows the export's `present` holds,
     and the runner feeds it no K/V (the session writes each call's rows in place)."""
-    from runtime.runners import RowsDraft, open_runners
+    from dflash_onnx.runtime.runners import RowsDraft, open_runners
 
     lowered, export = open_decoder(ort_lowered("agree_b8")), exported("agree_b8").decoder()
     _, rows = open_runners(lowered.manifest, lowered.target, lowered.draft, 256)
@@ -275,7 +275,7 @@ def test_cli_lower_ort_errors_are_one_line(exported, tmp_path, capsys):
 
 def test_buffer_form_rotation_holds_at_long_positions(exported, ort_lowered):
     """GroupQueryAttention's own RoPE (cos/sin cache) matches the export's rotation 500 positions in."""
-    from runtime.runners import open_runners
+    from dflash_onnx.runtime.runners import open_runners
 
     lowered, export = open_decoder(ort_lowered("agree_b8")), exported("agree_b8").decoder()
     ids = np.random.default_rng(5).integers(0, 96, size=500)
@@ -291,7 +291,7 @@ def test_buffer_form_rotation_holds_at_long_positions(exported, ort_lowered):
 
 def test_a_quantized_export_lowers_and_decodes_its_own_greedy_tokens(exported, tmp_path):
     """int4 (MatMulNBits, int8 activations) then the ORT lowering: DFlash == the quantized export's greedy."""
-    from passes.pipeline import apply_pipeline
+    from dflash_onnx.passes.pipeline import apply_pipeline
 
     quantized = tmp_path / "int4"
     apply_pipeline(exported("agree_b8").out, ["int4"], quantized, {"*": {"block_size": "16"}}, QUIET)
@@ -335,7 +335,7 @@ def _assert_a_wrong_rewrite_is_refused(quantized, directory) -> None:
 def _assert_batch_invariant(decoder) -> None:
     """The lowering measured a row multiple with which a token's logits are the same bits whether its call had
     one row (a greedy step) or a block (a DFlash verify), and the decoder pads to it."""
-    from runtime.runners import open_runners
+    from dflash_onnx.runtime.runners import open_runners
 
     measured = decoder.manifest.lowering.report["batch_invariance"]
     assert measured["invariant"] and decoder.row_multiple == measured["row_multiple"] >= 1
@@ -375,7 +375,7 @@ def test_reshape_round_trips_are_removed_and_other_chains_kept():
     import onnxruntime as ort
     from passtools import apply_pass
 
-    from passes.tidy import run as tidy
+    from dflash_onnx.passes.tidy import run as tidy
 
     x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float32)
     round_trip, details = apply_pass(tidy, _reshape_chain([8]))
@@ -412,7 +412,7 @@ def test_every_rewrite_reports_its_findings_per_graph(ort_lowered):
 def test_rows_session_refuses_a_context_past_its_buffers_before_writing(ort_lowered):
     """The rows are written by pointer into the session's buffers: a call that would run past them is refused
     before ORT writes anything."""
-    from targets.ort.session import OrtRowsSession
+    from dflash_onnx.targets.ort.session import OrtRowsSession
 
     decoder = open_decoder(ort_lowered("agree_b8"))
     session, manifest = decoder.draft, decoder.manifest
@@ -439,7 +439,7 @@ def test_cuda_is_refused_for_a_float32_buffer_form_before_anything_is_written(ex
 
 @pytest.mark.parametrize("mode, spin, stop", [("on", None, None), ("calls", None, "1"), ("off", "0", None)])
 def test_spinning_modes_reach_the_target_session(ort_lowered, mode, spin, stop):
-    from targets.ort.session import open_session
+    from dflash_onnx.targets.ort.session import open_session
 
     manifest = load_manifest(ort_lowered("agree_b8"))
     options = open_session(ort_lowered("agree_b8"), manifest, "target", spinning=mode)._session.get_session_options()
@@ -465,9 +465,9 @@ def test_the_check_holds_one_graph_session_at_a_time(exported, ort_lowered):
     import gc
     import weakref
 
-    from targets import open_session
-    from targets.check import compare_lowering
-    from targets.ort.session import OrtSession
+    from dflash_onnx.targets import open_session
+    from dflash_onnx.targets.check import compare_lowering
+    from dflash_onnx.targets.ort.session import OrtSession
 
     source, directory = exported("agree_b8").out, ort_lowered("agree_b8")
     exported_manifest, manifest = load_manifest(source), load_manifest(directory)

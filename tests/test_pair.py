@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from exporter.export import export_pair
-from exporter.models.draft import DraftSpec
-from exporter.pair import TargetInfo, validate_pair
-from exporter.tiny import TinySpec, build_pair
-from runtime.errors import DFlashError
+from dflash_onnx.exporter.export import export_pair
+from dflash_onnx.exporter.models.draft import DraftSpec
+from dflash_onnx.exporter.pair import TargetInfo, validate_pair
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.runtime.errors import DFlashError
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_invalid_exports_are_refused_before_any_work(tmp_path, pair_dirs):
 
 
 def test_a_failure_mid_export_leaves_no_output_and_keeps_the_old_one(tmp_path, pair_dirs, monkeypatch):
-    import exporter.export as export_module
+    import dflash_onnx.exporter.export as export_module
 
     target_dir, draft_dir = pair_dirs
     out = tmp_path / "out"
@@ -107,8 +107,8 @@ def test_a_stage_the_machine_cannot_hold_is_refused_up_front(tmp_path, pair_dirs
     """Export, weight-loading passes and the ORT, AI 100 and CoreML lowerings estimate their peak memory from their
     weights (measured factors) and refuse, naming both figures, before anything is written; the environment
     variable lets a user try."""
-    import artifacts.publish as publish
-    from artifacts.publish import MEMORY_CHECK_ENV, available_memory, staged_directory
+    import dflash_onnx.artifacts.publish as publish
+    from dflash_onnx.artifacts.publish import MEMORY_CHECK_ENV, available_memory, staged_directory
 
     assert available_memory() is None or available_memory() > 0
     target_dir, draft_dir = pair_dirs
@@ -117,9 +117,9 @@ def test_a_stage_the_machine_cannot_hold_is_refused_up_front(tmp_path, pair_dirs
     with pytest.raises(DFlashError, match=r"needs about .* of memory at its peak and this machine has 0.0 MiB "
                                           r"available .*DFLASH_ONNX_NO_MEMORY_CHECK=1"):
         export_pair(target_dir, draft_dir, tmp_path / "out", progress=False)
-    from passes.pipeline import apply_pipeline
-    from targets import LowerRequest
-    from targets.ort.lower import lower_ort
+    from dflash_onnx.passes.pipeline import apply_pipeline
+    from dflash_onnx.targets import LowerRequest
+    from dflash_onnx.targets.ort.lower import lower_ort
 
     with pytest.raises(DFlashError, match="of memory at its peak"):
         apply_pipeline(source, ["fp16"], tmp_path / "fp16", {}, progress=False)  # loads the weights
@@ -127,9 +127,9 @@ def test_a_stage_the_machine_cannot_hold_is_refused_up_front(tmp_path, pair_dirs
     apply_pipeline(source, ["int4"], tmp_path / "int4", {}, progress=False)  # tensor by tensor: no estimate
     with pytest.raises(DFlashError, match="of memory at its peak"):
         lower_ort(source, tmp_path / "ort", request=LowerRequest(progress=False))
-    from targets.ai100.lower import lower_ai100
-    from targets.ai100.options import Ai100Options
-    from targets.coreml.lower import lower_coreml
+    from dflash_onnx.targets.ai100.lower import lower_ai100
+    from dflash_onnx.targets.ai100.options import Ai100Options
+    from dflash_onnx.targets.coreml.lower import lower_coreml
 
     with pytest.raises(DFlashError, match="of memory at its peak"):  # re-exports from the loaded pair
         lower_ai100(source, tmp_path / "ai100", Ai100Options(dry_run=True), LowerRequest(progress=False))

@@ -10,12 +10,12 @@ import onnx
 import pytest
 from passtools import apply_pass, on_ort
 
-from passes import registry
-from passes.pipeline import apply_pipeline, parse_pass_options
-from runtime.decode import Decoder
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
-from targets import open_decoder
+from dflash_onnx.passes import registry
+from dflash_onnx.passes.pipeline import apply_pipeline, parse_pass_options
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import open_decoder
 
 PIPELINES = {"cleanup": ["cleanup"], "rope-fusion": ["rope-fusion"], "int8": ["int8"], "int4": ["int4"],
              "fp16": ["fp16"], "cleanup_rope_int4": ["cleanup", "rope-fusion", "int4"],
@@ -116,8 +116,8 @@ def test_quantization_report_and_what_it_leaves_alone(optimized):
 def test_the_default_block_is_recorded_in_the_manifest(exported, tmp_path):
     """Blocks of 64 unless asked (ORT's CPU kernel holds 1.25x their int4 bytes; 1.5x at 32), and the manifest
     records the size even when defaulted, so peers (onnxruntime-genai's builder) quantize alike."""
-    from passes.quantize import BLOCK_SIZE
-    from runtime.manifest import load_manifest
+    from dflash_onnx.passes.quantize import BLOCK_SIZE
+    from dflash_onnx.runtime.manifest import load_manifest
 
     out = tmp_path / "int4"
     apply_pipeline(exported("agree_b8").out, ["int4"], out, {}, progress=False)
@@ -223,7 +223,7 @@ def test_weight_transposes_are_folded_so_tied_heads_can_be_quantized():
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from passes.quantize import int4
+    from dflash_onnx.passes.quantize import int4
 
     embedding = np.random.default_rng(0).normal(size=(40, 32)).astype(np.float32)
     graph = helper.make_graph(
@@ -245,7 +245,7 @@ def test_weight_transposes_are_folded_so_tied_heads_can_be_quantized():
 def test_a_weight_kept_in_float_is_not_folded_into_a_second_copy():
     from onnx import TensorProto, helper, numpy_helper
 
-    from passes.quantize import int4
+    from dflash_onnx.passes.quantize import int4
 
     embedding = np.ones((40, 32), np.float32)
     graph = helper.make_graph(
@@ -288,7 +288,7 @@ def _run_graph(model, feeds):
 
 
 def test_fp16_prescales_the_draft_fc_so_its_output_fits_float16():
-    from passes.fp16 import run as fp16
+    from dflash_onnx.passes.fp16 import run as fp16
 
     model, feeds = _fc_then_norm_graph(fc_gain=3000.0)  # fc outputs reach ~1e5: beyond float16
     want = _run_graph(model, feeds[0])
@@ -303,7 +303,7 @@ def test_fp16_prescales_the_draft_fc_so_its_output_fits_float16():
 
 
 def test_fp16_reports_activations_beyond_float16(tmp_path):
-    from passes.fp16 import run as fp16
+    from dflash_onnx.passes.fp16 import run as fp16
 
     model, feeds = _fc_then_norm_graph(fc_gain=3000.0)
     _, details = apply_pass(fp16, model, feeds=feeds)  # only the draft's fc is pre-scaled
@@ -366,8 +366,8 @@ def test_quantizing_tensor_by_tensor_equals_ort_quantizing_the_whole_model(name,
     from onnx import numpy_helper
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from passes import quantize
-    from passes.quantize import BLOCK_SIZE, int4, int8
+    from dflash_onnx.passes import quantize
+    from dflash_onnx.passes.quantize import BLOCK_SIZE, int4, int8
 
     monkeypatch.setattr(quantize, "COLUMNS", 24)
 
@@ -455,7 +455,7 @@ def test_sibling_matmuls_compute_every_column_as_the_separate_matmuls_did():
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from passes.sibling_matmuls import run
+    from dflash_onnx.passes.sibling_matmuls import run
 
     rng = np.random.default_rng(0)
     k, block, nodes, inits, outputs = 64, 16, [], [], []

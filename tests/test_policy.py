@@ -12,9 +12,18 @@ import numpy as np
 import pytest
 from conftest import benchmark_script
 
-from runtime.errors import DFlashError
-from runtime.manifest import CostModel
-from runtime.policy import BINS, PROBE_MAX, Calibration, Measured, VerifyPolicy, isotonic, parse_verify, simulate
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import CostModel
+from dflash_onnx.runtime.policy import (
+    BINS,
+    PROBE_MAX,
+    Calibration,
+    Measured,
+    VerifyPolicy,
+    isotonic,
+    parse_verify,
+    simulate,
+)
 
 REPLAY = benchmark_script("policy_replay")  # the recording and the curves docs/verify-policy.md's table replays
 TRACE = json.loads(REPLAY.TRACE.read_text())
@@ -104,8 +113,8 @@ def test_the_simulation_reproduces_the_fixed_policies():
 
 def test_a_fixed_verify_count_holds_without_confidences():
     """A sampled DSpark step passes no confidences (they follow the draws): --verify N still verifies N."""
-    from runtime.manifest import CostModel
-    from runtime.policy import VerifyPolicy
+    from dflash_onnx.runtime.manifest import CostModel
+    from dflash_onnx.runtime.policy import VerifyPolicy
 
     costs = CostModel(verify_ms=[1.0] * 8, draft_ms=0.5)
     assert VerifyPolicy(3, costs, 8).choose(None, 7) == 3

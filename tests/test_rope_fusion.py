@@ -11,10 +11,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from passtools import apply_pass
 
-from passes.pipeline import apply_pipeline
-from passes.rope_fusion import FORMS, run
-from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
+from dflash_onnx.passes.pipeline import apply_pipeline
+from dflash_onnx.passes.rope_fusion import FORMS, run
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import load_manifest
 
 HEADS, HEAD_DIM, CONTEXT, BLOCK = 3, 8, 5, 4
 MAX_INT64 = 2**63 - 1

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from runtime.tokenizer import TextCodec
+from dflash_onnx.runtime.tokenizer import TextCodec
 
 # Runs the CLI with torch and transformers unimportable: a meta-path finder refuses them before any import.
 RUNNER = """

@@ -9,8 +9,8 @@ from reference import dflash_model  # skips the module when the oracle is missin
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from runtime.errors import DFlashError
-from runtime.sampling import (
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.sampling import (
     SamplingParams,
     rejection_sample,
     sample_rows,

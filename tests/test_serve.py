@@ -16,10 +16,10 @@ import httpx
 import pytest
 from openai import APIStatusError, NotFoundError, OpenAI, RateLimitError
 
-from runtime.tokenizer import TextCodec
-from serving.app import ServerOptions, create_app
-from serving.engine import Engine, GenerationRequest, QueueFull
-from targets import open_decoder
+from dflash_onnx.runtime.tokenizer import TextCodec
+from dflash_onnx.serving.app import ServerOptions, create_app
+from dflash_onnx.serving.engine import Engine, GenerationRequest, QueueFull
+from dflash_onnx.targets import open_decoder
 
 QWEN3_LIKE = (
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
@@ -370,7 +370,7 @@ def test_the_load_benchmark_reports_the_median_round_with_every_rounds_errors():
     assert script._median_round(rounds) == [4, "1000.0", "1", "2", "0.1", "0.2", 1, "94 %"]
     assert script._median_round(rounds[:2]) == [4, "900.0", "1", "2", "0.1", "0.2", 1, "94 %"]
 
-# Triton's Python backend: the model serving/triton.py writes, run against tests/fake_triton (Triton's
+# Triton's Python backend: the model dflash_onnx/serving/triton.py writes, run against tests/fake_triton (Triton's
 # triton_python_backend_utils exists only inside tritonserver); its config.pbtxt parsed with Triton's own schema.
 
 FAKE_TRITON = Path(__file__).parent / "fake_triton"
@@ -398,14 +398,15 @@ def triton_model(served, tmp_path, monkeypatch):
     from google.protobuf import json_format, text_format
 
     model_config_pb2 = _triton_schema()
-    from serving.host import EngineSettings
-    from serving.triton import TritonPythonModel, write_repository
+    from dflash_onnx.serving.host import EngineSettings
+    from dflash_onnx.serving.triton import TritonPythonModel, write_repository
 
     monkeypatch.syspath_prepend(str(FAKE_TRITON))
     import triton_python_backend_utils as pb_utils
 
     folder = write_repository(EngineSettings(served[0], max_queue=4), tmp_path / "repository", "tiny")
-    assert (folder / "1" / "model.py").read_text().count("from serving.triton import TritonPythonModel") == 1
+    model_file = (folder / "1" / "model.py").read_text()
+    assert model_file.count("from dflash_onnx.serving.triton import TritonPythonModel") == 1
     config = text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     assert config.model_transaction_policy.decoupled and config.backend == "python" and config.max_batch_size == 0
     model = TritonPythonModel()
@@ -476,7 +477,7 @@ def test_a_cancelled_triton_request_stops_at_its_next_step(triton_model):
 
 
 def test_a_triton_repository_is_written_only_for_settings_that_open(served, tmp_path, capsys):
-    from serving.triton import main
+    from dflash_onnx.serving.triton import main
 
     assert main([str(tmp_path / "missing"), str(tmp_path / "repository")]) == 2
     assert "is not a directory" in capsys.readouterr().err
@@ -488,8 +489,8 @@ def test_a_triton_repository_is_written_only_for_settings_that_open(served, tmp_
 
 
 def test_engine_settings_from_strings_refuse_what_they_cannot_read(tmp_path):
-    from runtime.errors import DFlashError
-    from serving.host import EngineSettings
+    from dflash_onnx.runtime.errors import DFlashError
+    from dflash_onnx.serving.host import EngineSettings
 
     read = EngineSettings.from_strings({"directory": str(tmp_path), "max_batch": "4", "lookup_guess": "off",
                                         "verify": "3", "compute_units": "cpu_only", "shared_draft": "off"})
@@ -510,14 +511,15 @@ def test_engine_settings_from_strings_refuse_what_they_cannot_read(tmp_path):
 
 
 def test_a_ray_serve_deployment_answers_the_openai_client_like_serve(served, solo, monkeypatch):
-    """serving/ray_serve.py's app_builder, as `serve run serving.ray_serve:app_builder directory=DIR ...` calls it,
+    """dflash_onnx/serving/ray_serve.py's app_builder, as `serve run dflash_onnx.serving.ray_serve:app_builder
+    directory=DIR ...` calls it,
     on a local Ray: the replica opens its own engine and answers the OpenAI client with the greedy text."""
     import socket
 
     import ray
     from ray import serve
 
-    from serving.ray_serve import app_builder
+    from dflash_onnx.serving.ray_serve import app_builder
 
     # Serve's controller gives a starting HTTP proxy three readiness checks of 5 s, then kills it (its controller
     # log, twice beside the other test worker on 2 busy cores); the controller reads this when ray.init starts it
@@ -546,8 +548,8 @@ def test_a_ray_serve_deployment_answers_the_openai_client_like_serve(served, sol
 
 
 def test_the_ray_app_builder_refuses_bad_settings_in_the_driver(served):
-    from runtime.errors import DFlashError
-    from serving.ray_serve import app_builder
+    from dflash_onnx.runtime.errors import DFlashError
+    from dflash_onnx.serving.ray_serve import app_builder
 
     for values, message in (({"directory": str(served[0]), "num_replicas": "0"}, "num_replicas must be at least 1"),
                             ({"directory": str(served[0]), "max_tokens": "lots"}, "is not a number"),

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from exporter.export import export_pair
-from exporter.shaped import draft_shapes, write_checkpoint
-from exporter.tiny import PRESETS, TinySpec, _draft_config, build_pair
-from targets import open_decoder
+from dflash_onnx.exporter.export import export_pair
+from dflash_onnx.exporter.shaped import draft_shapes, write_checkpoint
+from dflash_onnx.exporter.tiny import PRESETS, TinySpec, _draft_config, build_pair
+from dflash_onnx.targets import open_decoder
 
 GPT_OSS_20B = 20_914_757_184  # 24 layers of 32 experts: 19.11 B of it in experts
 
@@ -77,8 +77,8 @@ def test_published_presets_have_the_published_shapes(name):
     gpt-oss-20b 20.91 B (OpenAI's model card: 21 B)."""
     from transformers import AutoConfig
 
-    from exporter.shaped import target_shapes
-    from exporter.tiny import _target_config
+    from dflash_onnx.exporter.shaped import target_shapes
+    from dflash_onnx.exporter.tiny import _target_config
 
     spec = PRESETS[name]
     config = AutoConfig.for_model(spec.model_type, **_target_config(spec))

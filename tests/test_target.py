@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from exporter.models.target import TappedTarget, check_against_hf
-from runtime.errors import DFlashError
+from dflash_onnx.exporter.models.target import TappedTarget, check_against_hf
+from dflash_onnx.runtime.errors import DFlashError
 
 SMALL = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8)

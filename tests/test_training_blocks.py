@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exporter.pair import load_draft, load_target
-from exporter.tiny import TinySpec, build_pair
-from training.blocks import (
+from dflash_onnx.exporter.pair import load_draft, load_target
+from dflash_onnx.exporter.tiny import TinySpec, build_pair
+from dflash_onnx.training.blocks import (
     acceptance_lengths,
     block_input_ids,
     block_positions,
@@ -17,7 +17,7 @@ from training.blocks import (
     packed_hidden,
     structural_mask,
 )
-from training.objectives import proposed_ids
+from dflash_onnx.training.objectives import proposed_ids
 
 
 def test_mask_rules_on_a_small_case():
@@ -109,7 +109,7 @@ def test_dspark_confidence_head_learns_the_chosen_acceptance(target, tmp_path):
     zero head its bias's gradient is 1/2 minus the weighted mean target, which must be the probability the draft
     gives the target's token (sampled) or the share of greedy proposals equal to it (greedy), computed here from
     the draft's own proposals (a DSpark draft without Markov head: each slot's argmax)."""
-    from training.objectives import draft_loss
+    from dflash_onnx.training.objectives import draft_loss
 
     spec = TinySpec(draft_kind="dspark", draft_format="speculators", block_size=6, target_layer_ids=[0, 2], seed=5,
                     markov_rank=0, confidence_with_markov=False)

@@ -11,7 +11,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import DFlashError
+from dflash_onnx.runtime.errors import DFlashError
 
 SDIST = "llama-cpp-python==0.3.36"  # its vendored llama.cpp runs draft-dflash, DFlash2 and DSpark
 TOOLS = ("llama-bench", "llama-server", "llama-quantize")

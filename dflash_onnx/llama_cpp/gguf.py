@@ -11,11 +11,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from artifacts.model_dirs import checkpoint_stamp
-from runtime.errors import DFlashError
-from runtime.manifest import Manifest
-
-from .build import LlamaCpp, failure_line
+from dflash_onnx.artifacts.model_dirs import checkpoint_stamp
+from dflash_onnx.llama_cpp.build import LlamaCpp, failure_line
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest
 
 FLOAT_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 # llama-quantize's quantized types that `bench --llama-cpp-type` may name instead of the one matching ours

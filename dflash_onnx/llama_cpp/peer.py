@@ -6,11 +6,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from artifacts.model_dirs import read_config
-from runtime.errors import DFlashError
-from runtime.manifest import Manifest
-
-from . import build, gguf, runs
+from dflash_onnx.artifacts.model_dirs import read_config
+from dflash_onnx.llama_cpp import build, gguf, runs
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest
 
 
 def threads_of(manifest: Manifest) -> int:
@@ -43,7 +42,7 @@ def llama_cpp_rows(manifest: Manifest, prompts: list[dict], max_new_tokens: int,
                    llama_type: str | None = None) -> list[dict]:
     """Rows as peers.run_peers makes them: llama-bench's greedy step, llama-server greedy, llama-server DFlash;
     `llama_type`: llama-quantize's type to run instead of the one matching ours (gguf.named_precision)."""
-    from ..demo import cache_root
+    from dflash_onnx.demo import cache_root
 
     try:
         llama = build.find(llama_cpp_dir) if llama_cpp_dir else build.cached(cache_root(), progress)

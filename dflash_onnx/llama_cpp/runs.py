@@ -17,9 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.errors import DFlashError
-
-from .build import LlamaCpp, exit_reason, failure_line
+from dflash_onnx.llama_cpp.build import LlamaCpp, exit_reason, failure_line
+from dflash_onnx.runtime.errors import DFlashError
 
 START_TIMEOUT_S = 180.0
 

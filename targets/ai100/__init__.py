@@ -5,16 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.manifest import Manifest
-
-from ..backend import Backend, LowerRequest, own_lowerings_only, recorded_options, validate_before_import
-from .options import FLAGS, Ai100Options
-from .session import open_session
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.targets.ai100.options import FLAGS, Ai100Options
+from dflash_onnx.targets.ai100.session import open_session
+from dflash_onnx.targets.backend import (
+    Backend,
+    LowerRequest,
+    own_lowerings_only,
+    recorded_options,
+    validate_before_import,
+)
 
 
 def _lower(source: Path, out: Path, options: Ai100Options, request: LowerRequest) -> Manifest:
     validate_before_import(source, options)
-    from .lower import lower_ai100
+    from dflash_onnx.targets.ai100.lower import lower_ai100
 
     return lower_ai100(source, out, options, request)
 

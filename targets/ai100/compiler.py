@@ -9,10 +9,9 @@ from pathlib import Path
 
 import onnx
 
-from runtime.errors import DFlashError
-from runtime.manifest import Manifest
-
-from .options import Ai100Options
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.targets.ai100.options import Ai100Options
 
 GRAPHS = ("target", "draft")
 SDK_EXEC = "/opt/qti-aic/exec"

@@ -17,13 +17,12 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from runtime.decode import Decoder
-from runtime.differences import scaled_difference
-from runtime.feeds import sampling_feeds
-from runtime.manifest import Manifest
-
-from .compiler import smallest_covering
-from .options import Ai100Options
+from dflash_onnx.runtime.decode import Decoder
+from dflash_onnx.runtime.differences import scaled_difference
+from dflash_onnx.runtime.feeds import sampling_feeds
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.targets.ai100.compiler import smallest_covering
+from dflash_onnx.targets.ai100.options import Ai100Options
 
 
 def _float32_values(model: onnx.ModelProto) -> set[str]:

@@ -2,7 +2,7 @@
 next to them, a float16 emulation check, and the compile itself when the SDK is present.
 
 The target and draft are exported again from the source checkpoints (recorded in OUT's manifest) in the
-retained form of `exporter.models.retained` (QEfficient's convention: `past_key.i` / `past_value.i`
+retained form of `dflash_onnx.exporter.models.retained` (QEfficient's convention: `past_key.i` / `past_value.i`
 paired with `*_RetainedState` outputs, a `comp_ctx_lengths` input per compute-context length). The same
 graphs run on ONNX Runtime with the retained state fed back by the host, which is how they are proven
 lossless without the hardware; `emulate` runs them again as the compiler's float16 would.
@@ -23,22 +23,18 @@ import numpy as np
 import onnx
 import torch
 
-from artifacts.graph_files import graph_spec, share_initializers
-from artifacts.model_dirs import largest_tensor_bytes
-from artifacts.progress import Stages
-from artifacts.publish import copy_tokenizer_files
-from exporter.export import export_program, save_graph
-from exporter.lazy_weights import LazyWeights, Source, pair_sources, traced_weights, weights_on_demand
-from exporter.models.retained import RetainedDraft, RetainedTarget
-from exporter.pair import DTYPES, load_tapped_pair, meta_pair
-from runtime.errors import DFlashError
-from runtime.manifest import Lowering, Manifest
-from runtime.runners import ARGMAX_PROBABILITY
-from targets.fp16_calibration import calibrate_for_fp16
-
-from ..backend import LowerRequest
-from ..lowering import lowered_output, refuse_unbuilt, start_lowering
-from .compiler import (
+from dflash_onnx.artifacts.graph_files import graph_spec, share_initializers
+from dflash_onnx.artifacts.model_dirs import largest_tensor_bytes
+from dflash_onnx.artifacts.progress import Stages
+from dflash_onnx.artifacts.publish import copy_tokenizer_files
+from dflash_onnx.exporter.export import export_program, save_graph
+from dflash_onnx.exporter.lazy_weights import LazyWeights, Source, pair_sources, traced_weights, weights_on_demand
+from dflash_onnx.exporter.models.retained import RetainedDraft, RetainedTarget
+from dflash_onnx.exporter.pair import DTYPES, load_tapped_pair, meta_pair
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Lowering, Manifest
+from dflash_onnx.runtime.runners import ARGMAX_PROBABILITY
+from dflash_onnx.targets.ai100.compiler import (
     check_graph,
     compile_commands,
     compile_script,
@@ -49,10 +45,13 @@ from .compiler import (
     partition_config,
     specializations,
 )
-from .emulate import emulation_check
-from .options import Ai100Options
-from .precision import draw_outputs, norm_outputs, plan_report
-from .sdk import SDK_DIR, find_compiler
+from dflash_onnx.targets.ai100.emulate import emulation_check
+from dflash_onnx.targets.ai100.options import Ai100Options
+from dflash_onnx.targets.ai100.precision import draw_outputs, norm_outputs, plan_report
+from dflash_onnx.targets.ai100.sdk import SDK_DIR, find_compiler
+from dflash_onnx.targets.backend import LowerRequest
+from dflash_onnx.targets.fp16_calibration import calibrate_for_fp16
+from dflash_onnx.targets.lowering import lowered_output, refuse_unbuilt, start_lowering
 
 EMULATION_PROMPTS, EMULATION_TOKENS = 2, 24
 # the float16 emulation's sessions (one twin at a time), times a float32 export's size: measured on the Qwen3-0.6B

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.errors import DFlashError
-
-from ..backend import Flag
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.targets.backend import Flag
 
 DEFAULT_OPSET = 18  # AI 100 takes 17 or 18; torch's dynamo exporter emits 18 and newer
 KV_DTYPES = ("mxint8", "float16")

@@ -8,7 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from runtime.errors import DFlashError
+from dflash_onnx.runtime.errors import DFlashError
 
 SDK_DIR = Path("/opt/qti-aic")
 

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.errors import DFlashError
-from runtime.manifest import GraphSpec, Manifest
-
-from ..backend import recorded_options
-from .options import Ai100Options
-from .sdk import import_runtime
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import GraphSpec, Manifest
+from dflash_onnx.targets.ai100.options import Ai100Options
+from dflash_onnx.targets.ai100.sdk import import_runtime
+from dflash_onnx.targets.backend import recorded_options
 
 # QAicApi_pb2 binding types -> numpy, as QEfficient's session maps them (bfloat16 bindings carry float16
 # data); MXINT8 K/V are retained-state buffers, which never reach the host.

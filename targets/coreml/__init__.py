@@ -5,16 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.manifest import Manifest
-
-from ..backend import Backend, LowerRequest, own_lowerings_only, recorded_options, validate_before_import
-from .options import FLAGS, CoremlOptions
-from .session import open_session
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.targets.backend import (
+    Backend,
+    LowerRequest,
+    own_lowerings_only,
+    recorded_options,
+    validate_before_import,
+)
+from dflash_onnx.targets.coreml.options import FLAGS, CoremlOptions
+from dflash_onnx.targets.coreml.session import open_session
 
 
 def _lower(source: Path, out: Path, options: CoremlOptions, request: LowerRequest) -> Manifest:
     validate_before_import(source, options)
-    from .lower import lower_coreml
+    from dflash_onnx.targets.coreml.lower import lower_coreml
 
     return lower_coreml(source, out, options, request)
 
@@ -22,7 +27,7 @@ def _lower(source: Path, out: Path, options: CoremlOptions, request: LowerReques
 def _summary(manifest: Manifest, out: Path) -> str:
     options = recorded_options(CoremlOptions, manifest)
     if options.dry_run:
-        from .sizes import describe
+        from dflash_onnx.targets.coreml.sizes import describe
 
         return f"dry run, nothing converted: {describe(manifest.lowering.report['estimate'])}; in {out}/estimate.json"
     weights = f"int{options.bits} weights (blocks of {options.group_size})" if options.bits else "float16"

@@ -14,14 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.differences import finite_scale, scaled_difference
-from runtime.errors import DFlashError
-from runtime.manifest import Manifest
-from runtime.runners import open_runners
-
-from .mil_eval import MilProgram, read_spec, weight_reader
-from .rounded_weights import rounded_weights
-from .session import part_functions, part_packages, run_parts, typed_feeds
+from dflash_onnx.runtime.differences import finite_scale, scaled_difference
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.runtime.runners import open_runners
+from dflash_onnx.targets.coreml.mil_eval import MilProgram, read_spec, weight_reader
+from dflash_onnx.targets.coreml.rounded_weights import rounded_weights
+from dflash_onnx.targets.coreml.session import part_functions, part_packages, run_parts, typed_feeds
 
 # Largest logit difference to the float32 modules (their weights rounded as the packages' are), relative to their
 # largest |logit|: float16 compute (measured on the tiny pairs: 1e-3; on the Qwen3-4B shape: 6.3e-3)

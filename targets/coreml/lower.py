@@ -3,7 +3,7 @@
 coremltools has no ONNX frontend since 6.0, so the lowering converts the PyTorch modules behind the
 export (the checkpoints recorded in OUT's manifest, the same weights) with `torch.jit.trace` +
 `ct.convert`: mlprogram, float16 compute, K/V as `ct.StateType` (macOS 15 / iOS 18), optionally block-wise
-int4/int8 weights (`--bits`). The modules are the conversion-friendly forms in exporter/models/stateful.py
+int4/int8 weights (`--bits`). The modules are the conversion-friendly forms in dflash_onnx/exporter/models/stateful.py
 (the same math as the HF model; tested against it). Each call size is its own function with fixed shapes
 (coremltools' recommendation for LLMs: the Neural Engine takes fixed shapes): the target's `decode` (1
 token), `verify` (a verify's tokens: block_size, or block_size + 1 for a DSpark draft) and `prefill`
@@ -31,21 +31,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from artifacts.progress import Stages
-from artifacts.publish import copy_tokenizer_files
-from exporter.lazy_weights import pair_sources, weights_loaded, weights_on_demand
-from exporter.models.stateful import StatefulDraft, StatefulTarget
-from exporter.pair import load_tapped_pair, meta_pair
-from runtime.errors import DFlashError
-from runtime.manifest import GraphSpec, Lowering, Manifest, TensorSpec
-from targets.fp16_calibration import calibrate_for_fp16
-
-from ..backend import LowerRequest
-from ..lowering import lowered_output, refuse_unbuilt, start_lowering
-from .check import PART_OUTPUTS, check_packages
-from .options import CoremlOptions
-from .session import import_coremltools, part_functions, target_parts
-from .sizes import disk_bytes, estimate, part_conversion_bytes
+from dflash_onnx.artifacts.progress import Stages
+from dflash_onnx.artifacts.publish import copy_tokenizer_files
+from dflash_onnx.exporter.lazy_weights import pair_sources, weights_loaded, weights_on_demand
+from dflash_onnx.exporter.models.stateful import StatefulDraft, StatefulTarget
+from dflash_onnx.exporter.pair import load_tapped_pair, meta_pair
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import GraphSpec, Lowering, Manifest, TensorSpec
+from dflash_onnx.targets.backend import LowerRequest
+from dflash_onnx.targets.coreml.check import PART_OUTPUTS, check_packages
+from dflash_onnx.targets.coreml.options import CoremlOptions
+from dflash_onnx.targets.coreml.session import import_coremltools, part_functions, target_parts
+from dflash_onnx.targets.coreml.sizes import disk_bytes, estimate, part_conversion_bytes
+from dflash_onnx.targets.fp16_calibration import calibrate_for_fp16
+from dflash_onnx.targets.lowering import lowered_output, refuse_unbuilt, start_lowering
 
 TESTED_WITH = ("coremltools 9.0 with torch 2.13.0 (TorchScript frontend; coremltools warns it was tested up to "
                "torch 2.7)")

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.errors import DFlashError
-
-from .session import import_coremltools
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.targets.coreml.session import import_coremltools
 
 _DTYPES = {"BOOL": np.bool_, "FLOAT16": np.float16, "FLOAT32": np.float32, "FLOAT64": np.float64,
            "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "UINT8": np.uint8,

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.errors import DFlashError
-
-from ..backend import Flag
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.targets.backend import Flag
 
 COMPUTE_UNITS = ("all", "cpu_and_ne", "cpu_and_gpu", "cpu_only")
 BITS = (4, 8)

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .sizes import QUANTIZED_FROM
+from dflash_onnx.targets.coreml.sizes import QUANTIZED_FROM
 
 
 def quantized(weight: torch.Tensor, group_size: int) -> bool:

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.errors import DFlashError
-from runtime.feeds import SAMPLED_INPUTS
-from runtime.manifest import Manifest
-from runtime.paths import member
-
-from ..backend import recorded_options
-from .options import CoremlOptions
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.feeds import SAMPLED_INPUTS
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.runtime.paths import member
+from dflash_onnx.targets.backend import recorded_options
+from dflash_onnx.targets.coreml.options import CoremlOptions
 
 
 def import_coremltools():

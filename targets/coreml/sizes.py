@@ -15,10 +15,9 @@ import math
 import re
 from pathlib import Path
 
-from artifacts.model_dirs import read_config, tensor_shapes
-
-from .options import CoremlOptions
-from .session import target_parts
+from dflash_onnx.artifacts.model_dirs import read_config, tensor_shapes
+from dflash_onnx.targets.coreml.options import CoremlOptions
+from dflash_onnx.targets.coreml.session import target_parts
 
 QUANTIZED_FROM = 2048  # coremltools' default weight_threshold: smaller tensors stay float16
 

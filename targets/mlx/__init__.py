@@ -5,20 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.manifest import Manifest
-
-from ..backend import Backend, LowerRequest, own_lowerings_only, recorded_options
-from .options import FLAGS, MlxOptions
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.targets.backend import Backend, LowerRequest, own_lowerings_only, recorded_options
+from dflash_onnx.targets.mlx.options import FLAGS, MlxOptions
 
 
 def _open_session(directory: Path, manifest: Manifest, graph: str):
-    from .session import open_session  # imports onnx (~1 s with ml_dtypes): only when a session opens
+    from dflash_onnx.targets.mlx.session import (
+        open_session,  # imports onnx (~1 s with ml_dtypes): only when a session opens
+    )
 
     return open_session(directory, manifest, graph)
 
 
 def _lower(source: Path, out: Path, options: MlxOptions, request: LowerRequest) -> Manifest:
-    from .lower import lower_mlx
+    from dflash_onnx.targets.mlx.lower import lower_mlx
 
     return lower_mlx(source, out, options, request)
 

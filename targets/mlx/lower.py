@@ -22,15 +22,14 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from artifacts.graph_files import checked_graph, share_initializers
-from artifacts.publish import available_memory, copy_tokenizer_files
-from passes.pipeline import apply_pipeline
-from runtime.errors import DFlashError
-from runtime.manifest import Lowering, Manifest
-
-from ..backend import LowerRequest
-from ..check import compare_lowering, target_calls
-from ..lowering import (
+from dflash_onnx.artifacts.graph_files import checked_graph, share_initializers
+from dflash_onnx.artifacts.publish import available_memory, copy_tokenizer_files
+from dflash_onnx.passes.pipeline import apply_pipeline
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Lowering, Manifest
+from dflash_onnx.targets.backend import LowerRequest
+from dflash_onnx.targets.check import compare_lowering, target_calls
+from dflash_onnx.targets.lowering import (
     decode_seconds,
     lowered_output,
     record_measurements,
@@ -38,9 +37,9 @@ from ..lowering import (
     start_lowering,
     within_budget,
 )
-from .options import MlxOptions
-from .rounded import rounded_initializers
-from .session import import_mlx, open_session
+from dflash_onnx.targets.mlx.options import MlxOptions
+from dflash_onnx.targets.mlx.rounded import rounded_initializers
+from dflash_onnx.targets.mlx.session import import_mlx, open_session
 
 
 def weight_uses(graph: onnx.GraphProto) -> dict[str, set[str]]:
@@ -210,7 +209,7 @@ def _check(source: Path, exported: Manifest, directory: Path, lowered: Manifest,
             return _check(widened, exported, directory, lowered, bits)
         finally:
             shutil.rmtree(widened, ignore_errors=True)
-    from targets.ort.session import OrtSession
+    from dflash_onnx.targets.ort.session import OrtSession
 
     mixed: list[str] = []
 
@@ -279,7 +278,7 @@ def _fused(source: Path, out: Path, options: MlxOptions, manifest: Manifest, pro
 
 
 def _unsupported_ops(structures: dict[str, onnx.ModelProto]) -> list[str]:
-    from .ops import OPS
+    from dflash_onnx.targets.mlx.ops import OPS
 
     return sorted({f"{n.domain + '.' if n.domain else ''}{n.op_type}" for m in structures.values()
                    for n in m.graph.node if (n.domain if n.domain != "ai.onnx" else "", n.op_type) not in OPS})

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.errors import DFlashError
-
-from ..backend import Flag
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.targets.backend import Flag
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.manifest import Manifest
-
-from .session import import_mlx
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.targets.mlx.session import import_mlx
 
 
 def rounded_initializers(directory: Path, manifest: Manifest, graph: str) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -25,7 +24,7 @@ def rounded_initializers(directory: Path, manifest: Manifest, graph: str) -> tup
     from; the names read more than one way, left unrounded) for `graph` of the MLX lowering in `directory` (the
     draft's names shared with the target's included)."""
     mx = import_mlx()
-    from .ops import as_numpy
+    from dflash_onnx.targets.mlx.ops import as_numpy
 
     directory = Path(directory)
     stores = {name: mx.load(str(directory / f"{name}.safetensors")) for name in {"target", graph}}

@@ -22,12 +22,11 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from runtime.errors import DFlashError
-from runtime.manifest import Manifest
-
-from ..backend import recorded_options
-from ..kv_rows import rows_to_hold
-from .options import MlxOptions
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.targets.backend import recorded_options
+from dflash_onnx.targets.kv_rows import rows_to_hold
+from dflash_onnx.targets.mlx.options import MlxOptions
 
 
 def import_mlx():
@@ -146,7 +145,7 @@ def _split_attention(keys: list[tuple[str, str]], nodes: list, dtype) -> tuple[l
     head reshapes and casts) joins the compiled run before it, reading the call's length as a device scalar (made
     once, right where the length is known, so that it breaks no run); the buffer writes and the attention stay
     eager; the output's reshape joins the compiled run after it. The rest of the plan is unchanged."""
-    from .ops import OPS, SPLIT_DOMAIN
+    from dflash_onnx.targets.mlx.ops import OPS, SPLIT_DOMAIN
 
     def splittable(key, attrs, inputs) -> bool:
         return key == ("com.microsoft", "GroupQueryAttention") and bool(attrs.get("do_rotary")) and \
@@ -177,8 +176,8 @@ class MlxSession:
 
     def __init__(self, directory: Path, manifest: Manifest, graph: str):
         mx = import_mlx()
-        from .ops import OPS, QuantizedWeight, as_numpy, rope_base, rope_frequencies
-        from .segments import shape_only
+        from dflash_onnx.targets.mlx.ops import OPS, QuantizedWeight, as_numpy, rope_base, rope_frequencies
+        from dflash_onnx.targets.mlx.segments import shape_only
 
         directory = Path(directory)
         spec = getattr(manifest, graph)
@@ -275,7 +274,7 @@ class MlxSession:
             chosen.reverse()
             plan = [self.nodes[i] for i in chosen]
             if self._compiled:
-                from .segments import segmented
+                from dflash_onnx.targets.mlx.segments import segmented
 
                 plan = segmented(plan, [self._keys[i] for i in chosen], self.values, self._static, wanted)
             self._plans[wanted] = plan

@@ -5,20 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.manifest import Manifest
-
-from ..backend import Backend, LowerRequest, recorded_options
-from .options import FLAGS, OrtOptions
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.targets.backend import Backend, LowerRequest, recorded_options
+from dflash_onnx.targets.ort.options import FLAGS, OrtOptions
 
 
 def _open_session(directory: Path, manifest: Manifest, graph: str, **overrides):
-    from .session import open_session  # imports onnx (~1 s with ml_dtypes): only when a session opens
+    from dflash_onnx.targets.ort.session import (
+        open_session,  # imports onnx (~1 s with ml_dtypes): only when a session opens
+    )
 
     return open_session(directory, manifest, graph, **overrides)
 
 
 def _lower(source: Path, out: Path, options: OrtOptions, request: LowerRequest) -> Manifest:
-    from .lower import lower_ort
+    from dflash_onnx.targets.ort.lower import lower_ort
 
     return lower_ort(source, out, options, request)
 

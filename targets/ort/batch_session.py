@@ -1,7 +1,8 @@
 """The ragged-attention target (passes/kv_ragged.py) holding K/V for several requests: [slots, kv_heads, rows,
 head_dim] buffers on the provider's device, one slot (batch row) per request, bound as both input and output so
 that TensorScatter writes them in place. A call over slots first..first + batch - 1 binds those slots' block (the
-slot is the buffers' outermost axis, so any contiguous range is one block of memory); runtime/batching.py decides
+slot is the buffers' outermost axis, so any contiguous range is one block of memory); dflash_onnx/runtime/batching.py
+decides
 which calls run together. The buffers' row count follows the longest context in use, in steps
 (targets/kv_rows.rows_in_steps): ONNX Attention reads every row of them on each call."""
 
@@ -10,12 +11,11 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from runtime.errors import DFlashError
-from runtime.manifest import Manifest
-from runtime.recurrent import output_names as recurrent_outputs
-
-from ..kv_rows import STEP_ROWS, rows_in_steps
-from .session import OrtBufferSession, bind_host_inputs, buffer_attention, refill, run_bound
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.runtime.recurrent import output_names as recurrent_outputs
+from dflash_onnx.targets.kv_rows import STEP_ROWS, rows_in_steps
+from dflash_onnx.targets.ort.session import OrtBufferSession, bind_host_inputs, buffer_attention, refill, run_bound
 
 
 def batch_refusal(manifest: Manifest) -> str | None:

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import onnx
 
-from artifacts.graph_files import MOE_DOMAIN, MOE_OP, SWIGLU_MOE_OP
-from runtime.errors import DFlashError
-from runtime.manifest import Manifest
-
-from ..check import Routers, compare_lowering
-from .session import OrtSession, open_session
+from dflash_onnx.artifacts.graph_files import MOE_DOMAIN, MOE_OP, SWIGLU_MOE_OP
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.targets.check import Routers, compare_lowering
+from dflash_onnx.targets.ort.session import OrtSession, open_session
 
 # Largest difference allowed between lowered and exported graph outputs, relative to the largest |output|:
 # ORT's fusions reorder float arithmetic, nothing more.

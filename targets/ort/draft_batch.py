@@ -1,4 +1,4 @@
-"""The ragged lowering's draft, one call a step for every request that drafts (runtime/batching.py).
+"""The ragged lowering's draft, one call a step for every request that drafts (dflash_onnx/runtime/batching.py).
 
 Each slot (batch row, as in the target's store) keeps its request's context rows K/V on the host, in
 [slots, rows, kv_heads, head_dim] arrays per layer whose row count follows the longest context in use, in steps
@@ -11,18 +11,17 @@ returns are written into each slot after its past. Host arrays fed as they are: 
 
 A request's proposal beside others is the same as alone up to float rounding (its keys are summed over a longer,
 masked row): greedy tokens do not depend on it (the target verifies every proposal), and sampled requests keep
-their own draft session (runtime/batching.BatchParts.draft_for), so that their draws are the same as alone.
+their own draft session (dflash_onnx/runtime/batching.BatchParts.draft_for), so that their draws are the same as alone.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from runtime.feeds import KEY_MASK_INPUTS
-from runtime.manifest import Manifest
-
-from ..kv_rows import STEP_ROWS, rows_in_steps
-from .session import OrtRowsSession, run_plain
+from dflash_onnx.runtime.feeds import KEY_MASK_INPUTS
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.targets.kv_rows import STEP_ROWS, rows_in_steps
+from dflash_onnx.targets.ort.session import OrtRowsSession, run_plain
 
 DRAFT_INPUTS = {"input_ids", "target_hidden", "position_ids"}
 

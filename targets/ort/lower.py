@@ -18,19 +18,18 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from artifacts.graph_files import share_initializers
-from artifacts.publish import copy_tokenizer_files
-from passes import registry
-from passes.pipeline import apply_pipeline
-from runtime.errors import DFlashError
-from runtime.manifest import Lowering, Manifest
-
-from ..backend import LowerRequest
-from ..lowering import lowered_output, record_measurements, start_lowering
-from .check import check_lowering
-from .options import OrtOptions
-from .session import bfloat16_refusal, open_session, ort_level, provider_name
-from .spinning_measure import measure_spinning
+from dflash_onnx.artifacts.graph_files import share_initializers
+from dflash_onnx.artifacts.publish import copy_tokenizer_files
+from dflash_onnx.passes import registry
+from dflash_onnx.passes.pipeline import apply_pipeline
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Lowering, Manifest
+from dflash_onnx.targets.backend import LowerRequest
+from dflash_onnx.targets.lowering import lowered_output, record_measurements, start_lowering
+from dflash_onnx.targets.ort.check import check_lowering
+from dflash_onnx.targets.ort.options import OrtOptions
+from dflash_onnx.targets.ort.session import bfloat16_refusal, open_session, ort_level, provider_name
+from dflash_onnx.targets.ort.spinning_measure import measure_spinning
 
 
 def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None:

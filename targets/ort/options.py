@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.errors import DFlashError
-
-from ..backend import Flag
-from .spinning import CHOICES
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.targets.backend import Flag
+from dflash_onnx.targets.ort.spinning import CHOICES
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider",
              "dml": "DmlExecutionProvider", "openvino": "OpenVINOExecutionProvider",

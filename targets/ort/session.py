@@ -11,15 +11,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from artifacts.graph_files import checked_graph
-from runtime.errors import DFlashError
-from runtime.manifest import Manifest
-from runtime.recurrent import output_names as recurrent_outputs
-
-from ..backend import recorded_options
-from ..kv_rows import STEP_ROWS, rows_in_steps, rows_to_hold
-from .options import LEVELS, PROVIDERS, OrtOptions
-from .spinning import session_settings
+from dflash_onnx.artifacts.graph_files import checked_graph
+from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.runtime.recurrent import output_names as recurrent_outputs
+from dflash_onnx.targets.backend import recorded_options
+from dflash_onnx.targets.kv_rows import STEP_ROWS, rows_in_steps, rows_to_hold
+from dflash_onnx.targets.ort.options import LEVELS, PROVIDERS, OrtOptions
+from dflash_onnx.targets.ort.spinning import session_settings
 
 # providers whose sessions keep K/V buffers in device memory (OrtValues bound by IOBinding)
 DEVICES = {"CUDAExecutionProvider": "cuda"}

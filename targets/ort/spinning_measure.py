@@ -8,12 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from runtime.busy import busy_processes
-from runtime.costs import TARGET_OUTPUTS, call_ms
-from runtime.feeds import target_feeds
-from runtime.manifest import Manifest
-
-from .spinning import MODES
+from dflash_onnx.runtime.busy import busy_processes
+from dflash_onnx.runtime.costs import TARGET_OUTPUTS, call_ms
+from dflash_onnx.runtime.feeds import target_feeds
+from dflash_onnx.runtime.manifest import Manifest
+from dflash_onnx.targets.ort.spinning import MODES
 
 
 def measure_spinning(directory: Path, manifest: Manifest, open_target: Callable[[str], object],

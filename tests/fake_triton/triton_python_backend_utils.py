@@ -1,5 +1,5 @@
 """A stand-in for Triton's `triton_python_backend_utils`, which only exists inside tritonserver's Python backend:
-the calls serving/triton.py makes, with the semantics Triton's python_backend README documents (a decoupled
+the calls dflash_onnx/serving/triton.py makes, with the semantics Triton's python_backend README documents (a decoupled
 model's responses go through a request's response sender; the last carries the final flag). The requests are
 built by the test as Triton would hand them to `execute`."""
 

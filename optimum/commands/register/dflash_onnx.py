@@ -20,7 +20,7 @@ class DFlashExportCommand(BaseOptimumCLICommand):
 
     def run(self):
         from dflash_onnx.cli import run_export
-        from runtime.errors import DFlashError
+        from dflash_onnx.runtime.errors import DFlashError
 
         try:
             return run_export(self.args)
