@@ -20,8 +20,8 @@ from pathlib import Path
 
 from dflash_onnx.demo import held_out_prompts
 from dflash_onnx.figures import markdown_table, provenance
+from dflash_onnx.runtime.decode import Decoder
 from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.policy import Measured
 from dflash_onnx.runtime.runners import Proposal
 from dflash_onnx.runtime.tokenizer import TextCodec
 from dflash_onnx.targets import open_decoder
@@ -61,19 +61,20 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.directory}: no cost curve, so --verify auto verifies full blocks: lower it first")
     codec = TextCodec(args.directory)
     prompts = [codec.encode(text) for text in held_out_prompts(args.prompts)]
-    learnt = {name: ({}, Measured()) for name in RUNS}  # each policy's calibrations and step measurements
+    # each run's decoder on the same sessions learns its own calibrations and step measurements
+    decoders = {name: Decoder(decoder.manifest, decoder.target, decoder.draft, costs=decoder.costs) for name in RUNS}
     rates: dict[str, list[float]] = {name: [] for name in RUNS}
     per_call: dict[str, list[float]] = {name: [] for name in RUNS}
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     try:
         for round_index in range(args.rounds + 1):
             for name, (mode, verify, signal) in RUNS.items():
-                decoder.calibrations, decoder.measured = learnt[name]
                 tokens = calls = 0
                 started = time.perf_counter()
                 with handing(signal):
                     for prompt in prompts:
-                        result = decoder.generate(prompt, args.tokens, mode, stop_token_ids=[], verify=verify)
+                        result = decoders[name].generate(prompt, args.tokens, mode, stop_token_ids=[],
+                                                         verify=verify)
                         tokens, calls = tokens + len(result.tokens), calls + len(result.acceptance_lengths)
                 if round_index:  # the first round warms sessions and calibrations
                     rates[name].append(tokens / (time.perf_counter() - started))

@@ -50,9 +50,8 @@ def main() -> None:
     steps = []
     for text in held_out_prompts(args.prompts):
         recording = Recording(decoder.draft)
-        decoder.draft = recording
-        result = decoder.generate(codec.encode(text), args.tokens, "dflash", stop_token_ids=[], verify="full")
-        decoder.draft = recording.session
+        result = decoder.sharing(draft=recording).generate(codec.encode(text), args.tokens, "dflash",
+                                                           stop_token_ids=[], verify="full")
         proposals = decoder.manifest.verify_rows - 1
         full = [(c, n - 1) for c, n, v in zip(recording.calls, result.acceptance_lengths, result.verified)
                 if v == proposals]  # the last, shortened step is left out

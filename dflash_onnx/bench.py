@@ -146,12 +146,8 @@ def _prompt_line(line: str, where: str, jsonl: bool, codec: TextCodec | None, vo
 def _timed_run(decoder: Decoder, clocks: list[ClockedSession], ids: list[int], max_new_tokens: int, mode: str,
                verify: str | int, batch_invariant: bool, guess: bool = True):
     """One generation; returns (result, seconds spent in backend calls during decode, prefill excluded)."""
-    chosen = decoder.batch_invariant, decoder.guess_padding
-    decoder.batch_invariant, decoder.guess_padding = batch_invariant, guess and chosen[1]
-    try:
-        steps = decoder.stream(ids, max_new_tokens, mode, stop_token_ids=[], verify=verify)
-    finally:
-        decoder.batch_invariant, decoder.guess_padding = chosen  # the run has read both: once per run
+    variant = decoder.sharing(batch_invariant=batch_invariant, guess_padding=guess and decoder.guess_padding)
+    steps = variant.stream(ids, max_new_tokens, mode, stop_token_ids=[], verify=verify)
     next(steps)  # prefill and the first token
     in_backend = -sum(c.seconds for c in clocks)
     while True:
@@ -188,24 +184,20 @@ def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
 def measure_generation(decoder: Decoder, prompts: list[dict], options: BenchOptions, bar=None) -> list[dict]:
     """Greedy and DFlash per prompt, in rotating order, `repeats` times; medians of the timings."""
     clocks = [ClockedSession(decoder.target), ClockedSession(decoder.draft)]
-    decoder.target, decoder.draft = clocks
+    clocked = decoder.sharing(target=clocks[0], draft=clocks[1])
     block = decoder.manifest.verify_rows  # the most tokens a step commits
     modes = bench_modes(decoder, options)
     rows = []
-    try:
-        decoder.generate(prompts[0]["ids"], min(8, options.max_new_tokens), "dflash", stop_token_ids=[])  # warm-up
-        for prompt in prompts:
-            runs: dict[str, list] = {mode: [] for mode in modes}
-            for repeat in range(options.repeats):
-                order = list(modes)[repeat % len(modes):] + list(modes)[: repeat % len(modes)]
-                for mode in order:
-                    runs[mode].append(_timed_run(decoder, clocks, prompt["ids"], options.max_new_tokens,
-                                                 *modes[mode]))
-                    if bar is not None:
-                        bar.update(1)
-            rows.append(_prompt_row(prompt, runs, block))
-    finally:
-        decoder.target, decoder.draft = clocks[0]._session, clocks[1]._session
+    clocked.generate(prompts[0]["ids"], min(8, options.max_new_tokens), "dflash", stop_token_ids=[])  # warm-up
+    for prompt in prompts:
+        runs: dict[str, list] = {mode: [] for mode in modes}
+        for repeat in range(options.repeats):
+            order = list(modes)[repeat % len(modes):] + list(modes)[: repeat % len(modes)]
+            for mode in order:
+                runs[mode].append(_timed_run(clocked, clocks, prompt["ids"], options.max_new_tokens, *modes[mode]))
+                if bar is not None:
+                    bar.update(1)
+        rows.append(_prompt_row(prompt, runs, block))
     return rows
 
 
@@ -337,9 +329,7 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
         named_precision(manifest, options.llama_cpp_type)  # an unknown type is refused before any run
     backend = backend_for(directory, manifest, backend).name
     decoder = open_decoder(directory, backend=backend, batch_invariant=options.batch_invariant,
-                           guess_padding=options.lookup_guess, **options.session_overrides)
-    if costs is not None:  # weighed as given, not corrected by this machine's steps
-        decoder.costs, decoder.measure_steps = costs, False
+                           guess_padding=options.lookup_guess, costs=costs, **options.session_overrides)
     codec = TextCodec(directory) if has_tokenizer(directory) else None
     prompts = load_prompts(prompts_file, codec, options.num_prompts, manifest.vocab_size)
     lengths = options.verify_lengths or default_verify_lengths(manifest.block_size)

@@ -82,6 +82,7 @@ def _cost_model(args, manifest):
 
 def _generate(args) -> int:
     from dflash_onnx.runtime.decode import check_max_new_tokens
+    from dflash_onnx.runtime.manifest import load_manifest
     from dflash_onnx.runtime.policy import parse_verify
     from dflash_onnx.runtime.sampling import SamplingParams
     from dflash_onnx.runtime.tokenizer import TextCodec, TextStream, has_tokenizer
@@ -97,12 +98,11 @@ def _generate(args) -> int:
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     check_max_new_tokens(args.max_new_tokens)
     prompt = _parse_ids(args.prompt_ids) if args.prompt is None else None
-    decoder = open_decoder(args.out, backend=args.backend, batch_invariant=args.batch_invariant == "on",
-                           guess_padding=args.lookup_guess == "on", **_session_overrides(args))
-    given = _cost_model(args, decoder.manifest)
-    if given is not None:  # a curve given for the run is weighed as given, not corrected by this machine's steps
-        decoder.costs, decoder.measure_steps = given, False
-    codec = TextCodec(args.out) if (args.prompt is not None or has_tokenizer(args.out)) else None
+    # a curve given for the run is weighed as given, not corrected by this machine's steps
+    costs = _cost_model(args, load_manifest(args.source)) if args.cost_model else None
+    decoder = open_decoder(args.source, backend=args.backend, batch_invariant=args.batch_invariant == "on",
+                           guess_padding=args.lookup_guess == "on", costs=costs, **_session_overrides(args))
+    codec = TextCodec(args.source) if (args.prompt is not None or has_tokenizer(args.source)) else None
     if prompt is None:
         prompt = codec.prompt_ids(args.prompt, raw=args.raw)
     stream = TextStream(codec) if codec is not None else None
@@ -159,8 +159,8 @@ def _lower(args) -> int:
                           f"(ai100, coreml); --target {backend.name} reads only the export")
     request = LowerRequest(overwrite=args.overwrite, progress=not args.quiet, target_dir=args.target_dir,
                            draft_dir=args.draft_dir)
-    manifest = backend.lower(args.out, args.dest, backend.options(given), request)
-    print(backend.summary(manifest, args.dest))
+    manifest = backend.lower(args.source, args.out, backend.options(given), request)
+    print(backend.summary(manifest, args.out))
     return 0
 
 
@@ -176,15 +176,15 @@ def _optimize(args) -> int:
     from dflash_onnx.runtime.manifest import load_export
 
     names = [n.strip() for n in args.passes.split(",") if n.strip()]
-    source = load_export(Path(args.out), "run passes on")
-    manifest, report = apply_pipeline(args.out, names, args.dest, parse_pass_options(args.pass_option),
-                                      overwrite=args.overwrite, progress=not args.quiet, manifest=source,
-                                      open_graph=_on_ort(Path(args.out), source))
+    export = load_export(Path(args.source), "run passes on")
+    manifest, report = apply_pipeline(args.source, names, args.out, parse_pass_options(args.pass_option),
+                                      overwrite=args.overwrite, progress=not args.quiet, manifest=export,
+                                      open_graph=_on_ort(Path(args.source), export))
     print(f"{'pass':>8} {'graph':<6} {'nodes':>15} {'MiB':>19}")
     for row in report:
         print(f"{row['pass']:>8} {row['graph']:<6} {row['nodes_before']:>6} -> {row['nodes_after']:<6} "
               f"{row['bytes_before'] / 2**20:8.2f} -> {row['bytes_after'] / 2**20:<8.2f}")
-    print(f"wrote {args.dest} (passes: {', '.join(p['name'] for p in manifest.passes)}; report in passes_report.json)")
+    print(f"wrote {args.out} (passes: {', '.join(p['name'] for p in manifest.passes)}; report in passes_report.json)")
     return 0
 
 
@@ -212,22 +212,22 @@ def _calibrate(args) -> int:
     if args.repeats < 1 or args.context < 0:
         raise DFlashError(f"--repeats must be at least 1 and --context at least 0, got {args.repeats} and "
                           f"{args.context}")
-    with lock_out(args.dir):
-        manifest = load_manifest(args.dir)
+    with lock_out(args.source):
+        manifest = load_manifest(args.source)
         if args.from_file is not None:
             costs = read_costs(args.from_file, manifest.verify_rows)
         else:
-            backend = backend_for(args.dir, manifest, args.backend).name
+            backend = backend_for(args.source, manifest, args.backend).name
             if manifest.lowering is not None and manifest.lowering.backend == backend in ("ort", "mlx"):
                 # as the lowering measures it, on its own backend
-                record_row_multiple(manifest, open_session(args.dir, manifest, "target", backend))
+                record_row_multiple(manifest, open_session(args.source, manifest, "target", backend))
                 print(f"row multiple {manifest.lowering.row_multiple} recorded (batch-invariant: "
                       f"{'yes' if manifest.lowering.report['batch_invariance']['invariant'] else 'no'})")
-            costs = measure_costs(manifest, lambda graph: open_session(args.dir, manifest, graph, backend),
+            costs = measure_costs(manifest, lambda graph: open_session(args.source, manifest, graph, backend),
                                   context=args.context, repeats=args.repeats, source="calibrate")
         manifest.costs = costs
-        manifest.save(args.dir)
-    print(f"recorded in {args.dir}/dflash.json: t(T) ms for T = 1..{len(costs.verify_ms)} "
+        manifest.save(args.source)
+    print(f"recorded in {args.source}/dflash.json: t(T) ms for T = 1..{len(costs.verify_ms)} "
           + " ".join(f"{t:.3g}" for t in costs.verify_ms) + f"; draft {costs.draft_ms:.3g} ms "
           f"(context {costs.context}, {costs.source})")
     return 0
@@ -236,7 +236,7 @@ def _calibrate(args) -> int:
 def _parity(args) -> int:
     from dflash_onnx.parity import run_parity
 
-    report = run_parity(args.out, args.target, args.draft, num_prompts=args.prompts,
+    report = run_parity(args.source, args.target, args.draft, num_prompts=args.prompts,
                         max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
     return 0 if report.ok else 1
@@ -290,8 +290,8 @@ def _bench(args) -> int:
         lookup_guess=args.lookup_guess == "on",
         session_overrides=_session_overrides(args), llama_cpp=args.llama_cpp, llama_cpp_type=args.llama_cpp_type)
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
-    costs = _cost_model(args, load_manifest(args.dir)) if args.cost_model else None
-    report = run_bench(args.dir, args.backend, args.prompts, options, peers, (args.target, args.draft),
+    costs = _cost_model(args, load_manifest(args.source)) if args.cost_model else None
+    report = run_bench(args.source, args.backend, args.prompts, options, peers, (args.target, args.draft),
                        progress=not args.quiet, costs=costs)
     print(format_report(report))
     if args.markdown:
@@ -330,19 +330,19 @@ def _serve(args) -> int:
         if value < 1:
             raise DFlashError(f"{flag} must be at least 1, got {value}")
     SamplingParams(args.temperature)  # the flags are checked before the sessions open
-    settings = EngineSettings(args.out, backend=args.backend, max_batch=args.max_batch,
+    settings = EngineSettings(args.source, backend=args.backend, max_batch=args.max_batch,
                               shared_draft=args.shared_draft == "on", max_queue=args.max_queue, verify=args.verify,
                               batch_invariant=args.batch_invariant == "on", lookup_guess=args.lookup_guess == "on",
                               cost_model=args.cost_model,
                               session_options=_session_overrides(args))
     settings.check()
     engine = settings.open()
-    options = ServerOptions(model=args.model or args.out.resolve().name, api_key=args.api_key,
+    options = ServerOptions(model=args.model or args.source.resolve().name, api_key=args.api_key,
                             max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
                             temperature=args.temperature)
     running = "one request at a time" if args.max_batch == 1 else \
         f"up to {args.max_batch} requests side by side, {engine.drafting}"
-    print(f"serving {options.model} from {args.out} on http://{args.host}:{args.port}/v1 (DFlash, verify "
+    print(f"serving {options.model} from {args.source} on http://{args.host}:{args.port}/v1 (DFlash, verify "
           f"{args.verify}; {running}, {args.max_queue} may wait)", file=sys.stderr)
     try:
         uvicorn.run(create_app(engine, options), host=args.host, port=args.port, log_level="warning")
@@ -404,11 +404,11 @@ def _add_lower(commands) -> None:
         "lower", help=f"lower an exported directory for a backend ({', '.join(BACKENDS)})",
         description="Lower an exported directory for a backend. A backend's options are refused with another "
                     "--target.")
-    lower.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
+    lower.add_argument("source", metavar="DIR", type=Path, help="directory written by 'dflash-onnx export'")
     lower.add_argument("--target", dest="backend", choices=list(BACKENDS), required=True, metavar="BACKEND",
                        help=f"the backend to lower for: {', '.join(BACKENDS)} (it names the backend, not the "
                             "target model)")
-    lower.add_argument("--out", dest="dest", type=Path, required=True, help="lowered directory (created atomically)")
+    lower.add_argument("--out", type=Path, required=True, help="lowered directory (created atomically)")
     lower.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     reexporting = [b.name for b in BACKENDS.values() if b.reexports]
     lower.add_argument("--target-dir", type=Path, help=f"{', '.join(reexporting)}: target checkpoint, if it moved "
@@ -448,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=run_export)
 
     generate = commands.add_parser("generate", help="generate from an exported directory")
-    generate.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
+    generate.add_argument("source", metavar="DIR", type=Path, help="directory written by 'dflash-onnx export'")
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json); sent as a user turn in "
                         "the tokenizer's chat template when it has one (Qwen3: thinking off)")
@@ -467,11 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(func=_generate)
 
     optimize = commands.add_parser("optimize", help="apply graph passes to an exported directory")
-    optimize.add_argument("out", type=Path, help="directory written by 'dflash-onnx export'")
+    optimize.add_argument("source", metavar="DIR", type=Path, help="directory written by 'dflash-onnx export'")
     optimize.add_argument("--passes", required=True,
                           help="comma-separated, in order: cleanup, rope-fusion, ort-fusions, int8, int4, fp16, fp32, "
                                "tidy")
-    optimize.add_argument("--out", dest="dest", type=Path, required=True, help="new directory (created atomically)")
+    optimize.add_argument("--out", type=Path, required=True, help="new directory (created atomically)")
     optimize.add_argument("--pass-option", action="append", default=[], metavar="[PASS.]KEY=VALUE",
                           help="e.g. int4.block_size=64, int4.graphs=draft, int4.lm_head=true, symmetric=false")
     optimize.add_argument("--overwrite", action="store_true")
@@ -493,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measures greedy and DFlash decoding per prompt (alternating runs, medians), the target's "
                     "step time for T = 1..block new tokens at several contexts and the draft step, and what "
                     "those imply. Exits 1 if any DFlash output differs from greedy.")
-    bench.add_argument("dir", type=Path, help="an exported or lowered directory")
+    bench.add_argument("source", metavar="DIR", type=Path, help="an exported or lowered directory")
     bench.add_argument("--backend", choices=backends, help=BACKEND_HELP)
     bench.add_argument("--prompts", type=Path, help="one prompt per line (\\n for newlines), or .jsonl with "
                        "\"prompt\" or \"ids\"; default: held-out standard-library code (random ids without a "
@@ -537,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "row multiple that makes the target batch-invariant (lower --target ort and mlx do both "
                     "already, unless they would take too long there); --from replays a curve measured elsewhere, "
                     "e.g. on the device of an AI 100 or CoreML lowering.")
-    calibrate.add_argument("dir", type=Path, help="an exported or lowered directory")
+    calibrate.add_argument("source", metavar="DIR", type=Path, help="an exported or lowered directory")
     calibrate.add_argument("--from", dest="from_file", type=Path, metavar="FILE",
                            help="JSON with verify_ms (t(1)..t(B)) and draft_ms, instead of measuring here")
     calibrate.add_argument("--context", type=int, default=256, help="K/V length the steps run at")
@@ -546,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.set_defaults(func=_calibrate)
 
     parity = commands.add_parser("parity", help="check exported graphs against PyTorch and the reference")
-    parity.add_argument("out", type=Path)
+    parity.add_argument("source", metavar="DIR", type=Path)
     parity.add_argument("--target", type=Path, help="target checkpoint (default: the one recorded at export)")
     parity.add_argument("--draft", type=Path, help="draft checkpoint (default: the one recorded at export)")
     parity.add_argument("--prompts", type=int, default=4)
@@ -591,7 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     distill.set_defaults(func=_distill)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions) over DFlash")
-    serve.add_argument("out", type=Path, help="an exported or lowered directory with the target's tokenizer.json")
+    serve.add_argument("source", metavar="DIR", type=Path,
+                       help="an exported or lowered directory with the target's tokenizer.json")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                        "only; 0.0.0.0 for every interface)")
     serve.add_argument("--port", type=int, default=8000)

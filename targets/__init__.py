@@ -16,7 +16,7 @@ from pathlib import Path
 from dflash_onnx.runtime.batching import BatchParts
 from dflash_onnx.runtime.decode import Decoder
 from dflash_onnx.runtime.errors import DFlashError
-from dflash_onnx.runtime.manifest import Manifest, load_manifest
+from dflash_onnx.runtime.manifest import CostModel, Manifest, load_manifest
 from dflash_onnx.runtime.session import Session
 from dflash_onnx.targets.ai100 import BACKEND as AI100
 from dflash_onnx.targets.backend import Backend, Flag, LowerRequest
@@ -66,17 +66,31 @@ def open_session(directory: Path, manifest: Manifest, graph: str, backend: str |
     return chosen.open_session(Path(directory), manifest, graph, **overrides)
 
 
-def open_decoder(directory: Path, backend: str | None = None, prefill_chunk: int = 256,
-                 batch_invariant: bool = True, guess_padding: bool = True, **overrides) -> Decoder:
-    """A Decoder on an exported or lowered directory: its target and draft sessions on `backend` (default:
-    the directory's); `batch_invariant`, `guess_padding`: see Decoder; `overrides` go to the backend's sessions (ORT:
-    intra_op_threads, ...)."""
+def open_decoder(directory: Path | str, backend: str | None = None, prefill_chunk: int = 256,
+                 batch_invariant: bool = True, guess_padding: bool = True, costs: CostModel | None = None,
+                 **overrides) -> Decoder:
+    """A Decoder on an exported or lowered directory.
+
+    Args:
+        directory: the output of `dflash-onnx export`, `optimize` or `lower`.
+        backend: ort, ai100, mlx or coreml (default: the directory's own, as every command picks it).
+        prefill_chunk, batch_invariant, guess_padding: see Decoder.
+        costs: a cost curve to weigh as given (`dflash_onnx.runtime.costs.read_costs`), not corrected by this
+            machine's steps; default: the directory's own, corrected as the steps run.
+        overrides: options of the backend's sessions (ORT: intra_op_threads, provider, ...).
+
+    Returns:
+        Decoder: both sessions open.
+
+    Raises:
+        DFlashError: no dflash.json there, a backend that cannot open the directory, an option it does not take.
+    """
     manifest = load_manifest(directory)
     chosen = backend_for(directory, manifest, backend).name
     target = open_session(directory, manifest, "target", chosen, **overrides)
     draft = open_session(directory, manifest, "draft", chosen, **overrides)
-    return Decoder(manifest, target, draft, prefill_chunk, batch_invariant=batch_invariant,
-                   guess_padding=guess_padding)
+    return Decoder(manifest, target, draft, prefill_chunk, costs=costs, measure_steps=costs is None,
+                   batch_invariant=batch_invariant, guess_padding=guess_padding)
 
 
 def open_batch(decoder: Decoder, slots: int) -> BatchParts:

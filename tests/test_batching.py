@@ -172,8 +172,8 @@ def test_a_hybrid_targets_requests_decode_as_they_do_alone(ragged):
     block = alone.manifest.block_size
 
     def truthful(index: int, decoder: Decoder) -> list[int]:
-        decoder.draft = _TruthfulDraft(decoder.draft, prompts[index] + want[index], block)
-        result = decoder.generate(prompts[index], 24, "dflash", verify=1 + index % (block - 1))
+        truthful = decoder.sharing(draft=_TruthfulDraft(decoder.draft, prompts[index] + want[index], block))
+        result = truthful.generate(prompts[index], 24, "dflash", verify=1 + index % (block - 1))
         assert all(a == min(1 + index % (block - 1), block - 1) + 1 for a in result.acceptance_lengths[:-1])
         return result.tokens
 
@@ -487,8 +487,10 @@ def test_a_batch_that_does_not_draft_decodes_greedily(ragged):
     decoder = open_decoder(directory)
     prompt = [3, 1, 4, 1, 5]
     want = decoder.generate(prompt, 20, "greedy").tokens
-    decoder.batch_drafts = lambda: False
-    result = decoder.generate(prompt, 20, "dflash")
+    class GreedyBatch:  # one request, in a batch whose switch chose greedy
+        active, drafting = 1, False
+
+    result = decoder.sharing(batch=GreedyBatch()).generate(prompt, 20, "dflash")
     assert result.tokens == want and not any(result.verified)
 
 

@@ -105,8 +105,7 @@ def test_clocked_session_adds_up_run_time_and_delegates(exported):
     decoder = exported("agree_b8").decoder()
     clocked = ClockedSession(decoder.target)
     assert clocked.input_names == decoder.target.input_names
-    decoder.target = clocked
-    decoder.generate([5, 6, 7], 8, "greedy")
+    decoder.sharing(target=clocked).generate([5, 6, 7], 8, "greedy")
     assert clocked.seconds > 0
 
 

@@ -78,7 +78,7 @@ def test_exported_and_ort_lowered_drafts_decode_the_targets_greedy_tokens(kind, 
             committed += result.acceptance_lengths
             if kind == "dspark" and decoder.costs is not None:  # auto reads both of the draft's confidences
                 assert decoder.generate(prompt, 20, "dflash", stop_token_ids=[], verify="auto").tokens == want
-                assert len(decoder.calibrations[False]) == 2
+                assert len(decoder.learnt.calibrations[False]) == 2
         if kind == "dspark":  # sampled: the chain drawn in the graph (sample_uniform in), its draws accepted
             cold = SamplingParams(temperature=0.02, seed=3)
             result = decoder.generate([11, 22, 33, 44], 20, "dflash", sampling=cold, stop_token_ids=[], verify="full")

@@ -147,14 +147,12 @@ def test_the_reference_package_leaves_greedy_on_a_hybrid_target(hybrid, hf_lm):
 def test_greedy_and_dflash_give_hf_greedy_tokens_at_every_acceptance_length(form, hybrid, hybrid_ort, references):
     decoder = open_decoder(hybrid.out if form == "export" else hybrid_ort)
     manifest = decoder.manifest
-    real_draft = decoder.draft
     for prompt in PROMPTS:
         expected = references[tuple(prompt)]
         assert decoder.generate(prompt, NEW_TOKENS, mode="greedy", stop_token_ids=[]).tokens == expected
-        decoder.draft = real_draft
         assert decoder.generate(prompt, NEW_TOKENS, stop_token_ids=[], verify="full").tokens == expected
-        decoder.draft = ScriptedDraft(real_draft, [*prompt, *expected], manifest.block_size, manifest.vocab_size)
-        result = decoder.generate(prompt, NEW_TOKENS, stop_token_ids=[], verify="full")
+        scripted = ScriptedDraft(decoder.draft, [*prompt, *expected], manifest.block_size, manifest.vocab_size)
+        result = decoder.sharing(draft=scripted).generate(prompt, NEW_TOKENS, stop_token_ids=[], verify="full")
         assert result.tokens == expected
         assert {1, 2, 3, 4} <= set(result.acceptance_lengths)  # every partial commit, and a whole block
 

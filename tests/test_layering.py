@@ -30,7 +30,7 @@ MAY_IMPORT = {
     # the HTTP server and its other hosts (Ray Serve, Triton): the runtime, and the targets registry to open a
     # directory
     "serving": {"runtime", "targets", "serving"},
-    "cli": {"runtime", "artifacts", "exporter", "training", "passes", "targets", "commands", "serving"},
+    "cli": {"runtime", "artifacts", "exporter", "training", "passes", "targets", "commands", "serving", "cli"},
 }
 # third-party libraries each layer may use (besides the standard library)
 RUNTIME_LIBRARIES = {"numpy", "tokenizers", "jinja2"}
@@ -218,3 +218,13 @@ def test_commands_reach_backends_through_the_registry():
             continue
         direct = {m for m in _project(imports) if m.startswith("dflash_onnx.targets.")}
         assert not direct, f"{module} imports {sorted(direct)}: go through the targets registry"
+
+
+@pytest.mark.parametrize("module", ["decode", "request", "proposers", "policy", "runners"])
+def test_the_decoding_loop_reads_a_function_to_a_screen(module):
+    """The loop is in layers (Decoder -> RequestDecoding -> proposer, policy, runners): no function of it runs past
+    60 lines, docstring included."""
+    path = MODULES[f"dflash_onnx.runtime.{module}"]
+    long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60]
+    assert not long, long

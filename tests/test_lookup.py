@@ -23,11 +23,11 @@ def test_the_guess_is_what_followed_the_longest_ngram_seen_before():
     assert NgramLookup([]).guess() is None and NgramLookup([3]).guess() is None
 
 
-def _padded(directory) -> Decoder:
+def _padded(directory, **manifest_changes) -> Decoder:
     """The lowering with its calls padded to 2 rows (as a CPU lowering measures it; always exact)."""
-    decoder = open_decoder(directory)
-    decoder.manifest = replace(decoder.manifest, lowering=replace(decoder.manifest.lowering, row_multiple=2))
-    return decoder
+    opened = open_decoder(directory)
+    manifest = replace(opened.manifest, lowering=replace(opened.manifest.lowering, row_multiple=2), **manifest_changes)
+    return Decoder(manifest, opened.target, opened.draft)
 
 
 def test_right_guesses_commit_two_tokens_and_the_tokens_stay_greedys(ort_lowered, decoders):
@@ -37,14 +37,11 @@ def test_right_guesses_commit_two_tokens_and_the_tokens_stay_greedys(ort_lowered
     for _ in range(3):
         prompt = rng.integers(2, 94, size=int(rng.integers(2, 12))).tolist()
         want = decoders("agree_b8").generate(prompt, 40, "greedy", stop_token_ids=[]).tokens
-        decoder.guess_padding = True
         guessed = decoder.generate(prompt, 40, "greedy", stop_token_ids=[])
-        decoder.guess_padding = False
-        plain = decoder.generate(prompt, 40, "greedy", stop_token_ids=[])
+        plain = decoder.sharing(guess_padding=False).generate(prompt, 40, "greedy", stop_token_ids=[])
         assert guessed.tokens == plain.tokens == want
         assert set(plain.acceptance_lengths) == {1} and 2 in guessed.acceptance_lengths
         assert len(guessed.acceptance_lengths) < len(plain.acceptance_lengths)
-        decoder.guess_padding = True
         for stop in sorted(set(want)):  # a stop token first or second in a guessed step ends there, as greedy's
             cut = want[: want.index(stop) + 1]
             assert decoder.generate(prompt, 40, "greedy", stop_token_ids=[stop]).tokens == cut
@@ -56,6 +53,5 @@ def test_no_guess_where_the_padding_row_is_not_free(ort_lowered):
     assert not decoder.guesses(SamplingParams(temperature=0.7))  # sampling: a one-hot guess is not drawn here
     unpadded = open_decoder(ort_lowered("agree_b8"), batch_invariant=False)
     assert not unpadded.guesses(SamplingParams())  # no padding row to fill
-    experts = _padded(ort_lowered("agree_b8"))
-    experts.manifest = replace(experts.manifest, experts={"layers": [0], "experts": 4, "per_token": 1})
+    experts = _padded(ort_lowered("agree_b8"), experts={"layers": [0], "experts": 4, "per_token": 1})
     assert not experts.guesses(SamplingParams())  # a padding row skips the experts; a guess would pay them

@@ -72,8 +72,8 @@ def build(form: str = "concat", block: int = 4, model=None, script=None, prefill
                                                    padding=setup.get("padding", "scratch")))
     pair = fake_sessions(manifest, model or TokenModel(VOCAB), script or [block - 1], on_device, confident,
                          kept_rows)
-    decoder = Decoder(manifest, pair.target, pair.draft, prefill_chunk)
-    decoder.measure_steps = False  # the fakes' calls take no time: the curve given is what the policy weighs
+    # the fakes' calls take no time: the curve given is what the policy weighs
+    decoder = Decoder(manifest, pair.target, pair.draft, prefill_chunk, measure_steps=False)
     return decoder, pair
 
 
@@ -575,8 +575,8 @@ def test_the_decoder_measures_its_steps_for_the_policy_across_requests():
     request's policy reads the same. Greedy decoding measures nothing, and a sampled request neither reads nor
     feeds it (its verified lengths, which decide its draws, stay independent of timing)."""
     decoder, _ = build(block=8, script=[3], costs=STEEP)
-    decoder.measure_steps = True
-    measured = decoder.measured
+    decoder = decoder.sharing(measure_steps=True)
+    measured = decoder.learnt.measured
     decoder.generate(PROMPT, 12, "greedy", stop_token_ids=[])
     assert measured.tokens is None and measured.plain_ms is None
     decoder.generate(PROMPT, 40, "dflash", stop_token_ids=[])
@@ -597,7 +597,7 @@ def test_the_decoder_keeps_what_the_policy_learnt_for_its_next_requests():
     first_calls = len(pair.draft.calls)
     second = decoder.generate(PROMPT, 24, "dflash", stop_token_ids=[])
     assert first.tokens == second.tokens == reference(TokenModel(VOCAB), PROMPT, 24)
-    assert list(decoder.calibrations) == [False]  # greedy acceptance only: no sampled request ran
+    assert list(decoder.learnt.calibrations) == [False]  # greedy acceptance only: no sampled request ran
     assert len(pair.draft.calls) - first_calls < first_calls
 
 

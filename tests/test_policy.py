@@ -17,12 +17,15 @@ from dflash_onnx.runtime.manifest import CostModel
 from dflash_onnx.runtime.policy import (
     BINS,
     PROBE_MAX,
+    AdaptivePolicy,
     Calibration,
+    FixedPolicy,
     Measured,
     VerifyPolicy,
     isotonic,
     parse_verify,
     simulate,
+    verify_policy,
 )
 
 REPLAY = benchmark_script("policy_replay")  # the recording and the curves docs/verify-policy.md's table replays
@@ -67,21 +70,36 @@ def test_bad_verify_values(value):
 
 
 def test_without_a_cost_curve_auto_verifies_full_blocks():
-    policy = VerifyPolicy("auto", None, 8)
-    assert policy.mode == "full" and policy.wants_draft(7) and policy.choose(np.full(7, 0.1), 7) == 7
+    policy = verify_policy("auto", None, 8)
+    assert type(policy) is VerifyPolicy and policy.mode == "full"
+    assert policy.wants_draft(7) and policy.choose(np.full(7, 0.1), 7) == 7
+
+
+def test_each_verify_mode_is_its_own_policy():
+    """One class per mode: auto with a curve adapts; a count verifies that many (0: never drafts); full drafts
+    whenever a token could be kept, and none of the fixed ones learns from outcomes."""
+    costs = CostModel(verify_ms=[1.0] * 8, draft_ms=0.5)
+    assert isinstance(verify_policy("auto", costs, 8), AdaptivePolicy)
+    assert isinstance(verify_policy("auto", CostModel(verify_ms=[1.0] * 4, draft_ms=0.5), 8), VerifyPolicy)
+    fixed, never, full = verify_policy("3", costs, 8), verify_policy(0, costs, 8), verify_policy("full", costs, 8)
+    assert isinstance(fixed, FixedPolicy) and fixed.choose(np.full(7, 0.9), 2) == 2 and fixed.wants_draft(1)
+    assert not never.wants_draft(7) and full.wants_draft(1) and not full.wants_draft(0)
+    for policy in (fixed, full):
+        policy.observe(3, 0)
+        assert policy.choose(np.zeros(7), 7) == min(policy.choose(None, 7), 7)
 
 
 def test_a_free_verify_takes_everything_and_a_costly_one_what_the_confidence_earns():
     confident = np.array([0.95] * 4 + [0.35] * 11)
-    flat = VerifyPolicy("auto", CostModel([1.0] * B, 0.2), B)
+    flat = verify_policy("auto", CostModel([1.0] * B, 0.2), B)
     assert flat.choose(confident, B - 1) == B - 1  # more rows cost nothing: verify them all
-    steep = VerifyPolicy("auto", CURVES[M2], B)
+    steep = verify_policy("auto", CURVES[M2], B)
     assert 1 <= steep.choose(confident, B - 1) <= 5  # pay only for the tokens likely to be accepted
     assert steep.choose(confident, 2) <= 2  # never more than can be kept
 
 
 def test_hopeless_drafting_stops_and_is_retried_now_and_then():
-    policy = VerifyPolicy("auto", CURVES[M2], B)
+    policy = verify_policy("auto", CURVES[M2], B)
     decisions = []
     for _ in range(200):
         drafting = policy.wants_draft(B - 1)
@@ -113,20 +131,17 @@ def test_the_simulation_reproduces_the_fixed_policies():
 
 def test_a_fixed_verify_count_holds_without_confidences():
     """A sampled DSpark step passes no confidences (they follow the draws): --verify N still verifies N."""
-    from dflash_onnx.runtime.manifest import CostModel
-    from dflash_onnx.runtime.policy import VerifyPolicy
-
     costs = CostModel(verify_ms=[1.0] * 8, draft_ms=0.5)
-    assert VerifyPolicy(3, costs, 8).choose(None, 7) == 3
-    assert VerifyPolicy("full", costs, 8).choose(None, 7) == 7
-    assert VerifyPolicy("auto", costs, 8).choose(None, 7) == 7
+    assert verify_policy(3, costs, 8).choose(None, 7) == 3
+    assert verify_policy("full", costs, 8).choose(None, 7) == 7
+    assert verify_policy("auto", costs, 8).choose(None, 7) == 7
 
 
 def test_right_lookup_guesses_raise_the_bar_that_drafting_must_clear():
     """A draft that commits 2 tokens a round on a curve where that beats 1 / t(1) keeps drafting, until the padding
     row's lookup guess is right often enough that a step without the draft commits as many for less."""
     costs = CostModel([1.0] * 4, 0.5)  # a drafted round: 1.5 ms
-    policy = VerifyPolicy("auto", costs, 4)
+    policy = verify_policy("auto", costs, 4)
     for _ in range(8):
         assert policy.wants_draft(3)
         policy.observe(policy.choose(np.full(3, 0.5), 3), 1)  # each round commits 2 tokens: 1.33 per ms
@@ -161,7 +176,7 @@ def test_what_one_request_learnt_spares_the_next_its_lossy_first_drafts():
     decoder keeps it) skips the draft from the start."""
 
     def drafted_steps(calibrations: list[Calibration] | None) -> int:
-        policy = VerifyPolicy("auto", CURVES[M2], B, calibrations)
+        policy = verify_policy("auto", CURVES[M2], B, calibrations)
         drafted = 0
         for _ in range(32):
             if policy.wants_draft(B - 1):
@@ -170,7 +185,7 @@ def test_what_one_request_learnt_spares_the_next_its_lossy_first_drafts():
         return drafted
 
     shared = Calibration()
-    first = VerifyPolicy("auto", CURVES[M2], B, [shared])
+    first = verify_policy("auto", CURVES[M2], B, [shared])
     for _ in range(32):
         if first.wants_draft(B - 1):
             first.observe(first.choose(np.full(B - 1, 0.99), B - 1), 0)
@@ -183,7 +198,7 @@ def test_of_two_signals_the_policy_reads_the_one_that_predicts_acceptance():
     (a poorly trained confidence head): each signal's calibration is scored on the outcomes, and within a few
     steps the policy reads the telling one, verifying what it earns, as a policy given only that signal does."""
     rng = np.random.default_rng(0)
-    telling, both = VerifyPolicy("auto", CURVES[M2], B), VerifyPolicy("auto", CURVES[M2], B, [])
+    telling, both = verify_policy("auto", CURVES[M2], B), verify_policy("auto", CURVES[M2], B, [])
     committed = {"telling": 0, "both": 0}
     for _ in range(200):
         accepted = int(rng.integers(0, B - 1))
@@ -240,13 +255,13 @@ def test_measured_step_costs_price_what_the_curve_leaves_out():
     16 ms: the policy then drafts only to probe, and its probes back off; where drafted steps take what the
     curve says, it drafts every step. Each runs over a Measured kept across requests, as a decoder keeps it."""
     slow, fast = Measured(), Measured()
-    slow_calls = sum(drive(VerifyPolicy("auto", FLAT_CHEAP, B, [], slow), 100, 40.0) for _ in range(6))
-    fast_calls = drive(VerifyPolicy("auto", FLAT_CHEAP, B, [], fast), 100, 1.2)
+    slow_calls = sum(drive(verify_policy("auto", FLAT_CHEAP, B, [], slow), 100, 40.0) for _ in range(6))
+    fast_calls = drive(verify_policy("auto", FLAT_CHEAP, B, [], fast), 100, 1.2)
     assert fast_calls == 100 and fast.drafted_ms == pytest.approx(0.2)
     assert slow.drafted_ms > 30 and slow_calls < 20 and slow.probe_wait > PROBE_MAX
-    first = VerifyPolicy("auto", FLAT_CHEAP, B, [], slow)  # a new request: what drafted steps delivered so far
+    first = verify_policy("auto", FLAT_CHEAP, B, [], slow)  # a new request: what drafted steps delivered so far
     assert not first.wants_draft(B - 1)
-    assert VerifyPolicy("auto", FLAT_CHEAP, B, [], Measured()).wants_draft(B - 1)  # nothing measured: it drafts
+    assert verify_policy("auto", FLAT_CHEAP, B, [], Measured()).wants_draft(B - 1)  # nothing measured: it drafts
 
 
 def test_drafting_is_held_to_what_drafted_steps_delivered():
@@ -255,8 +270,8 @@ def test_drafting_is_held_to_what_drafted_steps_delivered():
     tokens in 24 ms, below greedy's one a millisecond), the policy stops drafting; delivered as expected, it goes
     on."""
     behind, on_time = Measured(), Measured()
-    behind_calls = drive(VerifyPolicy("auto", FLAT_CHEAP, B, [], behind), 200, 24.0, ingested=4 * B)
-    on_time_calls = drive(VerifyPolicy("auto", FLAT_CHEAP, B, [], on_time), 200, 1.2, ingested=4 * B)
+    behind_calls = drive(verify_policy("auto", FLAT_CHEAP, B, [], behind), 200, 24.0, ingested=4 * B)
+    on_time_calls = drive(verify_policy("auto", FLAT_CHEAP, B, [], on_time), 200, 1.2, ingested=4 * B)
     assert behind.drafted_ms is None and behind.realized < 0.1
     assert behind_calls < 12 and on_time_calls == 200 and on_time.realized == pytest.approx(1.0, rel=0.01)
 
@@ -264,7 +279,7 @@ def test_drafting_is_held_to_what_drafted_steps_delivered():
 def test_a_busier_machine_scales_the_curve():
     """Target calls measured at twice the curve's time: the policy prices every row count at twice the curve."""
     measured = Measured()
-    policy = VerifyPolicy("auto", CURVES[CPU], B, [], measured)
+    policy = verify_policy("auto", CURVES[CPU], B, [], measured)
     for _ in range(100):
         policy.observe_time(0, 1, 2.0 * CURVES[CPU].verify_ms[0], 2.0 * CURVES[CPU].verify_ms[0], 1)
     assert measured.scale == pytest.approx(2.0, rel=1e-3)
@@ -285,7 +300,7 @@ def test_beside_other_requests_auto_verifies_less():
     shared by 8 requests the fixed part is split and each drafted row costs what it does, so the same confidences
     earn fewer verified tokens (and repricing back restores the choice)."""
     costs = CostModel([10.0 + t for t in range(1, 17)], 1.0)
-    policy = VerifyPolicy("auto", costs, 16)
+    policy = verify_policy("auto", costs, 16)
     confidences = np.full(15, 0.6, np.float32)
     alone = policy.choose(confidences, 15)
     policy.reprice(costs.shared_by(8))
@@ -300,7 +315,7 @@ def test_the_last_step_of_a_request_finishes_it_rather_than_leave_a_token():
     request's budget is within reach, the step that finishes soonest is chosen; mid-request and at a low
     confidence nothing changes."""
     costs = CostModel([10.0 + 6.0 * ((t + 1) // 2) for t in range(1, 17)], 14.0)
-    policy = VerifyPolicy("auto", costs, 16)
+    policy = verify_policy("auto", costs, 16)
     sure = np.ones(15, np.float32)
     for _ in range(20):  # every proposal accepted: the top bin learns it
         assert policy.choose(sure, 15) == 15

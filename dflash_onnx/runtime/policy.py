@@ -166,17 +166,75 @@ class Measured:
 
 
 class VerifyPolicy:
-    """Per step: whether to call the draft, and how many of its tokens to verify."""
+    """Per step: whether to call the draft, and how many of its tokens to verify. This base verifies every drafted
+    token it may (`full`, the reference's behaviour) and learns nothing; FixedPolicy verifies a set count and
+    AdaptivePolicy (`auto`) chooses by the draft's confidence and the cost curve. `verify_policy` picks one."""
 
-    def __init__(self, mode: str | int, costs: CostModel | None, block_size: int,
-                 calibrations: list[Calibration] | None = None, measured: Measured | None = None):
+    mode: str | int = "full"
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.guessing = False  # whether this step, drafting nothing, would verify a lookup guess (set by the loop)
+
+    def reprice(self, costs: CostModel | None) -> None:
+        """Weigh another cost curve from now on (a batched request's share changes as requests join and leave)."""
+
+    def wants_draft(self, most: int) -> bool:
+        """Call the draft this step? `most`: how many drafted tokens could still be kept."""
+        return most >= 1
+
+    def choose(self, confidences: np.ndarray | None, most: int) -> int:
+        """How many of the drafted tokens to verify (0..most)."""
+        return most
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """The outcome of the step `choose` last chose for: `accepted` of its `verified` drafted tokens."""
+
+    def observe_guess(self, right: bool) -> None:
+        """A step without drafted tokens verified a lookup guess; `right`: the target agreed with it."""
+
+    def observe_time(self, ingested: int, rows: int, target_ms: float, step_ms: float, committed: int) -> None:
+        """A step's measured wall time (see AdaptivePolicy.observe_time)."""
+
+
+class FixedPolicy(VerifyPolicy):
+    """Verify `count` drafted tokens a step (fewer where fewer are left); 0 never calls the draft."""
+
+    def __init__(self, count: int, block_size: int):
+        super().__init__(block_size)
+        self.mode = count
+
+    def wants_draft(self, most: int) -> bool:
+        return most >= 1 and self.mode > 0
+
+    def choose(self, confidences: np.ndarray | None, most: int) -> int:
+        return min(self.mode, most)
+
+
+def verify_policy(mode: str | int, costs: CostModel | None, block_size: int,
+                  calibrations: list[Calibration] | None = None, measured: Measured | None = None) -> VerifyPolicy:
+    """The policy for `--verify` `mode` (auto, full or a count): `auto` without a cost curve to weigh verifies full
+    blocks, as the reference does. `calibrations` and `measured`: what `auto` shares with earlier requests."""
+    mode = parse_verify(mode)
+    if mode == "auto" and costs is not None and len(costs.verify_ms) >= block_size:
+        return AdaptivePolicy(costs, block_size, calibrations, measured)
+    if mode in ("auto", "full"):
+        return VerifyPolicy(block_size)
+    return FixedPolicy(mode, block_size)
+
+
+class AdaptivePolicy(VerifyPolicy):
+    """`auto`: the verify length that commits the most tokens per millisecond, by the draft's calibrated confidence
+    and the cost curve, the draft call skipped while drafting does not pay (the module's docstring)."""
+
+    mode = "auto"
+
+    def __init__(self, costs: CostModel, block_size: int, calibrations: list[Calibration] | None = None,
+                 measured: Measured | None = None):
         """`calibrations`: what earlier requests of the same pair learnt, one per confidence signal (shared, and
         updated by this one; an empty list grows to the signals the draft gives). `measured`: what the steps
         have measured so far (shared likewise); None weighs the curve alone."""
-        self.mode = parse_verify(mode)
-        if self.mode == "auto" and (costs is None or len(costs.verify_ms) < block_size):
-            self.mode = "full"  # no cost curve to weigh: the reference's behaviour
-        self.block_size = block_size
+        super().__init__(block_size)
         self.times = measured
         self.timed = 0
         self._probing = False  # the last draft call was a probe: the next decision says whether drafting paid
@@ -192,10 +250,8 @@ class VerifyPolicy:
         self.skipped, self.observed = 0, 0
         self._bins: np.ndarray | None = None  # the last choice's confidence bins, for its observation
         self.guess_hits = 0.0  # running share of right lookup guesses (0 while no step has guessed)
-        self.guessing = False  # whether this step, drafting nothing, would verify a lookup guess
 
-    def reprice(self, costs: CostModel | None) -> None:
-        """Weigh another cost curve from now on (a batched request's share changes as requests join and leave)."""
+    def reprice(self, costs: CostModel) -> None:
         self.costs = costs
         self._price()
         if getattr(self, "history", None) is not None and len(self.history):
@@ -205,8 +261,6 @@ class VerifyPolicy:
         """A drafted step verifying k = 0..B-1 drafted tokens: t(k + 1) + t_draft; a step without a draft: t(1);
         each as this process measures them where it has (Measured)."""
         costs, times = self.costs, self.times
-        if costs is None:
-            return
         verify = np.asarray(costs.verify_ms[: self.block_size], np.float64)
         draft_ms, plain_ms = costs.draft_ms, 0.0
         if times is not None:
@@ -221,7 +275,7 @@ class VerifyPolicy:
         `committed` tokens; `ingested`: the context rows its draft call took (0: no draft call). A steady step (one
         whose draft call, if any, took at most a verify's rows) moves the costs weighed from now on; every drafted
         step is compared with what was expected of it."""
-        if self.times is None or self.costs is None or self.mode != "auto":
+        if self.times is None:
             return
         if ingested and self._expected is not None:
             self.times.observe_drafted(committed, step_ms, *self._expected)
@@ -278,10 +332,8 @@ class VerifyPolicy:
         moves on, so a poor stretch ends (and so does a good one). Where steps are measured, that expectation is
         held to the share of their expected rate that drafted steps have delivered, a request's first step
         expects what drafted steps have delivered, and probes back off while they find drafting not paying."""
-        if most < 1 or self.mode == 0:
+        if most < 1:
             return False
-        if self.mode != "auto":
-            return True
         times = self.times
         if len(self.history) == 0:
             if times is None or times.tokens is None:
@@ -310,10 +362,6 @@ class VerifyPolicy:
     def choose(self, confidences: np.ndarray | None, most: int) -> int:
         """How many of the drafted tokens to verify (0..most). `confidences`: per proposal [P], or per signal and
         proposal [signals, P]; the one that has predicted acceptance best so far is read."""
-        if self.mode == "full":
-            return most
-        if self.mode != "auto":
-            return min(self.mode, most)
         if confidences is None:
             return most
         self._bins = Calibration.bins(np.atleast_2d(confidences))
@@ -345,7 +393,7 @@ class VerifyPolicy:
     def observe(self, verified: int, accepted: int) -> None:
         """The outcome of the step `choose` last chose for: `accepted` of its `verified` drafted tokens (every
         signal's calibration learns it, and is scored on it)."""
-        if self.mode != "auto" or self._bins is None:
+        if self._bins is None:
             return
         if verified > 0:
             for calibration, bins in zip(self.calibrations, self._bins):
@@ -369,7 +417,7 @@ def simulate(mode: str | int, costs: CostModel, steps: list[tuple[np.ndarray, in
     starts = np.cumsum([0] + [1 + accepted for _, accepted in steps])  # the text position each recording covers
     total = int(starts[-1])
     full_rate = total / (len(steps) * (verify[block - 1] + draft_ms))
-    policy = VerifyPolicy(mode, costs, block)
+    policy = verify_policy(mode, costs, block)
     position, spent, drafted = 0, 0.0, 0
     while position < total:
         if policy.wants_draft(block - 1):

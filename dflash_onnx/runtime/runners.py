@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -68,6 +69,29 @@ class Proposal:
         if self.confidence is None or self.argmax_probability is None:
             return self.confidence
         return np.stack([self.confidence, self.argmax_probability])
+
+
+class TargetRunner(Protocol):
+    """What the decoding loop asks of a target graph, whatever its form (ConcatTarget, BufferTarget, RetainedTarget)."""
+
+    capacity: int | None  # the most positions a request may take; None: no bound
+
+    def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
+        """Run `ids` after the committed positions; logits for the last `logits_rows` rows."""
+        ...
+
+    def commit(self, length: int) -> None:
+        """Keep the first `length` positions (a rollback is a shorter length)."""
+        ...
+
+
+class DraftRunner(Protocol):
+    """What the decoding loop asks of a draft graph, whatever its form (ConcatDraft, RowsDraft, RetainedDraft)."""
+
+    def propose(self, block: np.ndarray, context: np.ndarray, want_logits: bool,
+                sample: tuple[np.ndarray, float] | None = None) -> Proposal:
+        """Take in the target's `context` rows and draft the block after them."""
+        ...
 
 
 SELECTOR_OUTPUTS = ["candidates", "candidate_scores"]
@@ -423,7 +447,7 @@ class BufferTarget:
             self.recurrent.commit(length)
 
 
-def open_draft_runner(manifest: Manifest, draft: Session):
+def open_draft_runner(manifest: Manifest, draft: Session) -> DraftRunner:
     """The draft runner for the manifest's graph form (no target session needed: a check that drafts alone)."""
     if manifest.form == "concat":
         return ConcatDraft(draft, manifest)
@@ -434,7 +458,8 @@ def open_draft_runner(manifest: Manifest, draft: Session):
     raise DFlashError(f"unknown graph form {manifest.form!r} in the manifest")
 
 
-def open_target_runner(manifest: Manifest, target: Session, prefill_chunk: int, row_multiple: int = 1):
+def open_target_runner(manifest: Manifest, target: Session, prefill_chunk: int,
+                       row_multiple: int = 1) -> TargetRunner:
     """The target runner for the manifest's graph form (see open_runners)."""
     if row_multiple < 1:
         raise DFlashError(f"row_multiple must be at least 1, got {row_multiple}")
@@ -448,7 +473,7 @@ def open_target_runner(manifest: Manifest, target: Session, prefill_chunk: int, 
 
 
 def open_runners(manifest: Manifest, target: Session, draft: Session | None, prefill_chunk: int,
-                 row_multiple: int = 1):
+                 row_multiple: int = 1) -> tuple[TargetRunner, DraftRunner | None]:
     """The target and draft runners for the manifest's graph form; the target's calls padded to `row_multiple`
     rows (concat and buffer forms; the retained forms pad to their compiled sizes, the smallest at least
     `row_multiple`)."""

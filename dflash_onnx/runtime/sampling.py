@@ -16,6 +16,18 @@ from dflash_onnx.runtime.errors import DFlashError
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to choose each token; the defaults decode greedily.
+
+    Args:
+        temperature: 0 decodes greedily (the target's argmax); above 0 samples from softmax(logits / temperature).
+        top_p: keep the most likely tokens whose probabilities add up to top_p (1: all).
+        top_k: keep the k most likely tokens (0: all).
+        seed: the random generator's seed; the same seed draws the same tokens on every run.
+
+    Raises:
+        DFlashError: a negative or non-finite temperature, top_p outside (0, 1], a negative top_k.
+    """
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -31,6 +43,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether these settings decode greedily."""
         return self.temperature <= 0
 
 

@@ -208,17 +208,12 @@ class Engine:
         greedy requests' where the batch shares a draft, else on a session of its own."""
         slot = self.batcher.open()
         try:
-            base = self.decoder
             try:
-                decoder = Decoder(base.manifest, slot, self._batch.draft_for(slot, submission.request.sampling.greedy),
-                                  base.prefill_chunk, base.costs, base.batch_invariant, base.guess_padding)
+                draft = self._batch.draft_for(slot, submission.request.sampling.greedy)
+                decoder = self.decoder.for_slot(slot, draft, self.batcher)
             except Exception as exc:  # the request fails, the engine's thread goes on
                 self._failed(submission, exc)
                 return
-            decoder.calibrations = base.calibrations  # the pair's acceptance, learnt across requests
-            decoder.measured, decoder.measure_steps = base.measured, base.measure_steps
-            decoder.batch_width = lambda: self.batcher.active  # its policy weighs its share of each step
-            decoder.batch_drafts = lambda: self.batcher.drafting  # the batch's measured choice
             self._finish(submission, decoder)
         finally:
             slot.release()

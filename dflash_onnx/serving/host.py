@@ -85,13 +85,14 @@ class EngineSettings:
 
         self.check()
         codec = TextCodec(self.directory)  # a server speaks text: the directory's tokenizer is needed
-        decoder = open_decoder(self.directory, backend=self.backend, batch_invariant=self.batch_invariant,
-                               guess_padding=self.lookup_guess, **self.session_options)
-        if self.cost_model is not None:
+        costs = None
+        if self.cost_model is not None:  # weighed as given, not corrected by this machine's steps
             from dflash_onnx.runtime.costs import read_costs
+            from dflash_onnx.runtime.manifest import load_manifest
 
-            decoder.costs = read_costs(self.cost_model, decoder.manifest.verify_rows)
-            decoder.measure_steps = False  # weighed as given, not corrected by this machine's steps
+            costs = read_costs(self.cost_model, load_manifest(self.directory).verify_rows)
+        decoder = open_decoder(self.directory, backend=self.backend, batch_invariant=self.batch_invariant,
+                               guess_padding=self.lookup_guess, costs=costs, **self.session_options)
         batch = open_batch(decoder, self.max_batch) if self.max_batch > 1 else None
         if batch is not None and not self.shared_draft:
             batch = replace(batch, drafts=None, unshared_because="--shared-draft off")

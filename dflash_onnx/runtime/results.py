@@ -1,0 +1,59 @@
+"""What a request's decoding returns: its tokens and the reference's metrics. numpy only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class GenerationResult:
+    """Generated ids (a stop token included when one ended generation) and the reference's metrics.
+
+    Attributes:
+        tokens: the new token ids, the first one (from the prefill) included.
+        acceptance_lengths: tokens committed by each verify step (the first token apart).
+        verified: drafted tokens each step verified (0: no draft call).
+        step_ms: each step's target call, in milliseconds (costs.curve_disagreement compares them with the curve).
+        guessed, guessed_right: steps whose padding row carried a lookup guess (lookup.py), and those whose guess
+            the target agreed with.
+        sampled: sampled decoding (its target calls also return logits, which the cost curve does not time).
+        prompt_tokens: the prompt's length.
+        ttft_s: the prefill and first token, in seconds.
+        decode_s: the steps after it, in seconds (time the caller spent between steps excluded).
+        stopped: a stop token ended generation.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    guessed: int = 0
+    guessed_right: int = 0
+    sampled: bool = False
+    prompt_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    stopped: bool = False
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target verify step (the reference's acceptance length)."""
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Output tokens over decode time, the reference's definition (prefill excluded)."""
+        return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def end_to_end_tokens_per_second(self) -> float:
+        """Output tokens over prefill and decode time together."""
+        total = self.ttft_s + self.decode_s
+        return len(self.tokens) / total if total > 0 else 0.0
+
+    def acceptance_histogram(self, block_size: int) -> list[int]:
+        """Counts of steps that committed 1..block_size tokens."""
+        counts = np.bincount(np.asarray(self.acceptance_lengths, dtype=np.int64), minlength=block_size + 1)
+        return counts[1 : block_size + 1].tolist()
