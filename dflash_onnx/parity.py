@@ -24,7 +24,8 @@ from dflash_onnx.runtime.feeds import sampling_feeds
 from dflash_onnx.runtime.manifest import Manifest
 from dflash_onnx.targets import open_decoder
 
-# measured on a tiny Qwen3.5 pair (tests/test_hybrid.py): the reference's output leaves HF greedy's
+# why a hybrid target's parity skips the reference (docs/hybrid-models.md#the-reference-package-is-no-oracle-here;
+# tests/test_hybrid.py shows its output leaving HF greedy's on a tiny Qwen3.5 pair)
 HYBRID_REFERENCE = ("it rolls a verify back with transformers' DynamicCache.crop, which crops a linear-attention "
                     "layer's conv rows but not its recurrent state, so rejected tokens stay in that state and its "
                     "output leaves greedy; HF greedy generate is the oracle here")

@@ -48,8 +48,7 @@ class GraphPass:
     loads_weights: bool = False  # built on protobuf tools: reads every weight into memory (loaded_proto)
     lowerings: tuple[str, ...] = ()  # applied only by these backends' lowerings
     # the graphs' bytes after the pass over before it, for a model whose bytes are its matmul weights: what the
-    # free-space check expects it to write (int4: 4-bit weights and a scale per block, 0.31x a float16 export at the
-    # gpt-oss-20b shape, 0.57x the float32 test pair, whose embedding and norms are a large share)
+    # free-space check expects it to write (docs/passes.md#what-the-pipeline-checks-first)
     written_ratio: float = 1.0
     # options recorded in the manifest even when not given, so a later default change cannot make them ambiguous
     recorded_defaults: dict[str, str] = field(default_factory=dict)

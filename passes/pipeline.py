@@ -20,6 +20,11 @@ from dflash_onnx.passes.calibration import OpenGraph, record_feeds
 from dflash_onnx.runtime.errors import DFlashError
 from dflash_onnx.runtime.manifest import GraphSpec, Manifest, load_export
 
+# memory counted for a pass that reads every weight (GraphPass.loads_weights), over the source's bytes
+# (docs/passes.md#what-the-pipeline-checks-first)
+LOADED_PASS_MEMORY = 1.3
+DISK_MARGIN = 1.1  # free space counted over the bytes the passes are expected to write
+
 
 def parse_pass_options(items: list[str]) -> dict[str, dict]:
     """`int4.block_size=64` -> {"int4": {"block_size": "64"}}; `block_size=64` applies to every pass."""
@@ -94,11 +99,9 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
     pass_options = pass_options or {}
     report: list[dict] = []
     source_bytes = sum(p.stat().st_size for p in Path(source).glob("*.onnx*"))
-    # a pass that loads the weights peaked at 1.4x (int4, Qwen3-4B shape, float16, measured) to 1.6x (Qwen3-0.6B,
-    # issue 19's figure) the source
-    memory = int(1.3 * source_bytes) if any(p.loads_weights for p in chosen) else 0
+    memory = int(LOADED_PASS_MEMORY * source_bytes) if any(p.loads_weights for p in chosen) else 0
     written = source_bytes * math.prod(p.written_ratio for p in chosen)
-    with staged_directory(out, (Path(source),), overwrite, int(1.1 * written), memory) as tmp:
+    with staged_directory(out, (Path(source),), overwrite, int(DISK_MARGIN * written), memory) as tmp:
         feeds = {}
         if any(p.calibrated for p in chosen):
             if progress:

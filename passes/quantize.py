@@ -6,10 +6,10 @@ model quantizer), but its quantized weight and scales are lazy: computed from th
 the graph is written, one weight at a time, so the pass never holds the model in memory.
 
 Options: block_size (64, see BLOCK_SIZE), symmetric (true), accuracy_level (4: int8 activations, ORT's fast CPU path,
-measured 1.7x faster decode than level 0 on a Qwen3-0.6B shape; 0 leaves it unset), graphs (target|draft|both, default
-both), lm_head (false: keep the vocab projection in float). MatMuls whose weight is not a constant, or is too
-small to fill one block (the RoPE frequencies), are never quantized. A weight read through Transpose (a tied
-lm_head, the draft's shared projections) is quantized transposed, as `{name}.transposed`.
+docs/passes.md#int4-and-int8; 0 leaves it unset), graphs (target|draft|both, default both), lm_head (false: keep the
+vocab projection in float). MatMuls whose weight is not a constant, or is too small to fill one block (the RoPE
+frequencies), are never quantized. A weight read through Transpose (a tied lm_head, the draft's shared projections)
+is quantized transposed, as `{name}.transposed`.
 
 Mixture-of-experts layers become ONNX Runtime's QMoE with the experts in the same blocks (always symmetric, which
 is what QMoE reads; passes/experts.py). Their router is a Gemm (a linear layer over the call's flattened tokens) and
@@ -27,9 +27,8 @@ from dflash_onnx.passes.base import PassContext
 from dflash_onnx.runtime.errors import DFlashError
 
 COLUMNS = 8192  # output columns quantized at a time
-# ONNX Runtime's CPU kernel holds int4 weights packed with a float32 scale and a float32 block sum per block:
-# at 32 that is 1.5x the int4 bytes (a Qwen3-4B-shaped int4 session 4.4 GB for 3.0 GB of weights), at 64 1.25x
-# (3.4 GB), with decode no slower; 64 is also MLX's default group (measured for issue 19, README "Seed-size runs")
+# ONNX Runtime's CPU kernel holds int4 weights packed with a float32 scale and a float32 block sum per block: 64
+# halves 32's overhead, decodes no slower and is MLX's default group (docs/large-models.md#memory-per-int4-block-size)
 BLOCK_SIZE = 64
 
 
@@ -106,7 +105,8 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
     if graphs not in (context.graph, "both"):
         return model, {"skipped": f"graphs={graphs}"}
     if any(v.dtype == ir.DataType.BFLOAT16 for v in model.graph.initializers.values()):
-        # its kernel takes float32 and float16 weights; given bfloat16 ones it returns zero scales (measured)
+        # its kernel takes float32 and float16 weights; given bfloat16 ones it returns zero scales
+        # (docs/passes.md#int4-and-int8)
         raise DFlashError(f"int{bits}: ONNX Runtime's quantizer takes float32 and float16 weights, not this "
                           f"{context.graph} graph's bfloat16: widen it first, --passes fp32,int{bits}")
     block_size = context.int_option("block_size", BLOCK_SIZE)

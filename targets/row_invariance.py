@@ -25,7 +25,7 @@ CONTEXTS = (20, 300)  # committed context before the block: within one prefill c
 PREFILL_CHUNK = 256
 # the token ids come from the first ID_RANGE of the vocabulary: which embedding rows the calls read changes no
 # kernel choice, and a narrow range keeps the pages of the memory-mapped embedding the lowering touches few
-# (at the Qwen3-4B shape, ids drawn from the whole vocabulary mapped 0.35 GB of its 0.78 GB embedding)
+# (docs/large-models.md#where-an-ort-sessions-memory-goes)
 ID_RANGE = 1024
 
 

@@ -51,6 +51,12 @@ from dflash_onnx.runtime.manifest import GraphSpec, Manifest
 # exports (the demo's) are rebuilt rather than reused with an older contract.
 GRAPH_REVISION = 2
 EXTERNAL_BYTES = 256  # smaller tensors stay inside the graph file (onnx-ir's default, as ONNXProgram.save)
+# peak memory counted for an export (docs/export.md#streamed-export): streamed, the libraries and about
+# two copies of the largest tensor, with margin; loaded (--no-stream), a factor of the weights written
+STREAMED_BASE_MEMORY = 2**30
+STREAMED_TENSOR_COPIES = 3
+LOADED_MEMORY = 1.5
+WRITTEN_MARGIN = 1.05  # free space counted over the weights written
 
 
 def kv_names(prefix: str, num_layers: int) -> list[str]:
@@ -200,12 +206,10 @@ def export_pair(
     torch_dtype = DTYPES[dtype]
     stages = Stages(7 if stream else 6, enabled=progress)
     written = export_bytes([target_dir, draft_dir], torch_dtype.itemsize)
-    # peak memory: streamed, the libraries (~0.7 GB) and about two copies of the largest tensor (Qwen3-4B shape,
-    # float16: 2.36 GB, the embedding 0.78 GB); loaded, 1.5x (Qwen3-0.6B shape, float32) to 1.7x (Qwen3-4B shape,
-    # float16) the weights written
-    need_memory = (2**30 + 3 * largest_tensor_bytes([target_dir, draft_dir], torch_dtype.itemsize) if stream
-                   else int(1.5 * written))
-    with staged_directory(out, (target_dir, draft_dir), overwrite, int(1.05 * written), need_memory) as tmp:
+    need_memory = (STREAMED_BASE_MEMORY
+                   + STREAMED_TENSOR_COPIES * largest_tensor_bytes([target_dir, draft_dir], torch_dtype.itemsize)
+                   if stream else int(LOADED_MEMORY * written))
+    with staged_directory(out, (target_dir, draft_dir), overwrite, int(WRITTEN_MARGIN * written), need_memory) as tmp:
         target_weights = draft_weights = None
         if stream:
             step = "checking the wrapper on a small random model of the target's architecture"

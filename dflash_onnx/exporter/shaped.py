@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 INIT_STD = 0.02
+DRAWN_ROWS = 8192  # rows drawn in float32 at a time: a whole vocab-sized matrix is 1.5 GB in float32 at Qwen3-4B
 
 
 def _meta_shapes(module: torch.nn.Module, skip: set[str]) -> dict[str, tuple[int, ...]]:
@@ -38,9 +39,9 @@ def _tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) ->
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    rows = []  # drawn in float32 a slice at a time: a vocab-sized matrix is 1.5 GB in float32
-    for start in range(0, shape[0], 8192):
-        part = (min(8192, shape[0] - start), *shape[1:])
+    rows = []  # drawn in float32 DRAWN_ROWS at a time
+    for start in range(0, shape[0], DRAWN_ROWS):
+        part = (min(DRAWN_ROWS, shape[0] - start), *shape[1:])
         rows.append(torch.empty(part).normal_(0.0, INIT_STD, generator=generator).to(dtype))
     return torch.cat(rows) if len(rows) > 1 else rows[0]
 

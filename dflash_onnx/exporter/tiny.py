@@ -114,7 +114,7 @@ PRESETS["qwen3-0.6b-shaped-agree"] = replace(PRESETS["qwen3-0.6b-shaped"], agree
 PRESETS["qwen3-0.6b-shaped-agree-draft-vocab"] = replace(PRESETS["qwen3-0.6b-shaped-agree"],
                                                          draft_format="speculators", draft_vocab_size=32768)
 # Its attention (16 query and 8 K/V heads of 128) on a small body (4 layers of width 256, 1024 tokens): its float16
-# export (21 MB) travels to a leased GPU machine in one call, where the 0.6B shape's export (1.2 GB) cannot
+# export travels to a leased GPU machine in one call, where the 0.6B shape's cannot (sizes: docs/ort.md#cuda)
 PRESETS["qwen3-0.6b-attention-agree"] = replace(PRESETS["qwen3-0.6b-shaped-agree"], vocab_size=1024,
                                                 hidden_size=256, intermediate_size=384, target_layers=4,
                                                 target_layer_ids=[1, 2], max_positions=4096)

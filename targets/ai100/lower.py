@@ -54,9 +54,13 @@ from dflash_onnx.targets.fp16_calibration import calibrate_for_fp16
 from dflash_onnx.targets.lowering import lowered_output, refuse_unbuilt, start_lowering
 
 EMULATION_PROMPTS, EMULATION_TOKENS = 2, 24
-# the float16 emulation's sessions (one twin at a time), times a float32 export's size: measured on the Qwen3-0.6B
-# shape, 9.12 GB for a 2.46 GB export (3.7x; each twin's rounded weights are folded into constants of their own)
+# peak memory of the float16 emulation's sessions (one twin at a time, its rounded weights folded into constants
+# of its own) over a float32 export's size, with margin (docs/ai100.md#the-emulated-check)
 EMULATION_MEMORY = 3.8
+# peak memory of a --no-stream lowering over the export's size, with margin: the loaded pair and its retained-state
+# export, from float32 the emulation's sessions on top (docs/ai100.md#bfloat16-and-large-models)
+NO_STREAM_MEMORY_FLOAT32 = 5.5
+NO_STREAM_MEMORY_FLOAT16 = 3.5
 
 
 def kv_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -200,9 +204,7 @@ def lower_ai100(source: Path, out: Path, options: Ai100Options | None = None,
         manifest = replace(manifest, dtype="float16")
     torch_dtype = DTYPES[manifest.dtype]
     if options.no_stream:
-        # peak memory relative to the export, measured on the Qwen3-0.6B shape's dry run: 3.3x float16 (the loaded
-        # pair and its retained-state export), 5.1x float32 (the float16 emulation's sessions on top)
-        factor, extra = (5.5 if manifest.dtype == "float32" else 3.5), 0
+        factor, extra = (NO_STREAM_MEMORY_FLOAT32 if manifest.dtype == "float32" else NO_STREAM_MEMORY_FLOAT16), 0
     else:
         # streamed: the libraries, the draft's embedding and lm_head while calibration runs it, and the largest
         # tensor twice while it is written; float32 graphs add the float16 emulation's sessions

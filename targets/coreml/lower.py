@@ -128,13 +128,16 @@ def _convert(module, example: tuple, inputs: list, outputs: list[str], path: Pat
 
 def _discard(model) -> None:
     """Remove the temporary package coremltools wrote `model` to: it keeps them until the process exits, which in
-    a lowering of many functions fills the disk (a Qwen3-4B target in parts: ~1.6 GB per function)."""
+    a lowering of many functions fills the disk (docs/coreml.md#the-target-in-parts)."""
     if getattr(model, "is_temp_package", False):
         shutil.rmtree(model.package_path, ignore_errors=True)
 
 
 PACKAGE = "model.mlpackage"
 ESTIMATE = "estimate.json"  # what --dry-run writes
+# peak memory of a whole-target conversion over the pair's float32 size, with margin: the modules are traced in
+# float32 whatever the export's dtype (docs/coreml.md#memory-and-time)
+WHOLE_CONVERSION_MEMORY = 7.5
 
 
 def _dry_run(source: Path, out: Path, request: LowerRequest, manifest: Manifest, options: CoremlOptions,
@@ -231,10 +234,8 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
     if options.dry_run:
         return _dry_run(source, out, request, manifest, options, functions, (target_dir, draft_dir))
     streamed = len(parts) > 1
-    # peak memory: in parts, the largest conversion (sizes.py); whole, 7.2x the pair in float32 (the modules are
-    # traced in float32 whatever the export's dtype; measured on the Qwen3-0.6B shape: 16.7 GB for a 2.3 GB float32
-    # export, the numpy check included)
-    memory = 0.0 if streamed else 7.5 * 4 / np.dtype(manifest.numpy_dtype).itemsize
+    # peak memory: in parts, the largest conversion (sizes.py); whole, the pair in float32 times a factor
+    memory = 0.0 if streamed else WHOLE_CONVERSION_MEMORY * 4 / np.dtype(manifest.numpy_dtype).itemsize
     extra = part_conversion_bytes(target_dir, draft_dir, parts, (len(names["target"]), len(names["draft"]))) \
         if streamed else 0
     hint = "" if streamed else _parts_hint(manifest.target.num_layers, target_dir, draft_dir)
@@ -249,7 +250,7 @@ def lower_coreml(source: Path, out: Path, options: CoremlOptions | None = None,
             def weights(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> AbstractContextManager:
                 return weights_loaded([module], sources, dtype)
             # traced with float16 weights: coremltools converts float32 weights through several float32 copies
-            # (a Qwen3-4B embedding alone: 14.1 GB at its peak, 2.7 GB from float16 weights)
+            # (docs/coreml.md#the-target-in-parts)
             trace_dtype = torch.float16
         else:
             with stages.stage("loading target and draft"):

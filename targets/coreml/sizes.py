@@ -78,16 +78,15 @@ def describe(found: dict) -> str:
             f"draft {found['state_bytes']['draft'] / gib:.2f} GiB ({found['method']})")
 
 
-# peak memory of one conversion per float16 byte of the modules it traces (the module, its TorchScript trace, the
-# MIL program's constants, the int4 pass): measured on the Qwen3-4B-shaped pair in parts of 6 layers, 3.3x for the
-# end parts, up to 3.8x for the middle ones, 3.6x for the draft (10.4 GB)
+# The peaks of a lowering in parts (docs/coreml.md#memory-and-time):
+# one conversion per float16 byte of the modules it traces (the module, its TorchScript trace, the MIL program's
+# constants, the int4 pass)
 CONVERSION_PER_BYTE = 3.8
-# ct.utils.save_multifunction holds each function's weights as float32 while it combines them: measured 17.9 GB
-# for the first 4B part's three functions (6 layers and the embedding, 1.0 billion values each)
+# combining a part's functions per float32 byte of their weights: ct.utils.save_multifunction holds each function's
+# weights as float32 while it combines them
 COMBINE_PER_FLOAT32 = 1.5
-# the check holds a function's values as the numpy evaluation makes them (float16 weights dequantized, float32 copies
-# for the matmuls) beside the float32 reference modules: measured 20.2 GB for the 4B pair's largest (the draft, 1.3
-# billion values), 15 bytes per value
+# the check, bytes per value of the largest function: the numpy evaluation's values (float16 weights dequantized,
+# float32 copies for the matmuls) beside the float32 reference modules
 CHECK_PER_VALUE = 15.0
 
 

@@ -41,6 +41,12 @@ from dflash_onnx.targets.mlx.options import MlxOptions
 from dflash_onnx.targets.mlx.rounded import rounded_initializers
 from dflash_onnx.targets.mlx.session import import_mlx, open_session
 
+# disk over the export's size (docs/mlx.md#quantized-weights): the fused copy, with margin
+FUSED_COPY_DISK = 1.1
+# the MLX weights with --bits 4 / 8, with margin (unquantized: the export's size)
+QUANTIZED_WEIGHTS_DISK = {4: 0.35, 8: 0.6}
+BFLOAT16_TWIN_DISK = 2.0  # the check's float32 twin of a bfloat16 export
+
 
 def weight_uses(graph: onnx.GraphProto) -> dict[str, set[str]]:
     """How each initializer is read: "direct" (x @ W), "transposed" (x @ Transpose(W), or FusedMatMul with
@@ -149,10 +155,10 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
                           "window, which MLX's GroupQueryAttention does not apply yet: lower with --kv-buffer off")
     manifest_of_export = manifest
     bits = options.bits
-    # disk: the fused copy (the export's size) beside the MLX weights (quantized: ~0.3x / ~0.55x a float16 export)
-    written = {4: 0.35, 8: 0.6}.get(bits, 1.0)
-    widened = 2.0 if manifest.dtype == "bfloat16" else 0.0  # the check's float32 twin of a bfloat16 export
-    with lowered_output(source, out, request, size_factor=1.1 + written + widened) as tmp:
+    # disk: the fused copy beside the MLX weights
+    written = QUANTIZED_WEIGHTS_DISK.get(bits, 1.0)
+    widened = BFLOAT16_TWIN_DISK if manifest.dtype == "bfloat16" else 0.0
+    with lowered_output(source, out, request, size_factor=FUSED_COPY_DISK + written + widened) as tmp:
         origin = Path(source)
         if options.kv_buffer:
             origin = tmp / "fused"
@@ -190,7 +196,7 @@ def lower_mlx(source: Path, out: Path, options: MlxOptions | None = None,
 
 
 # Largest difference allowed between the MLX graphs and the export on ONNX Runtime, relative to the largest
-# |output|: float kernels that round differently (measured on the tiny pairs: float32 ~1e-6). With --bits the
+# |output|: float kernels that round differently (docs/mlx.md#the-check). With --bits the
 # reference reads the quantized weights rounded as the lowering stored them (rounded.py), so the same bounds hold;
 # only where a weight is read more than one way (no rounded value fits every reader) are quantized weights held to
 # the int8/int4 passes' bounds.

@@ -99,9 +99,8 @@ def _matmul(inputs, attrs):
     if isinstance(w, QuantizedWeight):
         x = device(x)
         if x.dtype in (mx.bfloat16, mx.float16) and mx.default_device().type == mx.cpu:
-            # MLX's CPU kernel takes half-precision inputs badly: bfloat16 accumulates in bfloat16 (12 % of the
-            # output's scale at K = 9728; float32 inputs 0.5 %), float16 runs ~38x slower than float32 inputs
-            # (2560 x 9728 int4, one row: 1158 vs 31 ms); measured for issue 19
+            # MLX's CPU kernel takes half-precision inputs badly: bfloat16 accumulates in bfloat16, float16 runs
+            # far slower than float32 inputs (docs/mlx.md#half-precision-on-mlxcpu)
             return [mx.quantized_matmul(x.astype(mx.float32), w.weight, w.scales, w.biases, transpose=True,
                                         group_size=w.group_size, bits=w.bits).astype(x.dtype)]
         return [mx.quantized_matmul(x, w.weight, w.scales, w.biases, transpose=True,
@@ -344,7 +343,7 @@ def rope_frequencies(cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
 
 def rope_base(wavelengths: np.ndarray) -> float | None:
     """The base theta when the wavelengths are theta^(2i/d) (HF's default RoPE): mx.fast.rope then computes the
-    frequencies itself, which builds its call faster than passing them (measured on mlx[cpu]: 9 vs 14 us)."""
+    frequencies itself, which builds its call faster than passing them (docs/mlx.md#the-lowering-and-the-session)."""
     dim = 2 * len(wavelengths)
     base = float(wavelengths[1]) ** (dim / 2) if len(wavelengths) > 1 else None
     if base is None or not np.isfinite(base) or base <= 1:

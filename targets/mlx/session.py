@@ -257,7 +257,7 @@ class MlxSession:
                                                            if isinstance(v, np.ndarray)})
         self._weights = (own, target)  # keep the shared loads alive while this session lives
         # mx.load is lazy: a compiled trace capturing a weight not yet loaded would load its own copy of it, one per
-        # call shape (measured at the Qwen3-4B shape: +1.5 GB per new verify size); load what this graph reads once
+        # call shape (docs/mlx.md#compiled-runs-between-attentions); load what this graph reads once
         mx.eval(*[a for v in self.values.values() for a in
                   ((v.weight, v.scales, v.biases) if isinstance(v, QuantizedWeight) else (v,))
                   if isinstance(a, mx.array)])

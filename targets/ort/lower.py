@@ -31,6 +31,14 @@ from dflash_onnx.targets.ort.options import OrtOptions
 from dflash_onnx.targets.ort.session import bfloat16_refusal, open_session, ort_level, provider_name
 from dflash_onnx.targets.ort.spinning_measure import measure_spinning
 
+# disk over the export's size: the pipeline's copy, then ORT's
+DISK_FACTOR = 2.2
+# peak memory over the export's size, with margin, the K/V buffers sized to the context and one graph's session
+# open at a time (docs/ort.md#memory-a-lowering-needs)
+PEAK_MEMORY_FLOAT32 = 1.8
+PEAK_MEMORY_QUANTIZED = 1.3  # int4 / int8 weights
+PEAK_MEMORY_FLOAT16_WIDENED = 2.9  # float16 on CPU: its sessions widen the weights to float32
+
 
 def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None:
     """Let ORT optimize `source` for `provider` at `level` and write the optimized graph to `dest`."""
@@ -40,8 +48,9 @@ def _save_optimized(source: Path, dest: Path, provider: str, level: str) -> None
     options.optimized_model_filepath = str(dest)
     options.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{dest.name}.data")
     options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-    # the saved graph keeps the weights as they are: packing them for the kernels (MatMulNBits' int4 with a
-    # float32 scale and block sum per block: 1.25x the int4 bytes in blocks of 64) would only raise this step's peak
+    # the saved graph keeps the weights as they are: packing them for the kernels (MatMulNBits' int4 with a float32
+    # scale and block sum per block, docs/large-models.md#where-an-ort-sessions-memory-goes) would only raise this
+    # step's peak
     options.add_session_config_entry("session.disable_prepacking", "1")
     try:
         ort.InferenceSession(str(source), sess_options=options, providers=[provider])
@@ -106,14 +115,10 @@ def lower_ort(source: Path, out: Path, options: OrtOptions | None = None,
               "peaked at 23.8 GB, as measured for issue 19); on CPU quantize instead: optimize --passes int4 "
               "--pass-option int4.lm_head=true",
               file=sys.stderr)
-    # disk: the pipeline's copy, then ORT's; peak memory relative to the export, measured with the K/V buffers
-    # sized to the context and one graph's session open at a time: 1.68x for float32 (Qwen3-0.6B shape: its
-    # tied lm_head is packed for the matmul while its pages stay mapped for the embedding), 1.11x and 1.07x for
-    # int4 in blocks of 64 (Qwen3-4B, LLaMA-3.1-8B shapes), 2.8x for float16 on CPU, widened to float32 (4B,
-    # before: 23.8 GB); each with some margin
     widened = options.provider == "cpu" and manifest.dtype == "float16" and not manifest.weight_quantization
-    memory = 2.9 if widened else 1.3 if manifest.weight_quantization else 1.8
-    with lowered_output(source, out, request, size_factor=2.2, memory_factor=memory) as tmp:
+    memory = (PEAK_MEMORY_FLOAT16_WIDENED if widened
+              else PEAK_MEMORY_QUANTIZED if manifest.weight_quantization else PEAK_MEMORY_FLOAT32)
+    with lowered_output(source, out, request, size_factor=DISK_FACTOR, memory_factor=memory) as tmp:
         names, pass_options = pipeline(options, manifest.block_size, experts=manifest.experts is not None,
                                        quantized=manifest.weight_quantization is not None)
         fused_dir, fused, rewrites = tmp / "fused", manifest, {}

@@ -349,7 +349,7 @@ def open_session(directory: Path, manifest: Manifest, graph: str, **overrides) -
         settings = {"intra_op_threads": threads, "optimization_level": options.optimization_level,
                     "providers": [provider_name(manifest.lowering.provider)]}
     # the draft's calls alternate with the target's: its threads spinning on after each call take the
-    # cores the target's verify needs (measured on the demo pair: DFlash 948 -> 1262 tok/s side by side)
+    # cores the target's verify needs (docs/ort.md#threads-and-spinning)
     settings.update(session_settings(mode or "on", graph))
     settings.update(overrides)
     path = Path(directory) / getattr(manifest, graph).file
