@@ -32,7 +32,7 @@ def _anchors(page: Path) -> set[str]:
 def test_the_pages_exist():
     assert {p.name for p in PAGES} >= {"README.md", "architecture.md", "cli.md", "ort.md", "ai100.md", "mlx.md",
                                        "coreml.md", "verify-policy.md", "identical-tokens.md", "security.md",
-                                       "large-models.md", "distillation.md", "benchmarks.md"}
+                                       "large-models.md", "distillation.md", "benchmarks.md", "python-api.md"}
 
 
 def test_the_readme_is_a_front_page_with_the_set_up_commands():
