@@ -35,13 +35,27 @@ EXPORTED = {
     # a Gated-DeltaNet hybrid (Qwen3.5: linear- and full-attention layers alternating), untied: varied tokens
     "hybrid_b4": TinySpec(model_type="qwen3_5_text", full_attention_interval=2, tie_embeddings=False, block_size=4,
                           target_layer_ids=[1, 2], seed=17),
+    # Pairs whose greedy output depends on the whole prompt and whose draft is accepted for some positions, not all:
+    # target and draft lean towards the favourite token only as far as the context does (favourite_logit), so the
+    # favourite is one token among many in the output and a proposal of it is right where the target agrees.
+    # tests/spread.py measures both; the end-to-end equality tests run on these.
+    "varied_b4": TinySpec(agree=True, favourite_logit=0.15, tie_embeddings=False, block_size=4, sliding_window=6,
+                          target_layer_ids=[1, 2], seed=19),
+    "varied_window_b8": TinySpec(agree=True, favourite_logit=0.4, tie_embeddings=False, block_size=8,
+                                 target_sliding_window=5, target_layer_ids=[1, 2], seed=23),
+    "varied_moe_b4": TinySpec(model_type="qwen3_moe", num_experts=8, experts_per_token=2, agree=True,
+                              favourite_logit=1.0, tie_embeddings=False, block_size=4, target_layer_ids=[1, 2],
+                              seed=29),
 }
 DTYPES = {"agree_b4_fp16": "float16"}
 # `lower --target ort` of each pair: causal_gqa4_b4 (sliding-window layers) keeps the concat form covered; its
 # buffer form, the windows as GroupQueryAttention's local_window_size, has a test of its own. agree_b4_fp16 covers
 # float16 graphs: RoPE stays out of GroupQueryAttention and the draft's rotations keep their per-call cos/sin (both
 # rewrites are float32-only), the rest of the lowering applies.
-KV_BUFFER = {"agree_b8": True, "llama_sliding_b16": True, "causal_gqa4_b4": False, "agree_b4_fp16": True}
+KV_BUFFER = {"agree_b8": True, "llama_sliding_b16": True, "causal_gqa4_b4": False, "agree_b4_fp16": True,
+             "varied_b4": True, "varied_window_b8": False}
+# the pairs whose greedy output depends on the whole prompt (tests/spread.py): end-to-end equality runs on these
+VARIED = ("varied_b4", "varied_window_b8", "varied_moe_b4")
 
 
 def benchmark_script(name: str):

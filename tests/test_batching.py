@@ -9,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from conftest import CopiedWhenBound
+from spread import assert_discriminating, varied_prompts
 
 from dflash_onnx.runtime.batching import BatchParts, SpeculationSwitch, StepBatcher, StepLoop
 from dflash_onnx.runtime.decode import Decoder
@@ -39,8 +40,15 @@ def ragged(exported, tmp_path_factory):
 
 
 def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, int(rng.integers(2, 40))).tolist() for _ in range(count)]
+    return varied_prompts(vocab, count, seed, shortest=2, longest=40)
+
+
+def _alone(decoder: Decoder, prompts: list[list[int]], max_new: int, **kwargs) -> list[list[int]]:
+    """Each prompt's greedy tokens decoded alone, first checked to tell the prompts apart (tests/spread.py): an
+    isolation test whose requests all expect one output would pass with their K/V mixed."""
+    want = [decoder.generate(p, max_new, "greedy", **kwargs).tokens for p in prompts]
+    assert_discriminating(prompts, want, lambda p: decoder.generate(p, max_new, "greedy", **kwargs).tokens)
+    return want
 
 
 def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampling=None, prefill_chunk: int = 20,
@@ -77,19 +85,21 @@ def _side_by_side(directory, prompts, slots: int, mode: str, max_new: int, sampl
     return [tokens[i] for i in range(len(prompts))], batcher.stats
 
 
-@pytest.mark.parametrize("name", ["agree_b8", "llama_sliding_b16", "moe_b4"])
+@pytest.mark.parametrize("name", ["varied_b4", "varied_moe_b4"])
 def test_each_request_decodes_as_it_does_alone(ragged, name):
     """DFlash side by side, 3 slots, 7 requests of 2-39 tokens (prefills chunked at 20 rows: those longer than a
-    step run alone beside the batched steps): every request's tokens equal its greedy decode alone, and calls were
-    really batched."""
+    step run alone beside the batched steps), each expecting its own output: every request's tokens equal its greedy
+    decode alone, and calls were really batched."""
     directory = ragged(name)
     alone = open_decoder(directory)
     prompts = _prompts(alone.manifest.vocab_size, 7, seed=1)
-    want = [alone.generate(p, 24, "greedy").tokens for p in prompts]
-    got, stats = _side_by_side(directory, prompts, 3, "dflash", 24)
+    want = _alone(alone, prompts, 24, stop_token_ids=[])
+    got, stats = _side_by_side(directory, prompts, 3, "dflash", 24,
+                               decode=lambda i, decoder: decoder.generate(prompts[i], 24, "dflash", stop_token_ids=[],
+                                                                          verify="full").tokens)
     assert got == want
     assert stats.widest >= 2 and stats.batched_calls > 0 and stats.lone_calls > 0
-    if name == "llama_sliding_b16":  # a windowed draft: each request drafts on its own
+    if name == "varied_b4":  # a windowed draft: each request drafts on its own
         assert stats.draft_calls == 0
     else:
         assert stats.drafted_requests > stats.draft_calls > 0  # the requests' drafts shared calls too
@@ -165,7 +175,7 @@ def test_a_hybrid_targets_requests_decode_as_they_do_alone(ragged):
     directory = ragged("hybrid_b4")
     alone = open_decoder(directory)
     prompts = _prompts(alone.manifest.vocab_size, 7, seed=1)
-    want = [alone.generate(p, 24, "greedy").tokens for p in prompts]
+    want = _alone(alone, prompts, 24)
     got, stats = _side_by_side(directory, prompts, 3, "dflash", 24, decode=lambda i, decoder: decoder.generate(
         prompts[i], 24, "greedy" if i % 2 else "dflash", verify="full").tokens)
     assert got == want and stats.padding_rows > 0 and stats.widest == 3
@@ -183,33 +193,32 @@ def test_a_hybrid_targets_requests_decode_as_they_do_alone(ragged):
 
 def test_greedy_and_sampling_side_by_side_are_the_requests_alone(ragged):
     """Greedy side by side equals greedy alone; a seeded sampled request draws the same tokens beside others as
-    alone (its logits are the same, bit for bit)."""
-    directory = ragged("agree_b2")
+    alone (its logits are the same, bit for bit). Sampled requests verify full blocks here: under `auto` the rows a
+    step verifies decide which draws it makes, and the acceptance a decoder has learnt from earlier requests moves
+    them (the distribution stays exact; the draws are the same only for the same history)."""
+    directory = ragged("varied_moe_b4")
     alone = open_decoder(directory)
     prompts = _prompts(alone.manifest.vocab_size, 5, seed=2)
     got, _ = _side_by_side(directory, prompts, 4, "greedy", 16)
-    assert got == [alone.generate(p, 16, "greedy").tokens for p in prompts]
+    assert got == _alone(alone, prompts, 16)
     sampling = SamplingParams(temperature=0.9, top_k=20, seed=7)
-    got, _ = _side_by_side(directory, prompts, 4, "dflash", 16, sampling)
-    assert got == [alone.generate(p, 16, "dflash", sampling).tokens for p in prompts]
-    # mixed: greedy requests share their draft calls while sampled ones draft on their own, in the same steps
     mixed = [sampling if index % 2 else SamplingParams(temperature=0.0) for index in range(len(prompts))]
-    got, stats = _side_by_side(directory, prompts, 4, "dflash", 16, lambda index: mixed[index])
-    assert got == [alone.generate(p, 16, "dflash", params).tokens for p, params in zip(prompts, mixed)]
+    for params in ([sampling] * len(prompts), mixed):  # mixed: greedy requests share their draft calls while
+        # sampled ones draft on their own, in the same steps
+        got, stats = _side_by_side(directory, prompts, 4, "dflash", 16, decode=lambda i, decoder, params=params:
+                                   decoder.generate(prompts[i], 16, "dflash", params[i], verify="full").tokens)
+        assert got == [alone.generate(p, 16, "dflash", s, verify="full").tokens for p, s in zip(prompts, params)]
     assert stats.draft_calls > 0
 
 
 def test_the_engine_batches_requests_and_their_text_is_solo_greedy(ragged):
     """An engine with 3 slots: 6 requests at once, each text the directory's greedy decode alone; the batcher ran
     steps of several requests."""
-    directory = ragged("agree_b8")
+    directory = ragged("varied_b4")
     codec, alone = TextCodec(directory), open_decoder(directory)
     stops = set(alone.stop_token_ids)
     prompts = _prompts(alone.manifest.vocab_size, 6, seed=3)
-    want = []
-    for prompt in prompts:
-        tokens = alone.generate(prompt, 20, "greedy").tokens
-        want.append(codec.decode(tokens[:-1] if tokens[-1] in stops else tokens))
+    want = [codec.decode(tokens[:-1] if tokens[-1] in stops else tokens) for tokens in _alone(alone, prompts, 20)]
     decoder = open_decoder(directory)
     engine = Engine(decoder, codec, max_queue=16, batch=open_batch(decoder, 3))
     try:
@@ -219,9 +228,10 @@ def test_the_engine_batches_requests_and_their_text_is_solo_greedy(ragged):
         engine.close()
     assert texts == want
     assert engine.batcher.stats.widest >= 2 and sum(engine.finished.values()) == 6
-    # `serve --shared-draft off` (EngineSettings): the same batch, each request drafting on its own session
+    # `serve --shared-draft off` (EngineSettings): a batch whose draft can be shared (varied_b4's is windowed), each
+    # request drafting on its own session
     for shared in (True, False):
-        opened = EngineSettings(directory, max_batch=2, shared_draft=shared).open()
+        opened = EngineSettings(ragged("varied_moe_b4"), max_batch=2, shared_draft=shared).open()
         opened.close()
         assert (opened.batcher.drafts is not None) == shared
         assert opened.drafting == ("one draft call a step" if shared else "a draft call per request "
@@ -497,14 +507,11 @@ def test_a_batch_that_does_not_draft_decodes_greedily(ragged):
 def test_a_cancelled_request_leaves_the_batch_and_the_others_finish_as_alone(ragged):
     """A request cancelled after its first event stops at its next step and frees its slot; the requests beside it
     and one queued behind it still give their solo greedy text."""
-    directory = ragged("agree_b8")
+    directory = ragged("varied_b4")
     codec, alone = TextCodec(directory), open_decoder(directory)
     stops = set(alone.stop_token_ids)
     prompts = _prompts(alone.manifest.vocab_size, 4, seed=5)
-    want = []
-    for prompt in prompts[1:]:
-        tokens = alone.generate(prompt, 24, "greedy").tokens
-        want.append(codec.decode(tokens[:-1] if tokens[-1] in stops else tokens))
+    want = [codec.decode(tokens[:-1] if tokens[-1] in stops else tokens) for tokens in _alone(alone, prompts[1:], 24)]
     decoder = open_decoder(directory)
     engine = Engine(decoder, codec, max_queue=16, batch=open_batch(decoder, 2))
     try:

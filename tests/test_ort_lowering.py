@@ -8,7 +8,8 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from conftest import KV_BUFFER, CopiedWhenBound
+from conftest import KV_BUFFER, VARIED, CopiedWhenBound
+from spread import assert_discriminating, varied_prompts
 
 import dflash_onnx.targets.ort.check as ort_check
 from dflash_onnx.cli import main
@@ -41,11 +42,14 @@ def test_lowered_pair_decodes_the_exports_greedy_tokens(name, exported, decoders
     assert attentions == (lowered.manifest.draft.num_layers if grouped else 0)
     cached = KV_BUFFER[name] and lowered.manifest.dtype == "float32"  # a cos/sin cache needs the position bound
     assert (_rewrote(lowered.manifest, "rope-cache", "draft", "rotations") > 0) == cached
-    rng = np.random.default_rng(3)
-    for _ in range(3):
-        prompt = rng.integers(2, 94, size=int(rng.integers(1, 12))).tolist()
-        want = decoders(name).generate(prompt, 32, "greedy", stop_token_ids=[]).tokens
+    export = decoders(name)
+    prompts = varied_prompts(lowered.manifest.vocab_size, 4, seed=3, shortest=2, longest=12)
+    wants = [export.generate(prompt, 32, "greedy", stop_token_ids=[]).tokens for prompt in prompts]
+    if name in VARIED:  # the agreeing and tied pairs hardly tell prompts apart: their tokens check the structure only
+        assert_discriminating(prompts, wants, lambda p: export.generate(p, 32, "greedy", stop_token_ids=[]).tokens)
+    for prompt, want in zip(prompts, wants):  # full blocks: every step verifies, and rolls back, proposals
         assert lowered.generate(prompt, 32, "dflash", stop_token_ids=[]).tokens == want
+        assert lowered.generate(prompt, 32, "dflash", stop_token_ids=[], verify="full").tokens == want
         assert lowered.generate(prompt, 32, "greedy", stop_token_ids=[]).tokens == want
 
 
@@ -110,20 +114,23 @@ def test_a_lowering_whose_graph_fixes_the_buffer_rows_still_decodes(decoders, or
 
 
 def test_sliding_window_layers_get_their_window_in_the_buffer_form(exported, tmp_path):
-    """causal_gqa4_b4's target slides over 5 positions in layers 0 and 2: GroupQueryAttention's
-    local_window_size masks as the export does, and the buffer form decodes HF greedy's tokens past the window."""
+    """varied_window_b8's target slides over 5 positions in layers 0 and 2: GroupQueryAttention's
+    local_window_size masks as the export does, and the buffer form decodes HF greedy's tokens past the window, for
+    prompts whose tokens beyond the window change the output (a window one row too wide would show)."""
     from dflash_onnx.exporter.models.target import hf_greedy
     from dflash_onnx.exporter.pair import load_target
 
-    pair = exported("causal_gqa4_b4")
+    pair = exported("varied_window_b8")
     assert load_manifest(pair.out).target.kv_windows == [5, 0, 5, 0]
     lowered = lower_ort(pair.out, tmp_path / "sliding", OrtOptions(ctx_len=128), QUIET)
     assert lowered.form == "buffer" and lowered.lowering.rewrites["kv-buffer"]["target"]["sliding_windows"] == 2
     lm, decoder = load_target(pair.target_dir), open_decoder(tmp_path / "sliding")
-    prompt = [40, 2, 66, 17, 9, 31, 8, 70, 12, 4, 51]
-    want = hf_greedy(lm, prompt, 16, None)
-    assert decoder.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens == want
-    assert decoder.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == want
+    prompts = varied_prompts(lowered.vocab_size, 4, seed=8, shortest=8, longest=16)
+    wants = [hf_greedy(lm, prompt, 16, None) for prompt in prompts]
+    assert_discriminating(prompts, wants, lambda p: hf_greedy(lm, p, 16, None))
+    for prompt, want in zip(prompts, wants):
+        assert decoder.generate(prompt, 16, "greedy", stop_token_ids=[]).tokens == want
+        assert decoder.generate(prompt, 16, "dflash", stop_token_ids=[], verify="full").tokens == want
 
 
 def test_buffer_form_is_refused_where_it_would_change_the_output(exported, tmp_path):

@@ -82,6 +82,10 @@ class TinySpec:
     # stacks swamp the embedding's bias otherwise (the compute is unchanged, only the values are damped).
     damp_layers: float = 1.0
     favourite_token: int = 7
+    # under `agree`: the favourite's weight on the embeddings' shared axis in the target's head; below the default
+    # the target emits the favourite only where its context leans that way, so its output varies with the prompt and
+    # a draft leaning the same way is accepted for some positions, not all
+    favourite_logit: float = 4.0
     eos_token_id: int = 1
     max_positions: int = 1024
     rope_theta: float | None = None  # None: the model type's default
@@ -316,7 +320,7 @@ def _bias_towards(model, spec: TinySpec) -> None:
         embed[:, 0] = embed[:, 0].abs() + 0.05
         head = model.get_output_embeddings().weight
         if head.data_ptr() != embed.data_ptr():
-            head[spec.favourite_token, 0] = 4.0
+            head[spec.favourite_token, 0] = spec.favourite_logit
         if spec.damp_layers != 1.0:
             for name, param in model.named_parameters():
                 if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):

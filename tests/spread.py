@@ -1,0 +1,49 @@
+"""How much a pair's greedy output depends on its prompt: an equality test whose expected outputs are the same for
+every prompt, or unchanged when the prompt is cut to its last token, would pass with requests' K/V mixed, positions
+wrong or a window too wide. `assert_discriminating` makes such a test fail loudly instead."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Spread:
+    prompts: int
+    distinct: int  # different outputs among the prompts'
+    top_share: float  # the most common token's share of all output tokens
+    cut_unchanged: int  # prompts whose output stays the same when the prompt is cut to its last token
+
+    def row(self) -> str:
+        return (f"{self.distinct}/{self.prompts} distinct, top token {self.top_share:.0%}, "
+                f"unchanged when cut {self.cut_unchanged}/{self.prompts}")
+
+
+def varied_prompts(vocab: int, count: int, seed: int, shortest: int = 4, longest: int = 40) -> list[list[int]]:
+    """Random prompts over the vocabulary but its two special ids at each end (pad/eos and the mask)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, vocab - 1, int(rng.integers(shortest, longest))).tolist() for _ in range(count)]
+
+
+def spread(outputs: Sequence[list[int]], cut_outputs: Sequence[list[int]] | None = None) -> Spread:
+    tokens = Counter(t for output in outputs for t in output)
+    cut = sum(a == b for a, b in zip(outputs, cut_outputs)) if cut_outputs is not None else 0
+    return Spread(len(outputs), len({tuple(o) for o in outputs}), max(tokens.values()) / sum(tokens.values()), cut)
+
+
+def assert_discriminating(prompts: Sequence[list[int]], outputs: Sequence[list[int]],
+                          greedy: Callable[[list[int]], list[int]] | None = None) -> Spread:
+    """The expected outputs of an equality test tell its prompts apart: they differ across prompts (no two prompts
+    in three alike) and, where `greedy` decodes a prompt, change for most prompts when the prompt is cut to its last
+    token. Returns the spread it measured."""
+    cut = [greedy(p[-1:]) for p in prompts] if greedy is not None else None
+    measured = spread(outputs, cut)
+    assert measured.distinct >= max(2, (2 * len(prompts) + 2) // 3), \
+        f"the expected outputs hardly differ across prompts ({measured.row()}): this test cannot tell requests apart"
+    assert measured.cut_unchanged <= len(prompts) // 4, \
+        f"cutting the prompts leaves the expected outputs unchanged ({measured.row()}): context is not tested"
+    return measured
