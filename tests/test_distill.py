@@ -45,7 +45,7 @@ def test_short_distillation_raises_tau_well_above_the_initial_draft(distilled):
     draft_dir, report = distilled
     assert report["steps"] == 150 and len(report["history"]) == 3
     assert report["tau_after"] > report["tau_before"] + 0.25 and report["tau_after"] > 1.3, report
-    assert report["history"][-1]["loss"] < report["history"][0]["loss"] + 0.5
+    assert report["history"][-1]["loss"] < 0.8 * report["first_loss"], report  # training lowered the loss
     assert sorted(p.name for p in draft_dir.iterdir()) == ["config.json", "distill.json", "model.safetensors"]
     assert not (draft_dir.parent / "distilled.ckpt").exists()  # checkpoints are removed once the draft is written
 

@@ -250,6 +250,7 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
         optimizer.step()
         step += 1
         bar.update(1)
+        report.setdefault("first_loss", loss.item())  # the untrained draft's: what training must bring down
         postfix = {"loss": f"{loss.item():.3f}"}
         if step % options.eval_every == 0 or step == total:
             draft.eval()
