@@ -9,18 +9,23 @@ output depends on the prompt and whose drafts are accepted in part (conftest.VAR
   the export's greedy tokens, and by the lowering's own check where it lowers with the fault in place;
 - a rejected token's K/V kept (BufferTarget.commit): caught by the same lowering test;
 - a sliding window one row too wide (the kv-buffer rewrite's local_window_size): caught by the lowering's check,
-  which test_ort_lowering's sliding-window test runs.
+  which test_ort_lowering's sliding-window test runs;
+- an expert's int4 nibbles swapped, and its scales written transposed ([blocks, rows] read as [rows, blocks]), by
+  the MoE quantization (passes/experts.py QuantizedExperts): caught by test_moe_oracle's numpy dequantization.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import test_batching
+import test_moe_oracle
 import test_ort_lowering
 from test_batching import ragged  # noqa: F401  the fixture the batching test takes
 
+import dflash_onnx.passes.experts as experts
 import dflash_onnx.runtime.runners as runners
 import dflash_onnx.targets.ort.lower as ort_lower
 from dflash_onnx.runtime.errors import DFlashError
@@ -82,3 +87,30 @@ def test_a_window_one_row_too_wide_is_caught(exported, tmp_path, monkeypatch):
     monkeypatch.setattr(ort_lower, "start_lowering", widened)
     with pytest.raises(DFlashError, match="changes target logits"):
         test_ort_lowering.test_sliding_window_layers_get_their_window_in_the_buffer_form(exported, tmp_path)
+
+
+def _planted(monkeypatch, fault) -> None:
+    """QuantizedExperts writes `fault(packed, scales)` instead of what it computed."""
+    original = experts.QuantizedExperts._quantize
+
+    def faulty(self):
+        arrays = original(self)
+        arrays[0], arrays[1] = fault(arrays[0], arrays[1])
+        return arrays
+
+    monkeypatch.setattr(experts.QuantizedExperts, "_quantize", faulty)
+
+
+@pytest.mark.parametrize("fault", ["nibbles swapped", "scales transposed"])
+def test_an_experts_packing_fault_is_caught(exported, tmp_path, monkeypatch, fault):
+    def swapped(packed, scales):
+        return ((packed & 0x0F) << 4) | (packed >> 4), scales
+
+    def transposed(packed, scales):  # laid out [experts, blocks, rows], read as [experts, rows, blocks]
+        return packed, np.ascontiguousarray(scales.transpose(0, 2, 1)).reshape(scales.shape)
+
+    _planted(monkeypatch, swapped if fault == "nibbles swapped" else transposed)
+    source = exported(test_moe_oracle.PAIR).out
+    out = test_moe_oracle.quantize_experts(source, tmp_path / "int4", 4)
+    with pytest.raises(AssertionError):
+        test_moe_oracle.check_expert_weights(source, out, 4)

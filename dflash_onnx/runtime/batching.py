@@ -161,10 +161,9 @@ class SpeculationSwitch:
 
     def __init__(self):
         # (width, drafting) -> the tokens its most recent steps committed over their time. Not a running mean of
-        # step rates: one step slowed by something neither mode causes (a thread descheduled) moved that for many
-        # steps (the demo's batches measured greedy against greedy 4016 and 5517 tok/s). Not a median either: a
-        # drafting mode's rare costly steps (a draft call taking in a long backlog, a long verify all rejected) are
-        # its own cost, and a median of 8 left them out
+        # step rates: one step slowed by something neither mode causes (a thread descheduled) moves that for many
+        # steps. Not a median either: a drafting mode's rare costly steps (a draft call taking in a long backlog, a
+        # long verify all rejected) are its own cost, and a median leaves them out (docs/serving.md)
         self._recent: dict[tuple[int, bool], collections.deque[tuple[float, float]]] = {}
         self.rates: dict[tuple[int, bool], float] = {}
         self.drafting = True
