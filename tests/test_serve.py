@@ -1,6 +1,7 @@
 """`dflash-onnx serve`: the OpenAI Python client against a server started on 127.0.0.1 in the test, over the ORT
-lowering of a tiny agreeing pair. Oracle: the same directory's Decoder run alone (greedy), decoded by the same
-tokenizer; the server's DFlash output must equal it token for token, streamed or not, alone or beside others."""
+lowering of a tiny agreeing pair (and, for requests at once, of a pair whose answers differ by prompt). Oracle: the
+same directory's Decoder run alone (greedy), decoded by the same tokenizer; the server's DFlash output must equal it
+token for token, streamed or not, alone or beside others."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import APIStatusError, NotFoundError, OpenAI, RateLimitError
+from spread import assert_discriminating, varied_prompts
 
 from dflash_onnx.runtime.tokenizer import TextCodec
 from dflash_onnx.serving.app import ServerOptions, create_app
@@ -130,11 +132,31 @@ def test_a_stop_string_ends_the_text_before_it_streamed_or_not(served, client, s
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
-def test_concurrent_requests_each_give_what_they_give_alone(served, client, solo):
-    prompts = ["def f(x):", "class A:", "x = [", "while True:"]
-    wants = [solo(TextCodec(served[0]).encode(p), 24)[0] for p in prompts]
+@pytest.fixture(scope="module")
+def varied_server(ort_lowered, tmp_path_factory):
+    """A server over a pair whose greedy output depends on the whole prompt (conftest.VARIED)."""
+    directory = tmp_path_factory.mktemp("serve") / "varied"
+    shutil.copytree(ort_lowered("varied_b4"), directory)
+    engine = Engine(open_decoder(directory), TextCodec(directory), max_queue=8)
+    server = Server(create_app(engine, ServerOptions(model=MODEL)))
+    yield directory, server
+    server.stop()
+    engine.close()
 
-    def ask(prompt: str) -> str:
+
+def test_concurrent_requests_each_give_what_they_give_alone(varied_server):
+    """Four requests at once, each expecting its own text (checked first: the prompts' greedy outputs differ and
+    change when cut), each answered with the text its prompt gives alone."""
+    directory, server = varied_server
+    decoder, codec = open_decoder(directory), TextCodec(directory)
+    stops = set(decoder.stop_token_ids)
+    prompts = varied_prompts(decoder.manifest.vocab_size, 4, seed=6, shortest=6, longest=20)
+    tokens = [decoder.generate(p, 24, "greedy").tokens for p in prompts]
+    assert_discriminating(prompts, tokens, lambda p: decoder.generate(p, 24, "greedy").tokens)
+    wants = [codec.decode(t[:-1] if t[-1] in stops else t) for t in tokens]
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def ask(prompt: list[int]) -> str:
         return client.completions.create(model=MODEL, prompt=prompt, max_tokens=24).choices[0].text
 
     with ThreadPoolExecutor(4) as pool:
