@@ -1,4 +1,5 @@
-"""Graph passes: each stays within its stated bound of the untransformed graphs and keeps DFlash lossless."""
+"""Graph passes: each keeps parity with the float PyTorch pair within what its rounding moves that pair (a reference
+outside the pass: dflash_onnx/exporter/rounded.py) and keeps DFlash lossless on prompts whose answers differ."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import numpy as np
 import onnx
 import pytest
 from passtools import apply_pass, on_ort
+from spread import assert_discriminating, varied_prompts
 
-from dflash_onnx.passes import registry
 from dflash_onnx.passes.pipeline import apply_pipeline, parse_pass_options
-from dflash_onnx.runtime.decode import Decoder
 from dflash_onnx.runtime.errors import DFlashError
 from dflash_onnx.runtime.manifest import load_manifest
 from dflash_onnx.targets import open_decoder
@@ -21,20 +21,21 @@ PIPELINES = {"cleanup": ["cleanup"], "rope-fusion": ["rope-fusion"], "int8": ["i
              "fp16": ["fp16"], "cleanup_rope_int4": ["cleanup", "rope-fusion", "int4"],
              "rope_fp16": ["rope-fusion", "fp16"], "ort-fusions": ["rope-fusion", "ort-fusions"]}
 SMALL_BLOCKS = {"*": {"block_size": "16"}}  # the tiny models' matrices are 64 wide
+PAIR = "varied_b4"  # its greedy output depends on the whole prompt (tests/spread.py)
 
 
 @pytest.fixture(scope="session")
 def optimized(exported, tmp_path_factory):
     cache = {}
 
-    def get(key: str, options: dict | None = None):
-        if key not in cache:
+    def get(key: str, options: dict | None = None, pair: str = PAIR):
+        if (key, pair) not in cache:
             out = tmp_path_factory.mktemp("passes") / key
             names = PIPELINES.get(key, [key.split("@")[0]])
-            source = exported("agree_b8").out
+            source = exported(pair).out
             apply_pipeline(source, names, out, options or SMALL_BLOCKS, progress=False, open_graph=on_ort(source))
-            cache[key] = out
-        return cache[key]
+            cache[key, pair] = out
+        return cache[key, pair]
 
     return get
 
@@ -44,45 +45,37 @@ def _prompts(seed=0, count=6):
     return [rng.integers(2, 94, size=int(rng.integers(1, 12))).tolist() for _ in range(count)]
 
 
-def _graph_outputs(decoder: Decoder, prompt: list[int]) -> dict[str, np.ndarray]:
-    manifest = decoder.manifest
-    empty = {n: np.zeros((1, 0, manifest.target.num_kv_heads, manifest.target.head_dim), np.float32)
-             for n in manifest.target.kv_inputs}
-    ids = np.array([prompt])
-    target = decoder.target.run({"input_ids": ids, "position_ids": np.arange(len(prompt))[None], **empty})
-    block = np.full((1, manifest.block_size), manifest.mask_token_id)
-    block[0, 0] = prompt[-1]
-    d_empty = {n: np.zeros((1, 0, manifest.draft.num_kv_heads, manifest.draft.head_dim), np.float32)
-               for n in manifest.draft.kv_inputs}
-    draft = decoder.draft.run({"input_ids": block, "target_hidden": target["target_hidden"],
-                               "position_ids": np.arange(len(prompt) + manifest.block_size)[None], **d_empty})
-    return {"target logits": target["logits"], "draft logits": draft["logits"]}
-
-
 @pytest.mark.parametrize("key", sorted(PIPELINES))
-def test_pass_stays_within_its_bound_and_keeps_dflash_lossless(key, exported, decoders, optimized):
+def test_pass_keeps_parity_within_what_its_rounding_moves_and_keeps_dflash_lossless(key, exported, optimized):
+    """Logits, features and K/V against the float PyTorch pair: within the export's own float tolerance for the
+    exact passes, and within ROUNDING_SLACK times what rounded.py's own rounding moves the pair for the rounding
+    ones (not the bound the pass declares); DFlash's tokens equal the transformed graph's greedy tokens on prompts
+    whose greedy outputs differ."""
+    from dflash_onnx.parity import run_parity
+
     out = optimized(key)
     manifest = load_manifest(out)
     assert [p["name"] for p in manifest.passes] == PIPELINES[key]
-    bound = max(registry()[name].bound for name in PIPELINES[key])
-    transformed, original = open_decoder(out), decoders("agree_b8")
-    for prompt in _prompts(count=3):
-        got, want = _graph_outputs(transformed, prompt), _graph_outputs(original, prompt)
-        for name in got:
-            assert np.abs(got[name] - want[name]).max() <= bound * np.abs(want[name]).max(), name
-    for prompt in _prompts(seed=1):
-        dflash = transformed.generate(prompt, 32, "dflash", stop_token_ids=[])
-        assert dflash.tokens == transformed.generate(prompt, 32, "greedy", stop_token_ids=[]).tokens
+    pair = exported(PAIR)
+    report = run_parity(out, pair.target_dir, pair.draft_dir, num_prompts=3, max_new_tokens=16)
+    assert report.ok, report.table()
+    rounds = any(p.get("lossy") for p in manifest.passes)
+    assert any(c.allowed > report.tolerance for c in report.checks if c.allowed is not None) == rounds
+    transformed = open_decoder(out)
+    prompts = varied_prompts(pair.spec.vocab_size, 6, seed=1)
+    greedy = [transformed.generate(p, 24, "greedy", stop_token_ids=[]).tokens for p in prompts]
+    assert_discriminating(prompts, greedy, lambda p: transformed.generate(p, 24, "greedy", stop_token_ids=[]).tokens)
+    assert [transformed.generate(p, 24, "dflash", stop_token_ids=[]).tokens for p in prompts] == greedy
 
 
 def test_cleanup_is_exact_enough_to_keep_the_original_tokens(decoders, optimized):
-    cleaned, original = open_decoder(optimized("cleanup")), decoders("agree_b8")
-    for prompt in _prompts(seed=2):
+    cleaned, original = open_decoder(optimized("cleanup")), decoders(PAIR)
+    for prompt in varied_prompts(original.manifest.vocab_size, 6, seed=2):
         assert cleaned.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == \
             original.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
 
 
-@pytest.mark.parametrize("name", ["agree_b8", "causal_gqa4_b4", "llama_sliding_b16"])
+@pytest.mark.parametrize("name", ["varied_b4", "causal_gqa4_b4", "llama_sliding_b16"])
 def test_ort_fusions_fuse_norms_rotations_and_attention_and_keep_the_tokens(name, exported, decoders, tmp_path):
     out = tmp_path / "fused"
     apply_pipeline(exported(name).out, ["rope-fusion", "ort-fusions"], out, progress=False)
@@ -97,7 +90,7 @@ def test_ort_fusions_fuse_norms_rotations_and_attention_and_keep_the_tokens(name
     assert ops["target"]["MultiHeadAttention"] == layers["target"] and ops["target"]["Softmax"] == 0
     assert ops["target"]["RotaryEmbedding"] == 2 * layers["target"] and ops["target"]["GroupQueryAttention"] == 0
     fused, original = open_decoder(out), decoders(name)
-    for prompt in _prompts(seed=4, count=3):
+    for prompt in varied_prompts(original.manifest.vocab_size, 3, seed=4):
         assert fused.generate(prompt, 24, "dflash", stop_token_ids=[]).tokens == \
             original.generate(prompt, 24, "greedy", stop_token_ids=[]).tokens
 
@@ -137,7 +130,10 @@ def test_lm_head_can_be_quantized_on_request(optimized):
 
 
 def test_quantizing_only_the_draft_keeps_fp32_output_and_measures_tau(decoders, optimized):
-    draft_only = open_decoder(optimized("int4@draft", {"*": {"block_size": "16"}, "int4": {"graphs": "draft"}}))
+    """On the pair built to agree, where the float draft's tau is high enough for a loss to show; how far the int4
+    draft's logits may move is parity's (a reference-derived bound, tested above)."""
+    draft_only = open_decoder(optimized("int4@draft", {"*": {"block_size": "16"}, "int4": {"graphs": "draft"}},
+                                        pair="agree_b8"))
     original = decoders("agree_b8")
     taus = {"fp32": [], "int4 draft": []}
     for prompt in _prompts(seed=3, count=8):
@@ -148,7 +144,7 @@ def test_quantizing_only_the_draft_keeps_fp32_output_and_measures_tau(decoders, 
         taus["int4 draft"].append(quantized.tau)
     fp32, quant = np.mean(taus["fp32"]), np.mean(taus["int4 draft"])
     print(f"tau fp32 draft {fp32:.3f}, int4 draft {quant:.3f}")
-    assert quant > 1.0 and abs(quant - fp32) < 0.5 * fp32  # the quantized draft still proposes useful blocks
+    assert quant > 1.0  # the quantized draft's blocks are still accepted in part
 
 
 def test_bad_pass_requests(exported, tmp_path):
@@ -186,14 +182,22 @@ def test_optimize_command(exported, tmp_path, capsys):
     assert len(json.loads(capsys.readouterr().out)["tokens"]) == 5
 
 
-def test_parity_accepts_a_quantized_export_within_its_stated_bound(exported, optimized):
+def test_parity_refuses_a_rounding_coarser_than_the_manifest_records(exported, optimized, tmp_path):
+    """int4 bytes under an int8 record: the reference rounds 16x finer than the graph did, so parity must fail on
+    the logits (its bound follows the recorded rounding, not anything the graph says of itself)."""
+    import shutil
+
     from dflash_onnx.parity import run_parity
 
-    pair = exported("agree_b8")
-    report = run_parity(optimized("int8"), pair.target_dir, pair.draft_dir, num_prompts=2, max_new_tokens=12)
-    assert report.ok, report.table()
-    names = {c.name for c in report.checks}
-    assert "tokens: dflash-ort == ort greedy" in names and "tokens: dflash-ort == hf greedy" not in names
+    pair, out = exported(PAIR), tmp_path / "int4-as-int8"
+    shutil.copytree(optimized("int4"), out)
+    manifest = load_manifest(out)
+    manifest.passes = [{**p, "name": "int8"} if p["name"] == "int4" else p for p in manifest.passes]
+    manifest.save(out)
+    report = run_parity(out, pair.target_dir, pair.draft_dir, num_prompts=2, max_new_tokens=12)
+    failed = {c.name for c in report.checks if not c.ok}
+    assert "target logits (verify)" in failed and "target logits (prefill)" in failed, report.table()
+    assert not any(name.startswith("tokens") for name in failed)  # still lossless: only the bound was wrong
 
 
 def test_export_with_passes(exported, tmp_path, capsys):
@@ -210,7 +214,7 @@ def test_export_with_passes(exported, tmp_path, capsys):
 def test_steps_measures_directories_side_by_side(exported, optimized, capsys):
     from dflash_onnx.cli import main
 
-    original, quantized = exported("agree_b8").out, optimized("int8")
+    original, quantized = exported(PAIR).out, optimized("int8")
     assert main(["steps", str(original), str(quantized), "--context", "16", "--repeats", "3", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["passes"] for r in rows] == [[], ["int8"]]
@@ -482,3 +486,38 @@ def test_sibling_matmuls_compute_every_column_as_the_separate_matmuls_did():
         feeds = {x: rng.standard_normal((rows, k)).astype(np.float32) for x in "AC"}
         for want, got in zip(before.run(None, feeds), after.run(None, feeds)):
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_matmulnbits_bytes_decode_to_the_float_weights_within_half_a_step(bits, exported, optimized):
+    """Read as MatMulNBits documents its input B (per output column, blocks along K, two 4-bit values a byte low
+    nibble first, zero point 8 or 128 when none is given), plain numpy gets back every float weight within half of
+    its block's step (a whole step at the top level, 7 or 127: the block's largest magnitude takes the bottom one,
+    -8 or -128, so the other sign's can be cut off there), independent of ORT's kernels."""
+    from onnx import numpy_helper
+
+    source = onnx.load(str(exported(PAIR).out / "target.onnx"))
+    floats = {t.name: numpy_helper.to_array(t) for t in source.graph.initializer}
+    quantized = onnx.load(str(optimized(f"int{bits}") / "target.onnx"))
+    stored = {t.name: numpy_helper.to_array(t) for t in quantized.graph.initializer}
+    checked = 0
+    for node in quantized.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attributes = {a.name: a.i for a in node.attribute}
+        packed, scales = stored[node.input[1]], stored[node.input[2]]
+        assert len(node.input) < 4 or not node.input[3], "symmetric by default: no zero points"
+        if bits == 4:
+            levels = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(int) - 8
+        else:
+            levels = packed.reshape(packed.shape[0], -1).astype(int) - 128
+        step = np.repeat(np.abs(scales), attributes["block_size"], axis=-1)[:, :attributes["K"]]
+        weight = (levels[:, :attributes["K"]] * np.repeat(scales, attributes["block_size"], -1)[:, :attributes["K"]]).T
+        name = node.input[1].removesuffix(f"_Q{bits}")
+        original = floats[name.removesuffix(".transposed")]
+        original = original.T if name.endswith(".transposed") else original
+        assert weight.shape == original.shape, name
+        allowed = np.where(levels[:, :attributes["K"]] == 2 ** (bits - 1) - 1, step, step / 2).T
+        assert np.all(np.abs(weight - original) <= allowed * (1 + 1e-5) + 1e-9), name
+        checked += 1
+    assert checked >= 4 * 7  # q, k, v, o, gate, up, down in each of the 4 layers
