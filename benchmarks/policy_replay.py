@@ -6,9 +6,11 @@ one whose calibrated predictions have scored better so far, as decoding does). P
 docs/verify-policy.md shows.
 
     python benchmarks/policy_replay.py [--trace tests/data/demo_trace.json] [--cost-model NAME=FILE ...]
+        [--json docs/figures/NAME.json]
 
 `--cost-model NAME=FILE` adds a measured curve (JSON with verify_ms for T = 1..B and draft_ms, as `generate
---cost-model` reads), e.g. one lowering's recorded `costs` and a peer's measured step times.
+--cost-model` reads), e.g. one lowering's recorded `costs` and a peer's measured step times. `--json FILE` writes
+the table as a figures record (dflash_onnx/figures.py), the file docs/figures/ keeps as the page's source.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_onnx.figures import markdown_table, provenance
+from dflash_onnx.figures import figures_record, render
 from dflash_onnx.runtime.costs import read_costs
 from dflash_onnx.runtime.manifest import CostModel
 from dflash_onnx.runtime.policy import simulate
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--cost-model", action="append", default=[], metavar="NAME=FILE",
                         help="a measured curve to replay beside the three kinds (repeatable)")
+    parser.add_argument("--json", type=Path, help="also write the table as a figures record to this file")
     args = parser.parse_args(argv)
     trace = json.loads(args.trace.read_text())
     block = trace.get("verify_rows", trace["block_size"])
@@ -71,9 +74,13 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
     tau = np.mean([1 + accepted for _, accepted in steps])
     header = ["cost curve", "full blocks", "auto (confidence head)" if both else "auto"]
-    print(markdown_table(header + (["auto (argmax probability)", "auto (both, the better online)"] if both else []),
-                         rows))
-    print(f"\n{len(steps)} recorded full-block steps, tau {tau:.2f}. {provenance(libraries=(), verb='Computed')}")
+    header += ["auto (argmax probability)", "auto (both, the better online)"] if both else []
+    record = figures_record(header, rows, f"{len(steps)} recorded full-block steps, tau {tau:.2f}.", libraries=(),
+                            verb="Computed")
+    print(render(record))
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_onnx.figures import markdown_table, provenance
+from dflash_onnx.figures import figures_record, render
 from dflash_onnx.runtime.costs import DRAFT_OUTPUTS, TARGET_OUTPUTS, call_ms, measurable
 from dflash_onnx.runtime.decode import Decoder
 from dflash_onnx.runtime.errors import DFlashError
@@ -497,6 +497,12 @@ OUR_RUNS = {"greedy": "ours greedy", "greedy_unpadded": "ours greedy, one row pe
 def markdown_report(report: dict, command: list[str]) -> str:
     """The summary as docs/ prints it: tok/s of each run kind (ours and every peer), quiet and beside the busy
     processes of --load, tau and whether the tokens were ours, then the line naming `command`, date and machine."""
+    return render(bench_figures(report, command))
+
+
+def bench_figures(report: dict, command: list[str]) -> dict:
+    """`markdown_report`'s table as a figures record, which `--json` keeps in the report: a docs table regenerated
+    from the file (docs/figures/) rather than retyped."""
     agg, loaded = report["aggregate"], report.get("loaded")
     names = {**OUR_RUNS, "dflash": f"ours DFlash, verify {report.get('verify', 'full')}"}
     quiet = {m: agg[m]["tokens_per_second"] for m in names if m in agg}
@@ -518,7 +524,8 @@ def markdown_report(report: dict, command: list[str]) -> str:
     header = ["run", "tok/s quiet", *([f"tok/s, {loaded['load']} busy"] if loaded else []), "vs our greedy", "tau",
               "our tokens"]
     identical = agg["all_identical_to_greedy"] and (not loaded or loaded["aggregate"]["all_identical_to_greedy"])
-    return (f"{markdown_table(header, rows)}\n\n{len(report['prompts'])} prompts x {report['max_new_tokens']} new "
-            f"tokens, block {report['block_size']}, medians of {report['repeats']} runs, on {report['backend']}; "
-            f"DFlash tokens identical to greedy: {'yes' if identical else 'NO'}. {provenance(command)}")
+    caption = (f"{len(report['prompts'])} prompts x {report['max_new_tokens']} new tokens, block "
+               f"{report['block_size']}, medians of {report['repeats']} runs, on {report['backend']}; DFlash tokens "
+               f"identical to greedy: {'yes' if identical else 'NO'}.")
+    return figures_record(header, rows, caption, command)
 

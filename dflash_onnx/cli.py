@@ -272,7 +272,8 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _bench(args) -> int:
-    from dflash_onnx.bench import BenchOptions, format_report, markdown_report, run_bench
+    from dflash_onnx.bench import BenchOptions, bench_figures, format_report, run_bench
+    from dflash_onnx.figures import render
     from dflash_onnx.runtime.manifest import load_manifest
     from dflash_onnx.runtime.policy import parse_verify
 
@@ -294,10 +295,11 @@ def _bench(args) -> int:
     report = run_bench(args.source, args.backend, args.prompts, options, peers, (args.target, args.draft),
                        progress=not args.quiet, costs=costs)
     print(format_report(report))
+    record = bench_figures(report, args.command_line)
     if args.markdown:
-        print(f"\n{markdown_report(report, args.command_line)}")
+        print(f"\n{render(record)}")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        Path(args.json).write_text(json.dumps({**report, "figures": record}, indent=1))
         print(f"wrote {args.json}")
     if args.plot:
         from dflash_onnx.bench_plot import plot_report
