@@ -165,8 +165,8 @@ def _genai(model, build: tuple[str, ...], prompts: list[dict], max_new_tokens: i
 
     def generated(ids: list[int]):
         params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=len(ids) + max_new_tokens,
-                                  min_length=len(ids) + max_new_tokens)
+        # no min_length: it masks end-of-generation until then, so a run where ours emits it would leave ours there
+        params.set_search_options(do_sample=False, max_length=len(ids) + max_new_tokens)
         if speculative:
             params.set_speculative_options(**speculative)
         generator = og.Generator(model, params)
@@ -301,9 +301,10 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
             print(f"peers: ort-genai (model builder {' '.join(label)}, then greedy and n-gram speculative) ...",
                   file=sys.stderr, flush=True)
         model = og.Model(str(genai_model_dir(Path(target_dir), *build, block)))
-        rows.append(_genai(model, label, prompts, options.max_new_tokens, options.repeats, None))
         speculative = {"ngram_size": 3, "max_draft_tokens": min(16, manifest.block_size)}
-        rows.append(_genai(model, label, prompts, options.max_new_tokens, options.repeats, speculative))
+        for run in (None, speculative):  # each stops at end-of-generation, where ours runs on
+            rows.append({**_genai(model, label, prompts, options.max_new_tokens, options.repeats, run),
+                         "stops_at": list(manifest.stop_token_ids)})
     if "mlx-lm" in names:
         if not _installed("mlx_lm"):
             raise DFlashError("peer 'mlx-lm' needs mlx-lm: pip install mlx-lm")

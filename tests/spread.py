@@ -47,3 +47,19 @@ def assert_discriminating(prompts: Sequence[list[int]], outputs: Sequence[list[i
     assert measured.cut_unchanged <= len(prompts) // 4, \
         f"cutting the prompts leaves the expected outputs unchanged ({measured.row()}): context is not tested"
     return measured
+
+
+def varied_prompt_file(path, decoder, count: int = 3, seed: int = 8, new_tokens: int = 16) -> list[list[int]]:
+    """`count` varied prompts written to `path` as the JSONL `bench --prompts` reads ({"ids": [...]}) for a peer's
+    equality test, checked first to tell the prompts apart under `decoder`'s greedy decoding (bench runs on
+    without stopping, so the check does too)."""
+    import json
+
+    prompts = varied_prompts(decoder.manifest.vocab_size, count, seed=seed, shortest=6, longest=24)
+
+    def greedy(prompt: list[int]) -> list[int]:
+        return decoder.generate(prompt, new_tokens, "greedy", stop_token_ids=[]).tokens
+
+    assert_discriminating(prompts, [greedy(p) for p in prompts], greedy)
+    path.write_text("".join(json.dumps({"ids": p}) + "\n" for p in prompts))
+    return prompts

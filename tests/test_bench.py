@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from spread import varied_prompt_file
 
 from dflash_onnx.bench import (
     BenchOptions,
@@ -24,6 +25,7 @@ from dflash_onnx.runtime.errors import DFlashError
 from dflash_onnx.runtime.manifest import load_manifest
 
 SMALL = dict(max_new_tokens=24, repeats=1, num_prompts=2, contexts=[16, 64], curve_repeats=2)
+VARIED_PAIR = "varied_b4"  # peers' equality runs on a pair whose greedy output depends on the whole prompt
 
 
 @pytest.fixture(scope="module")
@@ -126,21 +128,24 @@ def test_prompt_files(tmp_path):
 
 
 def test_cli_writes_json_plot_and_runs_the_peers(exported, tmp_path, capsys):
-    """The reference package and HF decode the same tokens as ours; the reference's tau is ours."""
+    """The reference package and HF decode the same tokens as ours, on prompts whose outputs differ (checked
+    first); the reference's tau is ours."""
     pytest.importorskip("dflash.model", reason="the reference dflash package: pip install --no-deps dflash==0.1.0")
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the test extra installs it)")
-    out = exported("agree_b8").out
-    code = main(["bench", str(out), "--max-new-tokens", "16", "--repeats", "1", "--num-prompts", "2",
-                 "--contexts", "32", "--curve-repeats", "1", "--block-sizes", "1,8", "--peers", "hf,reference",
-                 "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"), "--quiet"])
+    pair = exported(VARIED_PAIR)
+    varied_prompt_file(tmp_path / "prompts.jsonl", pair.decoder())
+    code = main(["bench", str(pair.out), "--max-new-tokens", "16", "--repeats", "1", "--prompts",
+                 str(tmp_path / "prompts.jsonl"), "--contexts", "32", "--curve-repeats", "1", "--block-sizes", "1,4",
+                 "--peers", "hf,reference", "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"),
+                 "--quiet"])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "implied" in printed and "ours dflash / reference dflash" in printed
     data = json.loads((tmp_path / "b.json").read_text())
-    assert data["curve"]["verify_lengths"] == [1, 8]
+    assert data["curve"]["verify_lengths"] == [1, 4]
     rows = data["peers"]["rows"]
     assert [r["name"].split(" (")[0] for r in rows] == ["hf greedy", "reference dflash_generate block 1",
-                                                       "reference dflash_generate block 8"]
+                                                       "reference dflash_generate block 4"]
     assert all(r["identical_to_ours"] for r in rows)
     assert rows[2]["tau"] == pytest.approx(data["aggregate"]["tau"])
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -174,11 +179,15 @@ def test_cost_curve_contexts_past_the_lowering_are_refused_before_any_run(ort_lo
 
 
 def test_ort_genai_peer_decodes_our_tokens(exported, tmp_path, monkeypatch):
-    """onnxruntime-genai's greedy and n-gram speculative decoding of the same target give our greedy tokens."""
+    """onnxruntime-genai's greedy and n-gram speculative decoding of the same target give our greedy tokens, on
+    prompts whose outputs differ (checked first)."""
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai (the test extra installs it)")
     monkeypatch.setenv("DFLASH_ONNX_CACHE", str(tmp_path))
-    options = BenchOptions(max_new_tokens=16, repeats=1, num_prompts=2, contexts=[16], curve_repeats=1)
-    report = run_bench(exported("agree_b8").out, None, None, options, ["ort-genai"], (None, None), progress=False)
+    pair = exported(VARIED_PAIR)
+    varied_prompt_file(tmp_path / "prompts.jsonl", pair.decoder())
+    options = BenchOptions(max_new_tokens=16, repeats=1, contexts=[16], curve_repeats=1)
+    report = run_bench(pair.out, None, tmp_path / "prompts.jsonl", options, ["ort-genai"], (None, None),
+                       progress=False)
     rows = report["peers"]["rows"]
     assert [r["name"].split(" (")[0] for r in rows] == ["ort-genai greedy", "ort-genai n-gram speculative"]
     assert all(r["identical_to_ours"] and r["tokens_per_second"] > 0 for r in rows)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import benchmark_script
+from spread import varied_prompt_file
 
 from dflash_onnx.bench import BenchOptions, run_bench
 from dflash_onnx.llama_cpp import build, gguf, runs
@@ -176,27 +177,29 @@ def test_a_build_that_runs_an_instruction_the_machine_refuses_says_what_to_do(tm
 
 
 def test_llama_cpp_decodes_our_tokens_greedy_and_with_our_draft(exported, tmp_path, monkeypatch):
-    """llama.cpp's own converter and runs on our pair: greedy and draft-dflash give our tokens, at F32."""
+    """llama.cpp's own converter and runs on our pair: greedy and draft-dflash give our tokens, at F32, on prompts
+    whose outputs differ (checked first)."""
     llama = _llama_cpp()
     if llama is None:
         pytest.skip("llama.cpp is not built here: `dflash-onnx bench --peers llama.cpp` builds it once (about 20 "
                     "minutes on 2 cores) and caches it, or set DFLASH_ONNX_LLAMA_CPP to a built source tree")
     monkeypatch.setenv("DFLASH_ONNX_CACHE", str(tmp_path))  # the GGUF files of this run only
-    pair = exported("agree_b8")
+    pair = exported("varied_b4")
+    varied_prompt_file(tmp_path / "prompts.jsonl", pair.decoder())
     target = tmp_path / "target"  # as checkpoints ship: with tokenizer_config.json (transformers otherwise takes
     shutil.copytree(pair.target_dir, target)  # the Qwen2 tokenizer's defaults and adds <|endoftext|>)
     (target / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "pad_token": "<pad>"}))
-    options = BenchOptions(max_new_tokens=16, repeats=1, num_prompts=2, contexts=[16], curve_repeats=1,
-                           llama_cpp=llama.source)
-    report = run_bench(pair.out, None, None, options, ["llama.cpp"], (target, pair.draft_dir), progress=False)
+    options = BenchOptions(max_new_tokens=16, repeats=1, contexts=[16], curve_repeats=1, llama_cpp=llama.source)
+    report = run_bench(pair.out, None, tmp_path / "prompts.jsonl", options, ["llama.cpp"], (target, pair.draft_dir),
+                       progress=False)
     rows = report["peers"]["rows"]
     assert rows[0]["name"].startswith("llama.cpp llama-bench tg16 @ depth ")
-    assert rows[0]["verify_ratio"] > 0 and rows[0]["verify_rows"] == 8  # its batch of a block against one token
-    assert [r["name"].split(" (")[0] for r in rows[1:]] == ["llama.cpp greedy", "llama.cpp draft-dflash, 7 proposals"]
+    assert rows[0]["verify_ratio"] > 0 and rows[0]["verify_rows"] == 4  # its batch of a block against one token
+    assert [r["name"].split(" (")[0] for r in rows[1:]] == ["llama.cpp greedy", "llama.cpp draft-dflash, 3 proposals"]
     assert all(r["tokens_per_second"] > 0 for r in rows)
     assert rows[1]["identical_to_ours"] and rows[2]["identical_to_ours"]
-    assert rows[2]["tau"] > 1
+    assert rows[2]["tau"] >= 1  # a pair accepted in part: tau near 1 (tests/spread.py)
     assert {"ours greedy / llama.cpp greedy", "ours dflash / llama.cpp dflash",
             "ours greedy / llama-bench tg"} <= set(report["peers"]["ratios"])
     assert len(list((tmp_path / "llama.cpp" / "gguf").glob("*.gguf"))) == 2  # converted once, F32: not quantized
