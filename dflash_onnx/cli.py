@@ -5,19 +5,82 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import sys
+import time
 import warnings
 from pathlib import Path
 
 from dflash_onnx.runtime.errors import DFlashError
 
+_DEFAULT_ONLY = "<default only>"  # the help of a flag that has none of its own: its default is shown
+
+
+def _has_default(value) -> bool:
+    """A default worth showing: not unset, not a switch's False, not an empty list (0 is one)."""
+    return not (value is None or value is False or value is argparse.SUPPRESS or value == [])
+
+
+class _ShowDefaults(argparse.HelpFormatter):
+    """Every flag's default in --help, unless its help already says it (argparse's own formatter for this adds it
+    only where a flag has help text, and twice where the text names the default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = "" if action.help == _DEFAULT_ONLY else (action.help or "").strip()
+        shown = _has_default(action.default) and action.option_strings
+        if shown and "default" not in text.lower():
+            text = f"{text} (default: %(default)s)".strip()
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with manners: a usage error is one line and where to read more, not the whole usage; defaults
+    shown in every command's help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _ShowDefaults)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        if kwargs.get("help") is None and _has_default(kwargs.get("default")):
+            kwargs["help"] = _DEFAULT_ONLY
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _version() -> str:
+    """This package's version and the runtime's, as a bug report needs them."""
+    import importlib.metadata
+    import platform
+
+    parts = [f"dflash-onnx {importlib.metadata.version('dflash-onnx')}"]
+    try:
+        parts.append(f"onnxruntime {importlib.metadata.version('onnxruntime')}")
+    except importlib.metadata.PackageNotFoundError:
+        parts.append("onnxruntime not installed")
+    return f"{parts[0]} ({', '.join(parts[1:])}, Python {platform.python_version()})"
+
+
+def add_revision_arguments(parser: argparse.ArgumentParser, draft: bool = True, recorded: bool = False) -> None:
+    """--revision (and --draft-revision): the hub revision of a checkpoint given by hub name."""
+    default = "default: the one recorded at export, else main" if recorded else "default: main"
+    parser.add_argument("--revision", help=f"hub branch, tag or commit of a target given by hub name ({default})")
+    if draft:
+        parser.add_argument("--draft-revision", help=f"hub branch, tag or commit of a draft given by hub name "
+                            f"({default})")
+
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `dflash-onnx export`, shared with `optimum-cli export dflash`."""
-    parser.add_argument("--target", type=Path, required=True, help="Hugging Face target model directory")
-    parser.add_argument("--draft", type=Path, required=True,
+    parser.add_argument("--target", help="Hugging Face target model directory, or a hub name (org/name) fetched "
+                        "into the hub cache (default: the target the draft names: a speculators draft's verifier, a "
+                        "published z-lab draft's pair)")
+    parser.add_argument("--draft", required=True,
                         help="DFlash, DFlash2 or DSpark draft directory (config.json in z-lab's or the speculators "
-                             "layout + safetensors)")
+                             "layout + safetensors), a hub name, or auto: the published draft of --target")
+    add_revision_arguments(parser)
     parser.add_argument("--out", type=Path, required=True, help="output directory (created atomically)")
     parser.add_argument("--block-size", type=int, help="draft block size (default: the draft's trained one)")
     parser.add_argument("--allow-longer-block", action="store_true", help="allow a block above the trained size")
@@ -33,8 +96,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args) -> int:
+    from dflash_onnx.artifacts.hub import resolve_pair
     from dflash_onnx.exporter.export_request import check_export_request
 
+    args.target, args.draft = resolve_pair(args.target, args.draft, getattr(args, "revision", None),
+                                           getattr(args, "draft_revision", None), progress=not args.quiet)
     check_export_request(Path(args.target), Path(args.draft), Path(args.out), args.opset, args.overwrite,
                          args.block_size)
     from dflash_onnx.artifacts.publish import lock_out, scratch_directory
@@ -84,6 +150,7 @@ def _generate(args) -> int:
     from dflash_onnx.runtime.decode import check_max_new_tokens
     from dflash_onnx.runtime.manifest import load_manifest
     from dflash_onnx.runtime.policy import parse_verify
+    from dflash_onnx.runtime.results import run_summary
     from dflash_onnx.runtime.sampling import SamplingParams
     from dflash_onnx.runtime.tokenizer import TextCodec, TextStream, has_tokenizer
     from dflash_onnx.targets import open_decoder
@@ -100,11 +167,19 @@ def _generate(args) -> int:
     prompt = _parse_ids(args.prompt_ids) if args.prompt is None else None
     # a curve given for the run is weighed as given, not corrected by this machine's steps
     costs = _cost_model(args, load_manifest(args.source)) if args.cost_model else None
+    opening = _opening_note(Path(args.source)) if not args.json else None
+    if opening:
+        print(opening, end="", file=sys.stderr, flush=True)
+    started = time.perf_counter()
     decoder = open_decoder(args.source, backend=args.backend, batch_invariant=args.batch_invariant == "on",
                            guess_padding=args.lookup_guess == "on", costs=costs, **_session_overrides(args))
+    if opening:
+        print(f" {time.perf_counter() - started:.1f} s", file=sys.stderr)
     codec = TextCodec(args.source) if (args.prompt is not None or has_tokenizer(args.source)) else None
     if prompt is None:
         prompt = codec.prompt_ids(args.prompt, raw=args.raw)
+        if not args.json:  # once, so that nobody wonders what the model was sent
+            print(f"(prompt sent {codec.prompt_form(args.raw)})", file=sys.stderr)
     stream = TextStream(codec) if codec is not None else None
 
     def show(chunk: list[int]) -> None:
@@ -132,12 +207,22 @@ def _generate(args) -> int:
         print(json.dumps(payload))
     else:
         print()
-        print(f"[{len(result.tokens)} tokens, tau {result.tau:.2f}, {result.tokens_per_second:.1f} tok/s, "
-              f"ttft {result.ttft_s * 1000:.1f} ms]", file=sys.stderr)
+        print(f"[{run_summary(result, args.mode)}]", file=sys.stderr)
         warning = decoder.curve_check(result)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     return 0
+
+
+# graphs this large take seconds to open (ONNX Runtime's session set-up grows with the weights): say so first
+SLOW_OPEN_BYTES = 64 << 20
+
+
+def _opening_note(directory: Path) -> str | None:
+    """'opening DIR (N MiB of graphs) ...' where opening will take long enough for a silent wait to puzzle."""
+    size = sum(p.stat().st_size for p in directory.iterdir() if p.is_file() and ".onnx" in p.name) \
+        if directory.is_dir() else 0
+    return f"opening {directory} ({size / 2**20:.0f} MiB of graphs) ..." if size >= SLOW_OPEN_BYTES else None
 
 
 def _lower(args) -> int:
@@ -180,11 +265,16 @@ def _optimize(args) -> int:
     manifest, report = apply_pipeline(args.source, names, args.out, parse_pass_options(args.pass_option),
                                       overwrite=args.overwrite, progress=not args.quiet, manifest=export,
                                       open_graph=_on_ort(Path(args.source), export))
-    print(f"{'pass':>8} {'graph':<6} {'nodes':>15} {'MiB':>19}")
-    for row in report:
-        print(f"{row['pass']:>8} {row['graph']:<6} {row['nodes_before']:>6} -> {row['nodes_after']:<6} "
-              f"{row['bytes_before'] / 2**20:8.2f} -> {row['bytes_after'] / 2**20:<8.2f}")
-    print(f"wrote {args.out} (passes: {', '.join(p['name'] for p in manifest.passes)}; report in passes_report.json)")
+    from dflash_onnx.artifacts.graph_files import graph_bytes
+
+    print(f"{'graph':<7} {'nodes':>15}  {'MiB on disk':>19}")
+    for graph in ("target", "draft"):  # each graph's own files as written (the export lists the same)
+        rows = [row for row in report if row["graph"] == graph]
+        before = graph_bytes(Path(args.source), getattr(export, graph).file) / 2**20
+        after = graph_bytes(Path(args.out), getattr(manifest, graph).file) / 2**20
+        print(f"{graph:<7} {rows[0]['nodes_before']:>6} -> {rows[-1]['nodes_after']:<6}  {before:8.2f} -> {after:.2f}")
+    print(f"wrote {args.out} (passes: {', '.join(p['name'] for p in manifest.passes)}; each pass's figures in "
+          "passes_report.json)")
     return 0
 
 
@@ -233,9 +323,20 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _checkpoints(args) -> tuple:
+    """parity's and bench's --target/--draft, hub names resolved (at --revision / --draft-revision)."""
+    if not any((args.target, args.draft, args.revision, args.draft_revision)):
+        return args.target, args.draft  # the ones recorded at export, found by the command itself
+    from dflash_onnx.artifacts.hub import checkpoints
+    from dflash_onnx.runtime.manifest import load_manifest
+
+    return checkpoints(load_manifest(args.source), args.target, args.draft, args.revision, args.draft_revision)
+
+
 def _parity(args) -> int:
     from dflash_onnx.parity import run_parity
 
+    args.target, args.draft = _checkpoints(args)
     report = run_parity(args.source, args.target, args.draft, num_prompts=args.prompts,
                         max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
@@ -255,7 +356,7 @@ def _distill(args) -> int:
                              markov_rank=args.markov_rank, markov_head_type=args.markov_head,
                              confidence_target=args.confidence_target)
     report = distill(args.target, args.out, options, data_paths=args.data, prompts_file=args.prompts,
-                     resume=args.resume, progress=not args.quiet)
+                     resume=args.resume, progress=not args.quiet, revision=args.revision)
     print(f"wrote {args.out} ({args.draft_type}): {report['steps']} steps in {report['seconds']} s; held-out tau "
           f"{report['tau_before']:.2f} -> {report['tau_after']:.2f} (block {args.block_size})")
     return 0
@@ -291,6 +392,8 @@ def _bench(args) -> int:
         lookup_guess=args.lookup_guess == "on",
         session_overrides=_session_overrides(args), llama_cpp=args.llama_cpp, llama_cpp_type=args.llama_cpp_type)
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
+    if peers:  # the checkpoints the peers run, hub names resolved
+        args.target, args.draft = _checkpoints(args)
     costs = _cost_model(args, load_manifest(args.source)) if args.cost_model else None
     report = run_bench(args.source, args.backend, args.prompts, options, peers, (args.target, args.draft),
                        progress=not args.quiet, costs=costs)
@@ -441,9 +544,10 @@ def build_parser() -> argparse.ArgumentParser:
     from dflash_onnx.targets import BACKENDS
 
     backends = list(BACKENDS)
-    parser = argparse.ArgumentParser(
-        prog="dflash-onnx", description="DFlash speculative decoding: export to ONNX, run on any backend.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = Parser(prog="dflash-onnx", description="DFlash speculative decoding: export to ONNX, run on any backend.",
+                    epilog="'dflash-onnx COMMAND --help' for a command's flags; docs/cli.md for all of them.")
+    parser.add_argument("--version", action="version", version=_version())
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
 
     export = commands.add_parser("export", help="export a target and its DFlash draft to ONNX")
     add_export_arguments(export)
@@ -517,8 +621,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--llama-cpp", type=Path, metavar="DIR",
                        help="a built llama.cpp source tree for --peers llama.cpp (default: the llama.cpp vendored in "
                        "the llama-cpp-python sdist, downloaded and built once with cmake, cached)")
-    bench.add_argument("--target", type=Path, help="target checkpoint for --peers (default: recorded at export)")
-    bench.add_argument("--draft", type=Path, help="draft checkpoint for --peers (default: recorded at export)")
+    bench.add_argument("--target", help="target checkpoint for --peers, a directory or a hub name (default: recorded "
+                       "at export)")
+    bench.add_argument("--draft", help="draft checkpoint for --peers, a directory or a hub name (default: recorded at "
+                       "export)")
+    add_revision_arguments(bench, recorded=True)
     bench.add_argument("--load", type=int, default=0, metavar="N",
                        help="measure the runs (and peers) again with N busy processes beside them, started and "
                        "ended by bench: quiet and loaded columns (default 0: quiet only)")
@@ -549,8 +656,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     parity = commands.add_parser("parity", help="check exported graphs against PyTorch and the reference")
     parity.add_argument("source", metavar="DIR", type=Path)
-    parity.add_argument("--target", type=Path, help="target checkpoint (default: the one recorded at export)")
-    parity.add_argument("--draft", type=Path, help="draft checkpoint (default: the one recorded at export)")
+    parity.add_argument("--target", help="target checkpoint, a directory or a hub name (default: the one recorded at "
+                        "export)")
+    parity.add_argument("--draft", help="draft checkpoint, a directory or a hub name (default: the one recorded at "
+                        "export)")
+    add_revision_arguments(parity, recorded=True)
     parity.add_argument("--prompts", type=int, default=4)
     parity.add_argument("--max-new-tokens", type=int, default=32)
     parity.add_argument("--seed", type=int, default=0)
@@ -558,7 +668,9 @@ def build_parser() -> argparse.ArgumentParser:
     parity.set_defaults(func=_parity)
 
     distill = commands.add_parser("distill", help="train a DFlash, DFlash2 or DSpark draft for a frozen target")
-    distill.add_argument("--target", type=Path, required=True, help="target checkpoint (HF layout, tokenizer.json)")
+    distill.add_argument("--target", required=True, help="target checkpoint (HF layout, tokenizer.json): a directory "
+                         "or a hub name (org/name)")
+    add_revision_arguments(distill, draft=False)
     distill.add_argument("--out", type=Path, required=True, help="draft directory to write (published layout)")
     distill.add_argument("--data", type=Path, nargs="+", help="text files or directories: prompts are random windows")
     distill.add_argument("--prompts", type=Path, help="a file with one prompt per line")
@@ -619,15 +731,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="build, export and run a tiny pair: greedy vs DFlash")
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--prompts", type=int, default=4, help="held-out code prompts to run")
+    demo.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every mode on every prompt: the "
+                      "table gives their medians and how far they moved")
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # bare: what there is to do, not an error
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
     args.command_line = ["dflash-onnx", *(sys.argv[1:] if argv is None else argv)]  # as measured figures cite it
     warnings.filterwarnings("ignore")
+    for library in ("onnxscript", "onnx_ir"):  # their optimizers log each rewrite they skip at INFO
+        logging.getLogger(library).setLevel(logging.WARNING)
     try:
         return args.func(args)
     except DFlashError as exc:

@@ -42,8 +42,8 @@ def ensure_demo_export(progress: bool = True) -> Path:
     from dflash_onnx.exporter.export import GRAPH_REVISION, export_pair
 
     if _shipped():
-        digest = hashlib.sha256()
-        for file in sorted((PAIR_DIR).rglob("*.safetensors")):
+        digest = hashlib.sha256()  # the weights and the tokenizer files the export copies (its chat template)
+        for file in sorted([*PAIR_DIR.rglob("*.safetensors"), *PAIR_DIR.rglob("tokenizer*.json")]):
             digest.update(file.read_bytes())
         out = cache_root() / f"demo-stdlib-{digest.hexdigest()[:12]}-g{GRAPH_REVISION}" / "onnx"
         if not (out / MANIFEST_NAME).is_file():
@@ -106,75 +106,130 @@ def _current_lowering(directory: Path) -> bool:
     return lowering is not None and "batch_invariance" in lowering.report
 
 
-MODES = {"greedy": ("greedy", "full"), "full": ("dflash", "full"), "auto": ("dflash", "auto")}
+# the demo's columns: (decoding mode, verify, lookup guess in the padding row); JSON keys are the short names
+MODES = {"plain_greedy": ("greedy", "full", False), "greedy": ("greedy", "full", True),
+         "full": ("dflash", "full", True), "auto": ("dflash", "auto", True)}
+COLUMNS = {"plain_greedy": "plain greedy", "greedy": "greedy + lookup guess", "full": "DFlash, full blocks",
+           "auto": "DFlash, auto verify"}
+ROUNDS = 3
 
 
-def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int = 4) -> int:
-    """Greedy, DFlash with full blocks and DFlash with the auto verify policy on held-out prompts, side by
-    side (the auto run streamed), each checked against greedy."""
+def _round(decoders: dict[str, Decoder], prompts: list, max_new_tokens: int, order: list[str],
+           on_tokens=None) -> tuple[dict[str, list], dict[str, float]]:
+    """Every mode on every prompt, modes in `order` per prompt: each mode's results and its decode rate."""
+    results = {mode: [] for mode in MODES}
+    for index, (_, ids) in enumerate(prompts):
+        for mode in order:
+            decoding, verify, _ = MODES[mode]
+            stream = on_tokens(index) if on_tokens is not None and mode == "auto" else None
+            results[mode].append(decoders[mode].generate(ids, max_new_tokens, decoding, stop_token_ids=[],
+                                                         verify=verify, on_tokens=stream))
+            if on_tokens is not None and mode == "auto":
+                print(flush=True)
+    rates = {mode: sum(len(r.tokens) for r in runs) / max(sum(r.decode_s for r in runs), 1e-9)
+             for mode, runs in results.items()}
+    return results, rates
+
+
+def where_dflash_pays(costs, block_size: int, tau: float) -> str:
+    """One line: the tau at which a full-block DFlash step beats greedy on this machine's measured costs, and
+    what this pair's tau gives there."""
+    if costs is None or not costs.verify_ms:
+        return "no cost curve recorded: lower the directory to measure where DFlash pays"
+    one, block = costs.verify_ms[0], costs.verify_ms[min(block_size, len(costs.verify_ms)) - 1]
+    even = (block + costs.draft_ms) / one
+    head = (f"where DFlash pays: here a {block_size}-token verify costs {block / one:.1f}x a one-token step and a "
+            f"draft step {costs.draft_ms / one:.1f}x, so full blocks pay from tau {even:.1f}")
+    if tau > even:
+        return f"{head}; this draft's tau {tau:.2f} is above that, so DFlash pays on this machine"
+    return (f"{head}; this draft's tau {tau:.2f} is below that, so full blocks lose here (auto verifies fewer "
+            "tokens where the draft is unsure); the same draft pays where a verify costs little more than a step "
+            "(GPUs, Cloud AI 100)")
+
+
+def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int = 4, rounds: int = ROUNDS) -> int:
+    """Plain greedy, greedy with the lookup guess, DFlash with full blocks and with the auto verify policy on
+    held-out prompts, in `rounds` interleaved rounds (medians, and how far the rounds moved), each checked
+    against plain greedy; the first round's auto run streamed."""
     out = ensure_demo_lowering(ensure_demo_export(progress=not as_json), progress=not as_json)
     decoder = open_decoder(out)
+    decoders = {mode: decoder.sharing(guess_padding=decoder.guess_padding and guess)
+                for mode, (_, _, guess) in MODES.items()}
     codec = TextCodec(out) if has_tokenizer(out) else None
     *prompts, (_, warm_up) = _prompts(decoder, codec, num_prompts + 1)
     # one untimed request on a prompt of its own first: sessions' first-call setup is not decoding speed, and the
     # verify policy learns this machine's step costs over its first drafted steps, as a server's does over its
     # first requests (dflash_onnx/runtime/policy.py)
     decoder.generate(warm_up, max_new_tokens, "dflash", stop_token_ids=[])
-    rows, totals, every = [], {mode: [0, 0.0] for mode in MODES}, []
-    for index, (text, ids) in enumerate(prompts):
-        if not as_json:
-            print(f"--- prompt {index + 1} ---\n{text if text is not None else ids}", end="", flush=True)
-        stream = TextStream(codec) if codec is not None and not as_json else None
-        on_tokens = (lambda chunk, stream=stream: print(stream.delta(chunk), end="", flush=True)) if stream else None
-        results = {"auto": decoder.generate(ids, max_new_tokens, "dflash", stop_token_ids=[], on_tokens=on_tokens)}
-        for mode in ("greedy", "full"):
-            results[mode] = decoder.generate(ids, max_new_tokens, MODES[mode][0], stop_token_ids=[],
-                                             verify=MODES[mode][1])
-        every += results.values()
-        for mode, result in results.items():
-            totals[mode][0] += len(result.tokens)
-            totals[mode][1] += result.decode_s
-        greedy, full, auto = results["greedy"], results["full"], results["auto"]
-        rows.append({"prompt": text if text is not None else ids, "tokens": auto.tokens,
-                     "identical_to_greedy": auto.tokens == greedy.tokens == full.tokens, "tau": full.tau,
-                     "acceptance_lengths": full.acceptance_lengths,
-                     "acceptance_histogram": full.acceptance_histogram(decoder.manifest.block_size),
-                     **{f"{mode}_tokens_per_second": r.tokens_per_second for mode, r in results.items()}})
-        if not as_json:
-            print(f"\n    [identical to greedy: {rows[-1]['identical_to_greedy']}; greedy "
-                  f"{greedy.tokens_per_second:.0f} tok/s, full blocks {full.tokens_per_second:.0f} tok/s (tau "
-                  f"{full.tau:.2f}), auto {auto.tokens_per_second:.0f} tok/s]")
-    rates = {mode: count / seconds if seconds else 0.0 for mode, (count, seconds) in totals.items()}
-    lengths = [length for row in rows for length in row["acceptance_lengths"]]  # tau over every full-block step
-    costs = decoder.costs
-    summary = {
-        "pair": "shipped stdlib byte-level pair" if _shipped() else "tiny random pair (demo pair not built)",
-        "directory": str(out), "block_size": decoder.manifest.block_size,
-        "all_identical_to_greedy": all(r["identical_to_greedy"] for r in rows),
-        "tau": float(np.mean(lengths)),
-        "acceptance_histogram": np.sum([r["acceptance_histogram"] for r in rows], axis=0).tolist(),
-        **{f"{mode}_tokens_per_second": rate for mode, rate in rates.items()},
-        "full_speedup": rates["full"] / rates["greedy"] if rates["greedy"] else 0.0,
-        "auto_speedup": rates["auto"] / rates["greedy"] if rates["greedy"] else 0.0,
-        "costs": asdict(costs) if costs else None,
-        "curve_check": decoder.curve_check(*every),
-        "prompts": rows,
-    }
-    if as_json:
-        print(json.dumps(summary))
-    else:
-        print(f"\n{summary['pair']} on ONNX Runtime ({out}): tau {summary['tau']:.2f} (block "
-              f"{summary['block_size']}); acceptance histogram 1..{summary['block_size']}: "
-              f"{summary['acceptance_histogram']}")
-        print(f"greedy {rates['greedy']:.0f} tok/s; DFlash full blocks {rates['full']:.0f} tok/s "
-              f"({summary['full_speedup']:.2f}x); DFlash auto {rates['auto']:.0f} tok/s "
-              f"({summary['auto_speedup']:.2f}x) (decode time, all prompts); identical to greedy: "
-              f"{summary['all_identical_to_greedy']}")
-        if costs:
-            print("cost curve the auto policy weighed (ms, measured at lowering): t(T) for T = 1..B "
-                  + " ".join(f"{t:.3g}" for t in costs.verify_ms) + f"; draft step {costs.draft_ms:.3g}")
-        if summary["curve_check"]:
-            print(f"warning: {summary['curve_check']}", file=sys.stderr)
-        if not _shipped():
-            print("note: a tiny random pair; build the demo pair with benchmarks/build_pair.py", file=sys.stderr)
+
+    def streamed(index: int):
+        text, ids = prompts[index]
+        print(f"--- prompt {index + 1} ---\n{text if text is not None else ids}", end="", flush=True)
+        stream = TextStream(codec) if codec is not None else None
+        return (lambda chunk: print(stream.delta(chunk), end="", flush=True)) if stream else None
+
+    order, per_round = list(MODES), []
+    for number in range(rounds):  # each round starts with another mode, so drift on a busy machine spreads evenly
+        shown = streamed if number == 0 and not as_json else None
+        turn = number % len(order)
+        per_round.append(_round(decoders, prompts, max_new_tokens, order[turn:] + order[:turn], shown))
+    summary = _summary(decoder, out, prompts, per_round)
+    print(json.dumps(summary) if as_json else _table(summary))
+    if not as_json and summary["curve_check"]:
+        print(f"warning: {summary['curve_check']}", file=sys.stderr)
+    if not as_json and not _shipped():
+        print("note: a tiny random pair; build the demo pair with benchmarks/build_pair.py", file=sys.stderr)
     return 0 if summary["all_identical_to_greedy"] else 1
+
+
+def _summary(decoder: Decoder, out: Path, prompts: list, per_round: list) -> dict:
+    """Medians over the rounds, how far they moved, tau of full blocks, identity with plain greedy, the cost line."""
+    block = decoder.manifest.block_size
+    identical = all(runs[i].tokens == per["plain_greedy"][i].tokens for per, _ in per_round for runs in per.values()
+                    for i in range(len(prompts)))
+    first = per_round[0][0]
+    lengths = [length for r in first["full"] for length in r.acceptance_lengths]
+    tau = float(np.mean(lengths)) if lengths else 0.0
+    rates = {mode: [rates[mode] for _, rates in per_round] for mode in MODES}
+    median = {mode: float(np.median(values)) for mode, values in rates.items()}
+    moved = {mode: (max(values) - min(values)) / median[mode] if median[mode] else 0.0
+             for mode, values in rates.items()}
+    guessed = sum(r.guessed for r in first["greedy"])
+    return {
+        "pair": "shipped stdlib byte-level pair" if _shipped() else "tiny random pair (demo pair not built)",
+        "directory": str(out), "block_size": block, "rounds": len(per_round),
+        "prompt_tokens": [len(ids) for _, ids in prompts],
+        "all_identical_to_greedy": identical, "tau": tau,
+        "acceptance_histogram": np.sum([r.acceptance_histogram(block) for r in first["full"]], axis=0).tolist(),
+        **{f"{mode}_tokens_per_second": rate for mode, rate in median.items()},
+        "moved": moved, "lookup_guesses": {"steps": guessed, "right": sum(r.guessed_right for r in first["greedy"])},
+        **{f"{mode}_vs_plain_greedy": median[mode] / median["plain_greedy"] for mode in MODES},
+        "full_speedup": median["full"] / median["greedy"], "auto_speedup": median["auto"] / median["greedy"],
+        "costs": asdict(decoder.costs) if decoder.costs else None,
+        "where_dflash_pays": where_dflash_pays(decoder.costs, block, tau),
+        "curve_check": decoder.curve_check(*(r for per, _ in per_round for runs in per.values() for r in runs)),
+        "prompts": [{"prompt": text if text is not None else ids, "tokens": first["auto"][i].tokens,
+                     "tau": first["full"][i].tau} for i, (text, ids) in enumerate(prompts)],
+    }
+
+
+def _table(summary: dict) -> str:
+    """The demo's result as a user reads it: one row per way of decoding, named for what it is."""
+    rounds, block = summary["rounds"], summary["block_size"]
+    shortest, longest = min(summary["prompt_tokens"]), max(summary["prompt_tokens"])
+    lengths = f"{shortest}" if shortest == longest else f"{shortest}-{longest}"
+    lines = [f"\n{summary['pair']} on ONNX Runtime ({summary['directory']}), {len(summary['prompts'])} prompts of "
+             f"{lengths} tokens, medians of {rounds} interleaved rounds",
+             f"{'':<24}{'tok/s':>8}{'vs plain greedy':>17}{'rounds moved':>14}  tau (block " f"{block})"]
+    guesses = summary["lookup_guesses"]
+    for mode, column in COLUMNS.items():
+        tau = f"{summary['tau']:.2f}" if mode == "full" else "-"
+        if mode == "greedy" and guesses["steps"]:
+            tau = f"- (guess right in {guesses['right']} of {guesses['steps']} steps)"
+        lines.append(f"{column:<24}{summary[mode + '_tokens_per_second']:>8.0f}"
+                     f"{summary[mode + '_vs_plain_greedy']:>16.2f}x{summary['moved'][mode]:>13.0%}  {tau}")
+    identical = "yes" if summary["all_identical_to_greedy"] else "NO"
+    lines.append(f"tokens identical to plain greedy in every run: {identical}; acceptance histogram 1..{block} "
+                 f"(full blocks): {summary['acceptance_histogram']}")
+    lines.append(summary["where_dflash_pays"])
+    return "\n".join(lines)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_onnx.artifacts.hub import checkpoints
 from dflash_onnx.exporter.as_graphs import NEXT_TOKEN, TorchGraphs
 from dflash_onnx.exporter.models.hybrid import wrap_target
 from dflash_onnx.exporter.models.target import hf_greedy
@@ -185,7 +186,7 @@ def run_parity(out_dir: Path, target_dir: Path | None = None, draft_dir: Path | 
     if manifest.backend is not None or manifest.form != "concat":
         raise DFlashError(f"{out_dir} is lowered (for {manifest.backend}, {manifest.form} form): run parity on the "
                           "export it came from, and compare 'dflash-onnx generate' on both")
-    target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir)
+    target_dir, draft_dir = checkpoints(manifest, target_dir, draft_dir)
     lm = load_target(target_dir, manifest.dtype)
     draft = load_draft(draft_dir, lm, manifest.dtype)
     tapped = wrap_target(lm, manifest.target_layer_ids)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_onnx.artifacts.hub import checkpoints
 from dflash_onnx.artifacts.model_dirs import checkpoint_stamp, read_config, weight_files
 from dflash_onnx.runtime.errors import DFlashError
 from dflash_onnx.runtime.manifest import Manifest
@@ -271,7 +272,7 @@ def run_peers(manifest: Manifest, prompts: list[dict], options, names: list[str]
     if lossy:  # exact passes and lowerings compute the same model; a quantized one does not
         print(f"note: peers run the original checkpoints; this directory's target is transformed by {lossy}, "
               "so its tokens may differ from theirs", file=sys.stderr)
-    target_dir, draft_dir = manifest.checkpoints(target_dir, draft_dir)
+    target_dir, draft_dir = checkpoints(manifest, target_dir, draft_dir)
     dtype = manifest.dtype if manifest.backend != "coreml" else "float32"
     lm = load_target(target_dir, dtype) if {"hf", "reference"} & set(names) else None
     rows = []

@@ -13,6 +13,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from dflash_onnx.artifacts.graph_files import checked_graph, graph_io, share_initializers
+from dflash_onnx.artifacts.progress import Stages
 from dflash_onnx.artifacts.publish import check_out_dir, copy_tokenizer_files, staged_directory
 from dflash_onnx.passes import registry
 from dflash_onnx.passes.base import GraphPass, PassContext
@@ -60,7 +61,7 @@ def select_passes(names: list[str], lowering: str | None) -> list[GraphPass]:
 
 
 def _run_graph(path: Path, spec: GraphSpec, context: dict, chosen: list[GraphPass], pass_options: dict,
-               progress: bool) -> tuple[ir.Model, list[dict]]:
+               stages: Stages) -> tuple[ir.Model, list[dict]]:
     """Every pass on one graph, loaded with its weights memory-mapped; returns the model and report rows."""
     checked_graph(path)  # its external data stays beside it, before onnx-ir maps it
     model, rows = ir.load(str(path)), []
@@ -68,7 +69,9 @@ def _run_graph(path: Path, spec: GraphSpec, context: dict, chosen: list[GraphPas
         options = {**pass_options.get("*", {}), **pass_options.get(graph_pass.name, {})}
         before_nodes, before_bytes = len(model.graph), _size(model)
         started = time.perf_counter()
-        model, details = graph_pass.run(model, PassContext(pass_name=graph_pass.name, options=options, **context))
+        with stages.stage(f"{graph_pass.name} on the {context['graph']}"):
+            model, details = graph_pass.run(model, PassContext(pass_name=graph_pass.name, options=options,
+                                                               **context))
         if graph_pass.loads_weights:
             gc.collect()  # its protobuf and IR copies of the weights are reference cycles: free them now
         row = {"pass": graph_pass.name, "graph": context["graph"], "nodes_before": before_nodes,
@@ -77,9 +80,6 @@ def _run_graph(path: Path, spec: GraphSpec, context: dict, chosen: list[GraphPas
         rows.append(row)
         for warning in details.get("warnings", []):
             print(f"warning: {graph_pass.name}: {warning}", file=sys.stderr)
-        if progress:
-            print(f"{graph_pass.name:>15} {context['graph']:<6} nodes {before_nodes:>6} -> {row['nodes_after']:<6} "
-                  f"MiB {before_bytes / 2**20:8.2f} -> {row['bytes_after'] / 2**20:<8.2f}", file=sys.stderr)
     return model, rows
 
 
@@ -110,10 +110,11 @@ def apply_pipeline(source: Path, names: list[str], out: Path, pass_options: dict
                 raise ValueError(f"{[p.name for p in chosen if p.calibrated]}: calibrated passes need open_graph")
             feeds = record_feeds(manifest, open_graph)
         specs = {}
+        stages = Stages(2 * len(chosen), enabled=progress)
         for graph in ("target", "draft"):
             spec = getattr(manifest, graph)
             context = {"graph": graph, "manifest": manifest, "calibration_feeds": feeds.get(graph)}
-            model, rows = _run_graph(Path(source) / spec.file, spec, context, chosen, pass_options, progress)
+            model, rows = _run_graph(Path(source) / spec.file, spec, context, chosen, pass_options, stages)
             report += rows
             # written tensor by tensor, mapped weights straight from the source file
             ir.save(model, str(tmp / spec.file), external_data=f"{spec.file}.data", size_threshold_bytes=1024)

@@ -34,7 +34,7 @@ MAY_IMPORT = {
 }
 # third-party libraries each layer may use (besides the standard library)
 RUNTIME_LIBRARIES = {"numpy", "tokenizers", "jinja2"}
-LAYER_LIBRARIES = {"runtime": RUNTIME_LIBRARIES, "artifacts": RUNTIME_LIBRARIES | {"onnx"},
+LAYER_LIBRARIES = {"runtime": RUNTIME_LIBRARIES, "artifacts": RUNTIME_LIBRARIES | {"onnx", "huggingface_hub"},
                    "passes": RUNTIME_LIBRARIES | {"onnx", "onnx_ir", "onnxscript", "onnxruntime"}}
 SESSION_LIBRARIES = {"ort": {"onnxruntime", "onnx"}, "ai100": {"QAicApi_pb2", "qaicrt"}, "mlx": {"mlx", "onnx"},
                      "coreml": {"coremltools"}}
@@ -43,6 +43,7 @@ SESSION_LIBRARIES = {"ort": {"onnxruntime", "onnx"}, "ai100": {"QAicApi_pb2", "q
 SESSION_HELPERS = {"dflash_onnx.artifacts.graph_files", "dflash_onnx.targets.kv_rows"}
 HEAVY = {"torch", "transformers", "safetensors", "onnx", "onnxruntime", "onnx_ir", "onnxscript", "mlx", "coremltools"}
 THIRD_PARTY = HEAVY | RUNTIME_LIBRARIES | {"tqdm", "matplotlib", "onnxruntime_genai", "dflash", "scipy", "optimum",
+                                          "huggingface_hub",
                                           "QAicApi_pb2", "qaicrt"}
 
 

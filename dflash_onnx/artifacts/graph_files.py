@@ -166,3 +166,14 @@ def graph_io(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return [spec(v) for v in model.graph.input], [spec(v) for v in model.graph.output]
 
 
+
+
+def graph_bytes(directory: Path, file: str) -> int:
+    """The bytes of one graph's own files as they sit on disk: the graph and the external data files named after
+    it (the draft's vocab tensors, stored once in the target's file, count with the target)."""
+    path = Path(directory) / file
+    model = onnx.load(str(path), load_external_data=False)
+    locations = {entry.value for tensor in model.graph.initializer for entry in tensor.external_data
+                 if entry.key == "location" and entry.value.startswith(file)}
+    return path.stat().st_size + sum(member(Path(directory), location, f"{file}'s external data").stat().st_size
+                                     for location in locations)

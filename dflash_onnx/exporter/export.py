@@ -21,6 +21,7 @@ import onnx_ir
 import torch
 
 from dflash_onnx.artifacts.graph_files import graph_spec, share_initializers
+from dflash_onnx.artifacts.hub import resolve_pair, snapshot_origin
 from dflash_onnx.artifacts.model_dirs import export_bytes, largest_tensor_bytes
 from dflash_onnx.artifacts.progress import Stages
 from dflash_onnx.artifacts.publish import copy_tokenizer_files, staged_directory
@@ -193,12 +194,16 @@ def _file_hashes(directory: Path) -> dict[str, str]:
 def export_pair(
     target_dir: Path, draft_dir: Path, out: Path, block_size: int | None = None, dtype: str = "float32",
     opset: int = DEFAULT_OPSET, allow_longer_block: bool = False, overwrite: bool = False, progress: bool = True,
-    stream: bool = True,
+    stream: bool = True, revision: str | None = None, draft_revision: str | None = None,
 ) -> Manifest:
     """Export target and draft into `out` (created atomically); return the manifest written there. `stream`
     (the default) traces the graphs without weights and writes each weight from the checkpoints as the graph
-    files are saved (lazy_weights.py): peak memory about one tensor. Without it the pair is loaded whole."""
-    target_dir, draft_dir, out = Path(target_dir), Path(draft_dir), Path(out)
+    files are saved (lazy_weights.py): peak memory about one tensor. Without it the pair is loaded whole.
+    Each checkpoint is a directory or a Hugging Face hub name (at `revision` / `draft_revision`, default main);
+    `target_dir` None takes the target the draft names, `draft_dir` "auto" the published draft of the target
+    (artifacts/hub.py)."""
+    target_dir, draft_dir = resolve_pair(target_dir, draft_dir, revision, draft_revision, progress)
+    out = Path(out)
     check_export_request(target_dir, draft_dir, out, opset, overwrite, block_size)
     info = TargetInfo.from_dir(target_dir)
     spec = DraftSpec.from_dir(draft_dir)
@@ -262,6 +267,8 @@ def export_pair(
                 sources={"target": _file_hashes(target_dir), "draft": _file_hashes(draft_dir)},
                 tool_version=__version__,
                 source_dirs={"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve())},
+                hub={kind: origin for kind, directory in (("target", target_dir), ("draft", draft_dir))
+                     if (origin := snapshot_origin(directory))},
                 experts=experts_summary(tapped.lm),
                 attention_sinks=has_sinks(tapped.lm),
                 kv_shared_layers=tapped.num_layers - len(tapped.kv_shapes) - len(getattr(tapped, "linear", ())),

@@ -103,8 +103,10 @@ class TinySpec:
     shard_bytes: int = 2 * 1024**3
 
 
-# Full-size shapes with random weights: for measuring speed and size where no checkpoint can be downloaded.
+# Full-size shapes with random weights: for measuring speed and size where no checkpoint can be downloaded; and one
+# small pair for trying the commands in seconds (the test suite's kind: 4 layers of width 64, 96 characters).
 PRESETS = {
+    "tiny-agree": TinySpec(agree=True, tie_embeddings=False, block_size=8, target_layer_ids=[1, 2]),
     "qwen3-0.6b-shaped": TinySpec(vocab_size=151936, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
                                   intermediate_size=3072, target_layers=28, draft_layers=1, target_layer_ids=[14],
                                   block_size=16, max_positions=40960),
@@ -262,6 +264,19 @@ def _zlab_config(spec: TinySpec) -> dict:
     return config
 
 
+# a ChatML-like template in plain characters, which the character tokenizer spells out: chat requests work on any
+# preset pair (the model is random; the template only shapes the prompt as chat models' do)
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_chat_template(directory: Path) -> None:
+    """tokenizer_config.json with CHAT_TEMPLATE (kept beside whatever else the file holds)."""
+    path = Path(directory) / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}, indent=2))
+
+
 def write_char_tokenizer(directory: Path, vocab_size: int) -> None:
     """A character-level tokenizer.json for a tiny vocab: <pad>=0, <eos>=1, printable ASCII, <mask> last."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -381,8 +396,14 @@ def build_pair(spec: TinySpec, root: Path, progress: bool = False) -> tuple[Path
     if spec.streamed:
         _write_streamed(spec, target_dir, draft_dir, progress)
         return target_dir, draft_dir
-    target = build_target(spec, target_dir)
-    build_draft(spec, draft_dir, target)
+    from dflash_onnx.artifacts.progress import Stages
+
+    stages = Stages(2, enabled=progress)
+    with stages.stage(f"target: {spec.target_layers} layers of random weights, saved to {target_dir}"):
+        target = build_target(spec, target_dir)
+    with stages.stage(f"draft: {spec.draft_layers} layer{'s' if spec.draft_layers != 1 else ''}, saved to "
+                      f"{draft_dir}"):
+        build_draft(spec, draft_dir, target)
     return target_dir, draft_dir
 
 
@@ -424,16 +445,54 @@ def _write_streamed(spec: TinySpec, target_dir: Path, draft_dir: Path, progress:
     (draft_dir / "config.json").write_text(json.dumps(draft_config, indent=2))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """python -m dflash_onnx.exporter.tiny --preset qwen3-0.6b-shaped --out DIR: write DIR/target and DIR/draft."""
-    import argparse
+def preset_sizes(spec: TinySpec) -> tuple[int, int]:
+    """(target, draft body) parameter counts of a preset, from its shapes (nothing allocated); the draft's in
+    z-lab's layout (a speculators-format draft with its own head adds that head)."""
+    from transformers import AutoConfig
 
-    parser = argparse.ArgumentParser(prog="python -m dflash_onnx.exporter.tiny", description=main.__doc__)
-    parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    from dflash_onnx.exporter.shaped import draft_shapes, target_shapes
+
+    config = AutoConfig.for_model(spec.model_type, **_target_config(spec))
+    count = lambda shapes: sum(int(np.prod(shape)) for shape in shapes.values())  # noqa: E731
+    return count(target_shapes(config)), count(draft_shapes(_zlab_config(spec)))
+
+
+def _preset_list() -> str:
+    """The presets with their sizes, for --help."""
+    lines = ["presets (parameters; on disk float32, or bfloat16 for the streamed ones, gpt-oss's experts less in "
+             "MXFP4):"]
+    for name, spec in PRESETS.items():
+        target, draft = preset_sizes(spec)
+        size = (target + draft) * (2 if spec.dtype == "bfloat16" else 4) / 2**30
+        lines.append(f"  {name:<36} target {target / 1e6:8.2f}M, draft {draft / 1e6:7.2f}M, {size:6.2f} GiB, "
+                     f"{spec.target_layers} layers, vocab {spec.vocab_size}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m dflash_onnx.exporter.tiny --preset NAME --out DIR: a random-weight target and DFlash draft in
+    DIR/target and DIR/draft (Hugging Face layout, a character tokenizer and a chat template), to try the commands
+    on or to measure speed and size at a published model's shape."""
+    import argparse
+    import sys
+    import time
+
+    helping = any(arg in ("-h", "--help") for arg in (sys.argv[1:] if argv is None else argv))
+    parser = argparse.ArgumentParser(prog="python -m dflash_onnx.exporter.tiny", description=main.__doc__,
+                                     epilog=_preset_list() if helping else None,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=list(PRESETS), required=True, metavar="NAME",
+                        help="one of the presets below; tiny-agree builds in seconds")
+    parser.add_argument("--out", type=Path, required=True, help="directory to write target/ and draft/ into")
     args = parser.parse_args(argv)
-    target_dir, draft_dir = build_pair(PRESETS[args.preset], args.out, progress=True)
-    print(f"wrote {target_dir} and {draft_dir}")
+    spec = PRESETS[args.preset]
+    target, draft = preset_sizes(spec)
+    print(f"building {args.preset}: target {target / 1e6:.1f}M and draft {draft / 1e6:.1f}M parameters of random "
+          "weights ...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    target_dir, draft_dir = build_pair(spec, args.out, progress=True)
+    write_chat_template(target_dir)
+    print(f"wrote {target_dir} and {draft_dir} in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

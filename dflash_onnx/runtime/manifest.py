@@ -181,6 +181,9 @@ class Manifest:
     lowering: Lowering | None = None
     costs: CostModel | None = None  # recorded by `lower` or `calibrate` on the directory's backend
     source_dirs: dict[str, str] = field(default_factory=dict)
+    # per checkpoint fetched by hub name (or read from a Hugging Face cache snapshot): {"repo_id", "revision"}, the
+    # revision being the commit (dflash_onnx/artifacts/hub.py); a checkpoint from another directory has none
+    hub: dict[str, dict[str, str]] = field(default_factory=dict)
     # a mixture-of-experts target: {"layers": MoE layers, "experts": per layer, "per_token": routed to,
     # "intermediate_size": of one expert, "shared_intermediate_size": of a shared expert every token runs, where
     # there is one}; None for a dense one

@@ -57,3 +57,16 @@ class GenerationResult:
         """Counts of steps that committed 1..block_size tokens."""
         counts = np.bincount(np.asarray(self.acceptance_lengths, dtype=np.int64), minlength=block_size + 1)
         return counts[1 : block_size + 1].tolist()
+
+
+def run_summary(result: GenerationResult, mode: str) -> str:
+    """The line after a run, honest about short ones: a rate needs two tokens (the first one's time is the
+    time to first token, not decoding), and tau means something only where DFlash verified a draft."""
+    count = len(result.tokens)
+    parts = [f"{count} token{'s' if count != 1 else ''}"]
+    if mode == "dflash":
+        parts.append(f"tau {result.tau:.2f}" if result.acceptance_lengths else "tau - (no DFlash step ran)")
+    parts.append(f"{result.tokens_per_second:.1f} tok/s" if count >= 2 and result.decode_s > 0 else
+                 "tok/s - (too few tokens to time decoding)")
+    parts.append(f"ttft {result.ttft_s * 1000:.1f} ms")
+    return ", ".join(parts)

@@ -38,6 +38,14 @@ class TextCodec:
             return self.encode(text)
         return self.encode(template.render(text), add_special_tokens=False)
 
+    def prompt_form(self, raw: bool = False) -> str:
+        """How `prompt_ids` sends a prompt, in words for the one line `generate` prints."""
+        if raw:
+            return "as raw text (--raw)"
+        if self.artifact and load_chat_template(self.directory) is not None:
+            return "as a user turn in the directory's chat template; --raw sends the text as it is"
+        return "as raw text: the directory has no chat template"
+
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """A conversation as ids, in the directory's chat template; one line when it has none."""
         template = load_chat_template(self.directory) if self.artifact else None

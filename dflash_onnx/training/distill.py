@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dflash_onnx.artifacts.hub import resolve_checkpoint
 from dflash_onnx.exporter.models.draft import DFlashDraft, DraftSpec, build_target_layer_ids
 from dflash_onnx.exporter.models.draft_formats import KINDS, speculators_config
 from dflash_onnx.runtime.errors import DFlashError
@@ -177,8 +178,10 @@ def _save_draft(draft: DFlashDraft, config: dict, out: Path, report: dict) -> No
 
 
 def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: list[Path] | None = None,
-            prompts_file: Path | None = None, resume: bool = False, progress: bool = True) -> dict:
-    """Train a draft for the target in `target_dir`; write it to `out`; return the training report."""
+            prompts_file: Path | None = None, resume: bool = False, progress: bool = True,
+            revision: str | None = None) -> dict:
+    """Train a draft for the target in `target_dir` (a directory, or a Hugging Face hub name at `revision`, default
+    main); write it to `out`; return the training report."""
     from tqdm import tqdm
 
     from dflash_onnx.exporter.pair import load_target
@@ -192,6 +195,7 @@ def distill(target_dir: Path, out: Path, options: DistillOptions, data_paths: li
         raise DFlashError(f"{checkpoint_dir} holds an interrupted run: pass --resume, or delete it")
     if not data_paths and not prompts_file:
         raise DFlashError("give training text: --data FILES_OR_DIRS or --prompts FILE")
+    target_dir = resolve_checkpoint(target_dir, "target", revision, progress)
     torch.manual_seed(options.seed)
     generator = torch.Generator().manual_seed(options.seed)
     lm = load_target(target_dir, "float32")

@@ -1,6 +1,7 @@
 """The speculators format of a draft's config.json (vllm-project/speculators: `speculators_model_type` dflash,
 dflash2 or dspark), read as data into DraftSpec's fields. Its `auto_map` points at a config class saved beside it:
-that file is never imported or run. The verifier it names is not read either: the target comes from `--target`.
+that file is never imported or run. The verifier it names (speculators_config.verifier.name_or_path) is the
+target `export --draft NAME` takes when no `--target` is given (dflash_onnx/artifacts/hub.py).
 
 Conventions that differ from z-lab's layout, each carried into the spec:
 - `aux_hidden_state_layer_ids` index transformers' `hidden_states` (0 is the embeddings), so a decoder layer i is
