@@ -422,10 +422,9 @@ def _serve(args) -> int:
     from dflash_onnx.runtime.sampling import SamplingParams
 
     try:
-        import uvicorn
-
         from dflash_onnx.serving.app import ServerOptions, create_app
         from dflash_onnx.serving.host import EngineSettings
+        from dflash_onnx.serving.server import listen, run, url
     except ModuleNotFoundError as exc:
         raise DFlashError(f"serve needs {exc.name}, which is not installed: pip install 'dflash-onnx[serve]'") from None
 
@@ -434,6 +433,8 @@ def _serve(args) -> int:
     for flag, value in (("--max-tokens", args.max_tokens), ("--max-body-bytes", args.max_body_bytes)):
         if value < 1:
             raise DFlashError(f"{flag} must be at least 1, got {value}")
+    if not args.shutdown_grace >= 0:
+        raise DFlashError(f"--shutdown-grace must be at least 0, got {args.shutdown_grace:g}")
     SamplingParams(args.temperature)  # the flags are checked before the sessions open
     settings = EngineSettings(args.source, backend=args.backend, max_batch=args.max_batch,
                               shared_draft=args.shared_draft == "on", max_queue=args.max_queue, verify=args.verify,
@@ -441,25 +442,31 @@ def _serve(args) -> int:
                               cost_model=args.cost_model,
                               session_options=_session_overrides(args))
     settings.check()
-    engine = settings.open()
+    listening = listen(args.host, args.port)  # a taken port is refused here, before the sessions open
+    try:
+        engine = settings.open()
+    except BaseException:
+        listening.close()
+        raise
     options = ServerOptions(model=args.model or args.source.resolve().name, api_key=args.api_key,
                             max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
-                            temperature=args.temperature)
+                            temperature=args.temperature,
+                            access_log=None if args.log_format == "off" else args.log_format)
     running = "one request at a time" if args.max_batch == 1 else \
         f"up to {args.max_batch} requests side by side, {engine.drafting}"
-    print(f"serving {options.model} from {args.source} on http://{args.host}:{args.port}/v1 (DFlash, verify "
-          f"{args.verify}; {running}, {args.max_queue} may wait)", file=sys.stderr)
-    try:
-        uvicorn.run(create_app(engine, options), host=args.host, port=args.port, log_level="warning")
-    finally:
-        engine.close()
+    print(f"serving {options.model} from {args.source} on {url(listening)}/v1 (DFlash, verify "
+          f"{args.verify}; {running}, {args.max_queue} may wait)", file=sys.stderr, flush=True)
+    print(run(create_app(engine, options), listening, engine, args.shutdown_grace), file=sys.stderr)
     return 0
 
 
 def _demo(args) -> int:
     from dflash_onnx.demo import run_demo
 
-    return run_demo(as_json=args.json, max_new_tokens=args.max_new_tokens, num_prompts=args.prompts)
+    if args.rounds < 1:
+        raise DFlashError(f"--rounds must be at least 1, got {args.rounds}")
+    return run_demo(as_json=args.json, max_new_tokens=args.max_new_tokens, num_prompts=args.prompts,
+                    rounds=args.rounds)
 
 
 def _add_verify_arguments(parser: argparse.ArgumentParser) -> None:
@@ -721,7 +728,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --max-batch: greedy requests' draft calls joined into one per step too (a ragged "
                        "CPU lowering made since batched drafts; others draft one request at a time)")
     serve.add_argument("--max-tokens", type=int, default=512, help="a chat request's max_tokens when it sends none")
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 "
+                       "(default 1 MiB); arrays and objects nested over 64 deep get 400")
+    serve.add_argument("--log-format", choices=("text", "json", "off"), default="text",
+                       help="the access log on stderr, one line per request (method, path, status, prompt and "
+                       "completion tokens, tau, time to first token, total time): text (default), json (one JSON "
+                       "object a line, for log collectors) or off")
+    serve.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
+                       help="on SIGTERM or Ctrl-C, the seconds requests under way get to finish before they are "
+                       "cancelled (streams end with an error event and [DONE]); then exit 0 (default 10; a second "
+                       "signal cancels at once)")
     serve.add_argument("--temperature", type=float, default=0.0,
                        help="a request's temperature when it sends none (default 0: the target's greedy output)")
     serve.add_argument("--backend", choices=backends, help=BACKEND_HELP)

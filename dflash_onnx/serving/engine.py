@@ -44,12 +44,19 @@ class GenerationRequest:
 class Event:
     """`text`: new text (empty on the last event). On the last event `finish` is "stop" (a stop token or string),
     "length" (max_tokens) or "cancelled", or `error` says what went wrong; `completion_tokens` counts the tokens
-    generated so far."""
+    generated so far, `steps` the decoding steps after the prefill's first token (tau: the tokens after the first
+    over the steps)."""
 
     text: str
     completion_tokens: int
     finish: str | None = None
     error: str | None = None
+    steps: int = 0
+
+    @property
+    def tau(self) -> float | None:
+        """Tokens committed per decoding step after the first token; None before any step ran."""
+        return (self.completion_tokens - 1) / self.steps if self.steps else None
 
 
 class Submission:
@@ -60,6 +67,7 @@ class Submission:
         self.request = request
         self.events: queue.Queue[Event] = queue.Queue()
         self.cancelled = threading.Event()
+        self.outcome: str | None = None  # once its last event is put: its finish reason, or "error"
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._async: asyncio.Queue[Event] | None = None
@@ -67,8 +75,15 @@ class Submission:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    @property
+    def ended(self) -> bool:
+        """Its last event is put (a server shutting down reads what is still under way)."""
+        return self.outcome is not None
+
     def put(self, event: Event) -> None:
         """The engine thread's side: to the attached event loop's queue, else to the thread-safe one."""
+        if event.finish is not None or event.error is not None:
+            self.outcome = "error" if event.error is not None else event.finish
         with self._lock:
             if self._loop is None:
                 self.events.put(event)
@@ -169,6 +184,11 @@ class Engine:
         self._stopping.set()
         self._thread.join(timeout=60)
 
+    @property
+    def stopped(self) -> bool:
+        """The engine's thread has ended (after `close`)."""
+        return not self._thread.is_alive()
+
     def _next(self, timeout: float | None) -> Submission | None:
         """The next queued request (None: none within `timeout`, or none at once where None); cancelled once the
         engine is stopping, so that it ends without touching the sessions."""
@@ -241,26 +261,32 @@ class Engine:
             return "cancelled"
         steps = decoder.stream(request.prompt_ids, request.max_tokens, "dflash", request.sampling, None, self.verify)
         ids: list[int] = []
+        chunks = 0  # the prefill's first token, then one chunk a decoding step
+
+        def event(text: str, finish: str | None = None) -> Event:
+            return Event(text, len(ids), finish, steps=max(0, chunks - 1))
+
         shown = _StopText(request.stop)
         try:
             for chunk in steps:
                 if submission.cancelled.is_set():
-                    submission.put(Event("", len(ids), finish="cancelled"))
+                    submission.put(event("", "cancelled"))
                     return "cancelled"
                 ids.extend(chunk)
+                chunks += 1
                 ended = ids[-1] in self.stop_token_ids
                 text = self.codec.decode(ids[:-1] if ended else ids)
                 delta, stopped = shown.advance(text, ended or len(ids) >= request.max_tokens)
                 if stopped or ended:
-                    submission.put(Event(delta, len(ids)))
-                    submission.put(Event("", len(ids), finish="stop"))
+                    submission.put(event(delta))
+                    submission.put(event("", "stop"))
                     return "stop"
-                if delta:
-                    submission.put(Event(delta, len(ids)))
+                if delta or chunks == 1:  # the first token's event marks the time to first token, text or not
+                    submission.put(event(delta))
         finally:
             steps.close()
         delta, _ = shown.advance(self.codec.decode(ids), True)
-        submission.put(Event(delta, len(ids), finish="length"))
+        submission.put(event(delta, "length"))
         return "length"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # each field the server does not implement, with the values that ask for nothing (so a client sending its defaults
@@ -94,3 +95,34 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
                code: str | None = None) -> dict:
     """{"error": {...}} as the OpenAI API returns it."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def nesting_depth(body: bytes) -> int:
+    """How deep `body`'s arrays and objects nest (`[]` 1, `{"a": [1]}` 2), counted over the raw bytes without
+    parsing them (numpy over the positions of brackets, quotes and backslashes: milliseconds a MiB), so that a body
+    nested too deep is refused before a recursive parser sees it. Brackets inside strings do not count: a quote opens
+    or closes a string unless an odd run of backslashes escapes it. On a body that is not JSON the count may differ
+    from a parser's, but never below the depth a parser reaches before it finds the fault (up to there it parses)."""
+    data = np.frombuffer(body, dtype=np.uint8)
+    backslashes = np.flatnonzero(data == ord("\\"))
+    quotes = np.flatnonzero(data == ord('"'))
+    if len(backslashes) and len(quotes):
+        # each backslash's run start; a quote is escaped by the odd run of backslashes that ends just before it
+        starts = np.maximum.accumulate(np.where(np.diff(backslashes, prepend=-2) != 1, backslashes, 0))
+        at = np.clip(np.searchsorted(backslashes, quotes - 1), 0, len(backslashes) - 1)
+        follows = backslashes[at] == quotes - 1
+        quotes = quotes[~(follows & ((quotes - starts[at]) % 2 == 1))]
+    opens, closes = (data == ord("[")) | (data == ord("{")), (data == ord("]")) | (data == ord("}"))
+    steps = opens.view(np.int8) - closes.view(np.int8)
+    brackets = np.flatnonzero(steps)
+    outside = np.searchsorted(quotes, brackets) % 2 == 0  # an even count of string quotes before it
+    return int(np.cumsum(steps[brackets][outside], dtype=np.int64).max(initial=0))
+
+
+def too_deep(body: bytes, limit: int) -> int | None:
+    """The depth of a body nested past `limit` (None where it is not): at once where it holds `limit` brackets or
+    fewer."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return None
+    depth = nesting_depth(body)
+    return depth if depth > limit else None
