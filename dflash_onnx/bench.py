@@ -41,6 +41,7 @@ class BenchOptions:
     load: int = 0  # busy processes beside a second, loaded measurement of the runs (and peers)
     llama_cpp: Path | None = None  # the llama.cpp source tree (built) for --peers llama.cpp; None: built once, cached
     llama_cpp_type: str | None = None  # llama-quantize's type for --peers llama.cpp; None: the one matching ours
+    prompt_tokens: list[int] | None = None  # measure at these prompt lengths (held-out code cut to length)
     batch_invariant: bool = True  # pad target calls to the lowering's row multiple (decode.Decoder)
     lookup_guess: bool = True  # a lookup guess in the padding row of a one-token step (decode.Decoder)
     session_overrides: dict = field(default_factory=dict)  # the backend's session options (CoreML: compute_units)
@@ -114,6 +115,25 @@ def load_prompts(path: Path | None, codec: TextCodec | None, count: int, vocab_s
         return [{"text": text, "ids": codec.encode(text)} for text in held_out_prompts(count)]
     rng = np.random.default_rng(0)
     return [{"text": None, "ids": rng.integers(2, vocab_size - 1, size=16).tolist()} for _ in range(count)]
+
+
+def depth_prompts(codec: TextCodec | None, count: int, tokens: int, vocab_size: int) -> list[dict]:
+    """`count` prompts of exactly `tokens` ids, as users send them (a long file, a history): held-out
+    standard-library code, files joined where one is shorter, cut to length; seeded random ids without a
+    tokenizer."""
+    from dflash_onnx.demo import held_out_texts
+
+    if codec is None:
+        rng = np.random.default_rng(tokens)
+        return [{"text": None, "ids": rng.integers(2, vocab_size - 1, size=tokens).tolist()} for _ in range(count)]
+    texts, prompts, next_text = held_out_texts(), [], 0
+    for _ in range(count):
+        ids: list[int] = []
+        while len(ids) < tokens:
+            ids += codec.encode(texts[next_text % len(texts)])
+            next_text += 1
+        prompts.append({"text": f"{tokens} tokens of held-out code", "ids": ids[:tokens]})
+    return prompts
 
 
 def _prompt_line(line: str, where: str, jsonl: bool, codec: TextCodec | None, vocab_size: int) -> dict:
@@ -331,15 +351,16 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
     decoder = open_decoder(directory, backend=backend, batch_invariant=options.batch_invariant,
                            guess_padding=options.lookup_guess, costs=costs, **options.session_overrides)
     codec = TextCodec(directory) if has_tokenizer(directory) else None
-    prompts = load_prompts(prompts_file, codec, options.num_prompts, manifest.vocab_size)
+    sets = _prompt_sets(decoder, codec, prompts_file, options)
     lengths = options.verify_lengths or default_verify_lengths(manifest.block_size)
     longest = max(*lengths, manifest.verify_rows)  # the longest target call, or the draft's block
     options = replace(options, contexts=curve_contexts(options.contexts, decoder.capacity, longest))
     curve_calls = len(options.contexts) * (len(lengths) + 1) if manifest.form in ("concat", "buffer") else 0
-    total = len(bench_modes(decoder, options)) * options.repeats * len(prompts) + curve_calls
-    with tqdm(total=total, disable=not progress, desc="bench", unit="run", file=sys.stderr) as bar:
-        rows = measure_generation(decoder, prompts, options, bar)
+    runs = len(bench_modes(decoder, options)) * options.repeats * sum(len(prompts) for _, prompts in sets)
+    with tqdm(total=runs + curve_calls, disable=not progress, desc="bench", unit="run", file=sys.stderr) as bar:
+        measured = [measure_generation(decoder, prompts, options, bar) for _, prompts in sets]
         curve = measure_curve(decoder, options, bar)
+    rows = measured[0]
     summary = aggregate(rows, manifest.block_size)
     report = {
         "directory": str(directory), "backend": backend, "block_size": manifest.block_size,
@@ -352,14 +373,55 @@ def run_bench(directory: Path, backend: str | None, prompts_file: Path | None, o
         "aggregate": summary, "prompts": rows, "curve": curve,
         "implied": implied_speedups(curve, summary.get("full_tau", summary["tau"]), manifest.block_size),
     }
-    if peers:
-        from dflash_onnx.peers import run_peers
+    if options.prompt_tokens:
+        report["depths"] = [depth_summary(tokens, set_rows, manifest.block_size)
+                            for (tokens, _), set_rows in zip(sets, measured)]
+    for index, ((_, set_prompts), set_rows) in enumerate(zip(sets, measured)):  # peers at each depth, as ours
+        if peers:
+            from dflash_onnx.peers import run_peers
 
-        report["peers"] = run_peers(manifest, prompts, options, peers, *checkpoints, ours=summary,
-                                    our_tokens=[row["tokens"] for row in rows], progress=progress)
-    if options.load:
-        report["loaded"] = _loaded(decoder, prompts, options, peers, checkpoints, progress)
+            found = run_peers(manifest, set_prompts, options, peers, *checkpoints,
+                              ours=aggregate(set_rows, manifest.block_size),
+                              our_tokens=[row["tokens"] for row in set_rows], progress=progress)
+            report["peers"] = report.get("peers", found)
+            if options.prompt_tokens:
+                report["depths"][index]["peers"] = found
+        if options.load:
+            loaded = _loaded(decoder, set_prompts, options, peers, checkpoints, progress)
+            report["loaded"] = report.get("loaded", loaded)
+            if options.prompt_tokens:
+                report["depths"][index]["loaded"] = loaded
     return report
+
+
+def _prompt_sets(decoder: Decoder, codec: TextCodec | None, prompts_file: Path | None,
+                 options: BenchOptions) -> list[tuple[int | None, list[dict]]]:
+    """(prompt length, prompts) per measured set: one per --prompt-tokens length, or the prompts given (a file,
+    else held-out code of 160 characters)."""
+    manifest = decoder.manifest
+    if not options.prompt_tokens:
+        return [(None, load_prompts(prompts_file, codec, options.num_prompts, manifest.vocab_size))]
+    if prompts_file is not None:
+        raise DFlashError("--prompts and --prompt-tokens both choose the prompts: give one")
+    bad = [n for n in options.prompt_tokens if n < 1]
+    reach = max(options.prompt_tokens) + options.max_new_tokens + manifest.verify_rows
+    if bad:
+        raise DFlashError(f"--prompt-tokens must be positive, got {','.join(map(str, bad))}")
+    if decoder.capacity is not None and reach > decoder.capacity:
+        raise DFlashError(f"--prompt-tokens {max(options.prompt_tokens)} with {options.max_new_tokens} new tokens "
+                          f"reaches {reach} positions, and this lowering holds {decoder.capacity}: lower with "
+                          f"--ctx-len {reach} or more, or measure shorter prompts")
+    return [(n, depth_prompts(codec, options.num_prompts, n, manifest.vocab_size)) for n in options.prompt_tokens]
+
+
+def depth_summary(tokens: int, rows: list[dict], block: int) -> dict:
+    """One prompt length's figures: the aggregate of its runs, time to first token and the prefill rate it implies
+    (the prompt over the first token's time), and decoding at that depth per mode."""
+    summary = aggregate(rows, block)
+    plain = "greedy_unpadded" if "greedy_unpadded" in summary else "greedy"
+    ttft_s = float(np.median([row[plain]["ttft_s"] for row in rows]))
+    return {"prompt_tokens": tokens, "ttft_ms": 1000 * ttft_s, "prefill_tokens_per_second": tokens / ttft_s,
+            "one_row_greedy": plain, "aggregate": summary, "prompts": rows}
 
 
 def _loaded(decoder: Decoder, prompts: list[dict], options: BenchOptions, peers: list[str],
@@ -466,6 +528,8 @@ def format_report(report: dict) -> str:
             lines.append(f"{context:>8} " + " ".join(f"{t:>7.2f}" for t in times)
                          + f" {curve['draft_ms'][context]:>7.2f} {implied.get('implied_speedup', 0):>7.2f}x "
                            f"{implied.get('break_even_tau', 0):>10.2f}")
+    if report.get("depths"):
+        lines += ["", *format_depths(report)]
     if report.get("peers"):
         from dflash_onnx.peers import format_peers
 
@@ -492,6 +556,51 @@ def _format_loaded(report: dict) -> str:
 OUR_RUNS = {"greedy": "ours greedy", "greedy_unpadded": "ours greedy, one row per step (no batch-invariance padding)",
             "greedy_unguessed": "ours greedy, padding row without the lookup guess",
             "full": "ours DFlash, full blocks"}
+
+
+DEPTH_MODES = (("one_row", "one-row greedy"), ("greedy", "greedy"), ("dflash", "DFlash"))
+
+
+def _depth_rate(depth: dict, mode: str) -> float:
+    agg = depth["aggregate"]
+    return agg[depth["one_row_greedy"] if mode == "one_row" else mode]["tokens_per_second"]
+
+
+def format_depths(report: dict) -> list[str]:
+    """Per prompt length: time to first token, the prefill rate, and decoding at that depth per mode."""
+    lines = ["by prompt length (decode tok/s at that depth; ttft and prefill of one-row greedy's prompt)",
+             f"{'prompt':>7} {'ttft ms':>9} {'prefill tok/s':>14} " + " ".join(f"{name:>15}" for _, name in DEPTH_MODES)
+             + f" {'tau':>6} {'DFlash/one-row':>15} {'identical':>9}"]
+    for depth in report["depths"]:
+        agg = depth["aggregate"]
+        rates = " ".join(f"{_depth_rate(depth, mode):>15.1f}" for mode, _ in DEPTH_MODES)
+        against = _depth_rate(depth, "dflash") / _depth_rate(depth, "one_row")
+        prefill = depth["prefill_tokens_per_second"]
+        lines.append(f"{depth['prompt_tokens']:>7} {depth['ttft_ms']:>9.1f} {prefill:>14.1f} {rates} "
+                     f"{agg['tau']:>6.2f} {against:>14.2f}x {str(agg['all_identical_to_greedy']):>9}")
+    return lines
+
+
+def depth_figures(report: dict, command: list[str]) -> dict:
+    """The by-prompt-length table as a figures record (docs/figures/), with each peer's decode rate at the same
+    depth where peers ran."""
+    peer_names = [row["name"].split(" (")[0] for row in report["depths"][0].get("peers", {}).get("rows", [])
+                  if "unavailable" not in row]
+    header = ["prompt tokens", "ttft ms", "prefill tok/s", *(name for _, name in DEPTH_MODES), "tau",
+              "DFlash / one-row greedy", *peer_names]
+    rows = []
+    for depth in report["depths"]:
+        peers = {row["name"].split(" (")[0]: row for row in depth.get("peers", {}).get("rows", [])}
+        rows.append([depth["prompt_tokens"], f"{depth['ttft_ms']:.1f}", f"{depth['prefill_tokens_per_second']:.1f}",
+                     *(f"{_depth_rate(depth, mode):.1f}" for mode, _ in DEPTH_MODES),
+                     f"{depth['aggregate']['tau']:.2f}",
+                     f"{_depth_rate(depth, 'dflash') / _depth_rate(depth, 'one_row'):.2f}x",
+                     *(f"{peers[name]['tokens_per_second']:.1f}" for name in peer_names)])
+    identical = all(depth["aggregate"]["all_identical_to_greedy"] for depth in report["depths"])
+    caption = (f"{len(report['depths'][0]['prompts'])} prompts of held-out code per length x "
+               f"{report['max_new_tokens']} new tokens, block {report['block_size']}, medians of {report['repeats']} "
+               f"runs, on {report['backend']}; DFlash tokens identical to greedy: {'yes' if identical else 'NO'}.")
+    return figures_record(header, rows, caption, command)
 
 
 def markdown_report(report: dict, command: list[str]) -> str:

@@ -373,7 +373,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _bench(args) -> int:
-    from dflash_onnx.bench import BenchOptions, bench_figures, format_report, run_bench
+    from dflash_onnx.bench import BenchOptions, bench_figures, depth_figures, format_report, run_bench
     from dflash_onnx.figures import render
     from dflash_onnx.runtime.manifest import load_manifest
     from dflash_onnx.runtime.policy import parse_verify
@@ -388,6 +388,7 @@ def _bench(args) -> int:
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_prompts=args.num_prompts,
         verify_lengths=_int_list(args.block_sizes, "--block-sizes") if args.block_sizes else None,
         contexts=_int_list(args.contexts, "--contexts") if args.contexts else None, curve_repeats=args.curve_repeats,
+        prompt_tokens=_int_list(args.prompt_tokens, "--prompt-tokens") if args.prompt_tokens else None,
         verify=parse_verify(args.verify), load=args.load, batch_invariant=args.batch_invariant == "on",
         lookup_guess=args.lookup_guess == "on",
         session_overrides=_session_overrides(args), llama_cpp=args.llama_cpp, llama_cpp_type=args.llama_cpp_type)
@@ -399,10 +400,11 @@ def _bench(args) -> int:
                        progress=not args.quiet, costs=costs)
     print(format_report(report))
     record = bench_figures(report, args.command_line)
+    depths = {"depth_figures": depth_figures(report, args.command_line)} if report.get("depths") else {}
     if args.markdown:
-        print(f"\n{render(record)}")
+        print(f"\n{render(record)}" + "".join(f"\n\n{render(table)}" for table in depths.values()))
     if args.json:
-        Path(args.json).write_text(json.dumps({**report, "figures": record}, indent=1))
+        Path(args.json).write_text(json.dumps({**report, "figures": record, **depths}, indent=1))
         print(f"wrote {args.json}")
     if args.plot:
         from dflash_onnx.bench_plot import plot_report
@@ -612,6 +614,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "\"prompt\" or \"ids\"; default: held-out standard-library code (random ids without a "
                        "tokenizer)")
     bench.add_argument("--num-prompts", type=int, default=4, help="default prompts to take (default 4)")
+    bench.add_argument("--prompt-tokens", metavar="N,N,...",
+                       help="measure at these prompt lengths, e.g. 512,2048,8192: --num-prompts prompts of exactly N "
+                       "tokens of held-out code each (random ids without a tokenizer); per length the time to first "
+                       "token, the prefill rate and decoding at that depth, one-row greedy, greedy and DFlash, and the "
+                       "peers on the same prompts")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3, help="runs per prompt and mode (medians)")
     bench.add_argument("--block-sizes", help="verify lengths T of the cost curve (default 1,2,4,..,block)")

@@ -60,22 +60,24 @@ def ensure_demo_export(progress: bool = True) -> Path:
     return out
 
 
-def held_out_prompts(count: int) -> list[str]:
-    """Code prompts from held-out standard-library files: each starts at a `def` line."""
+def held_out_texts() -> list[str]:
+    """Each held-out standard-library file's text from its first `def` line (files this Python lacks skipped)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    names = json.loads((PAIR_DIR / "held_out_files.json").read_text())
-    prompts = []
-    for name in names:
+    texts = []
+    for name in json.loads((PAIR_DIR / "held_out_files.json").read_text()):
         path = stdlib / name
         if not path.is_file():  # another Python version may lack a file
             continue
         text = path.read_text(errors="ignore")
         start = text.find("\n    def ") + 1 or text.find("\ndef ") + 1
-        if start > 0 and len(text) > start + PROMPT_BYTES:
-            prompts.append(text[start : start + PROMPT_BYTES])
-        if len(prompts) == count:
-            break
-    return prompts
+        if start > 0:
+            texts.append(text[start:])
+    return texts
+
+
+def held_out_prompts(count: int) -> list[str]:
+    """Code prompts from held-out standard-library files: each starts at a `def` line."""
+    return [text[:PROMPT_BYTES] for text in held_out_texts() if len(text) > PROMPT_BYTES][:count]
 
 
 def _prompts(decoder: Decoder, codec: TextCodec | None, count: int) -> list[tuple[str | None, list[int]]]:

@@ -23,6 +23,7 @@ from dflash_onnx.bench import (
 from dflash_onnx.cli import main
 from dflash_onnx.runtime.errors import DFlashError
 from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets import open_decoder
 
 SMALL = dict(max_new_tokens=24, repeats=1, num_prompts=2, contexts=[16, 64], curve_repeats=2)
 VARIED_PAIR = "varied_b4"  # peers' equality runs on a pair whose greedy output depends on the whole prompt
@@ -306,3 +307,29 @@ def test_ort_genai_sliding_window_cache_keeps_the_context_for_its_rewinds(tmp_pa
     _keep_rewinds_resident(dense)
     assert json.loads(sliding.read_text())["model"]["decoder"]["sliding_window"]["cache_slack"] == 4096
     assert dense.read_text() == before
+
+
+def test_bench_measures_at_each_prompt_length(exported, ort_lowered, tmp_path, capsys):
+    """--prompt-tokens: prompts of exactly those lengths (held-out code cut to length), per length the time to first
+    token, the prefill rate and each mode's decoding there, DFlash's tokens greedy's; the table as docs print it; a
+    length the lowering cannot hold is refused before any run, in one line."""
+    out = exported("agree_b8").out
+    code = main(["bench", str(out), "--prompt-tokens", "24,96", "--num-prompts", "2", "--max-new-tokens", "8",
+                 "--repeats", "1", "--contexts", "16", "--curve-repeats", "1", "--markdown", "--json",
+                 str(tmp_path / "depth.json"), "--quiet"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "by prompt length" in printed and "| prompt tokens | ttft ms | prefill tok/s |" in printed
+    report = json.loads((tmp_path / "depth.json").read_text())
+    assert [d["prompt_tokens"] for d in report["depths"]] == [24, 96]
+    for depth in report["depths"]:
+        assert [len(p["prompt_ids"]) for p in depth["prompts"]] == [depth["prompt_tokens"]] * 2
+        assert depth["prefill_tokens_per_second"] == pytest.approx(depth["prompt_tokens"] / depth["ttft_ms"] * 1000)
+        assert depth["aggregate"]["all_identical_to_greedy"] and depth["aggregate"]["dflash"]["tokens_per_second"] > 0
+    assert report["depth_figures"]["header"][:4] == ["prompt tokens", "ttft ms", "prefill tok/s", "one-row greedy"]
+    with pytest.raises(DFlashError, match="give one"):
+        run_bench(out, None, tmp_path / "p.txt", BenchOptions(prompt_tokens=[8]), [], (None, None), progress=False)
+    lowered = ort_lowered("agree_b8")
+    holds = open_decoder(lowered).capacity
+    assert main(["bench", str(lowered), "--prompt-tokens", str(holds), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompt-tokens {holds}" in err and "--ctx-len" in err and len(err.strip().splitlines()) == 1
