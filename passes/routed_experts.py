@@ -158,6 +158,23 @@ def _two_qmoe(model: ir.Model, node: ir.Node, bits: int, block_size: int, quanti
     model.graph.remove(node, safe=True)
 
 
+def _fold_shapes(model: ir.Model, value: ir.Value) -> None:
+    """Each `Shape` of the float weight `value` (the inlined body reads gate_up's to split gate from up) as a
+    constant: otherwise that one read keeps the whole float weight in the file beside its quantized copy (measured
+    on the tiny Gemma 4 MoE pair: every layer's float gate_up stayed, int8's weights 1.0 MB instead of 0.5)."""
+    if value.shape is None or not all(isinstance(dim, int) for dim in value.shape):
+        return
+    dims = list(value.shape)
+    for shape in [use for use, _ in value.uses() if use.op_type == "Shape" and use.domain == ""]:
+        start, end = shape.attributes.get_int("start", 0), shape.attributes.get_int("end", len(dims))
+        constant = ir.node("Constant", [], {"value": ir.tensor(np.array(dims[start:end], np.int64))})
+        output, result = shape.outputs[0], constant.outputs[0]
+        result.type, result.shape, result.name, output.name = output.type, output.shape, output.name, None
+        model.graph.insert_before(shape, constant)
+        output.replace_all_uses_with(result, replace_graph_outputs=True)
+        model.graph.remove(shape, safe=True)
+
+
 def _gathered(model: ir.Model, nodes: list[ir.Node], bits: int, block_size: int, quantizer,
               kept: dict[str, str]) -> int:
     """`nodes` inlined, the weights their bodies gather read through GatherBlockQuantized; how many weights (a
@@ -173,6 +190,7 @@ def _gathered(model: ir.Model, nodes: list[ir.Node], bits: int, block_size: int,
                                 "runs, in float): export again to quantize them")
             continue
         packed, scales = _quantized(model, value, bits, block_size, quantizer)
+        _fold_shapes(model, value)
         for gather in gathers:
             replacement = ir.node("GatherBlockQuantized", [packed, gather.inputs[1], scales],
                                   {"gather_axis": 0, "quantize_axis": 2, "block_size": block_size, "bits": bits},

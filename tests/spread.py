@@ -7,8 +7,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dflash_onnx.runtime.decode import Decoder
 
 
 @dataclass
@@ -63,3 +67,40 @@ def varied_prompt_file(path, decoder, count: int = 3, seed: int = 8, new_tokens:
     assert_discriminating(prompts, [greedy(p) for p in prompts], greedy)
     path.write_text("".join(json.dumps({"ids": p}) + "\n" for p in prompts))
     return prompts
+
+
+def discriminating_outputs(prompts: Sequence[list[int]], greedy: Callable[[list[int]], list[int]]) -> list[list[int]]:
+    """`greedy`'s outputs for `prompts`, an equality test's expected outputs, checked first to tell the prompts
+    apart (assert_discriminating)."""
+    outputs = [greedy(prompt) for prompt in prompts]
+    assert_discriminating(prompts, outputs, greedy)
+    return outputs
+
+
+def greedy_tokens(decoder: Decoder, new_tokens: int) -> Callable[[list[int]], list[int]]:
+    """prompt -> `decoder`'s greedy tokens, `new_tokens` of them (no stop token ends them early)."""
+    return lambda prompt: decoder.generate(prompt, new_tokens, "greedy", stop_token_ids=[]).tokens
+
+
+def assert_accepted_in_part(acceptance_lengths: Sequence[int], block_size: int) -> float:
+    """A DFlash equality test's drafts are right at some positions and wrong at others: a draft never accepted
+    (every step commits one token) or always accepted whole would leave the partial commit and its rollback
+    untested. Returns tau, the mean committed per step."""
+    assert any(length > 1 for length in acceptance_lengths), \
+        f"no drafted token was ever accepted ({acceptance_lengths}): the rollback of a partial block is not tested"
+    assert any(length < block_size for length in acceptance_lengths), \
+        f"every block was accepted whole ({acceptance_lengths}): rejection is not tested"
+    return sum(acceptance_lengths) / len(acceptance_lengths)
+
+
+def assert_decodes(decoder: Decoder, prompts: Sequence[list[int]], outputs: Sequence[list[int]],
+                   new_tokens: int) -> float:
+    """`decoder`'s greedy and DFlash tokens (every drafted token verified) are `outputs` for `prompts`, its drafts
+    accepted in part (assert_accepted_in_part); returns tau."""
+    accepted = []
+    for prompt, want in zip(prompts, outputs):
+        assert decoder.generate(prompt, new_tokens, "greedy", stop_token_ids=[]).tokens == want, prompt
+        result = decoder.generate(prompt, new_tokens, "dflash", stop_token_ids=[], verify="full")
+        assert result.tokens == want, prompt
+        accepted += result.acceptance_lengths
+    return assert_accepted_in_part(accepted, decoder.manifest.block_size)

@@ -168,10 +168,10 @@ class _TruthfulDraft:
 
 def test_a_hybrid_targets_requests_decode_as_they_do_alone(ragged):
     """A Gated-DeltaNet hybrid's linear-attention state per request: greedy requests beside DFlash ones verifying
-    whole blocks (so calls of 2 and 4 rows share steps, and the random draft leaves different numbers of pending
-    rows per request, padded with neutral rows); then DFlash requests whose drafts are always right, verifying 1, 2
-    or 3 tokens, so a request padded by the batch commits all of its own rows (the state after the batch's padding
-    is not its own). Every request's tokens equal its greedy decode alone."""
+    whole blocks (so calls of 2 and 4 rows share steps, and the draft, right in part, leaves different numbers of
+    pending rows per request, padded with neutral rows); then DFlash requests whose drafts are always right,
+    verifying 1, 2 or 3 tokens, so a request padded by the batch commits all of its own rows (the state after the
+    batch's padding is not its own). Every request's tokens equal its greedy decode alone."""
     directory = ragged("hybrid_b4")
     alone = open_decoder(directory)
     prompts = _prompts(alone.manifest.vocab_size, 7, seed=1)

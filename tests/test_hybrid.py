@@ -7,11 +7,14 @@ forward and greedy `generate`."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import onnx
 import pytest
 import torch
+from conftest import EXPORTED
+from spread import assert_decodes, discriminating_outputs, varied_prompts
 
 from dflash_onnx.cli import main
 from dflash_onnx.exporter.models.hybrid import HybridTarget
@@ -24,7 +27,8 @@ from dflash_onnx.targets import LowerRequest, open_decoder
 from dflash_onnx.targets.ort.lower import lower_ort
 from dflash_onnx.targets.ort.options import OrtOptions
 
-PROMPTS = ([5, 9, 11, 3, 20], [40, 2, 66, 17, 9, 31, 8, 70, 12, 4, 51])
+# the equality tests' prompts (their outputs differ, and change when the prompt is cut: conftest's hybrid_b4)
+DECODED = varied_prompts(96, 4, seed=5, shortest=4, longest=20)
 NEW_TOKENS = 24
 # drafted tokens the scripted draft gets right, step after step: every acceptance length of a block of 4
 SCRIPT = (0, 3, 1, 2, 3, 0, 2, 1)
@@ -48,8 +52,9 @@ def hybrid_ort(hybrid, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(hf_lm):
-    return {tuple(p): hf_greedy(hf_lm, p, NEW_TOKENS, None) for p in PROMPTS}
+def references(hf_lm) -> list[list[int]]:
+    """HF greedy's tokens for DECODED, checked first to tell the prompts apart."""
+    return discriminating_outputs(DECODED, lambda prompt: hf_greedy(hf_lm, prompt, NEW_TOKENS, None))
 
 
 class ScriptedDraft:
@@ -126,7 +131,7 @@ def test_parity_against_transformers_and_why_the_reference_package_is_not_compar
     assert "recurrent state" in report["reference_skipped"] and not report["reference_available"]
 
 
-def test_the_reference_package_leaves_greedy_on_a_hybrid_target(hybrid, hf_lm):
+def test_the_reference_package_leaves_greedy_on_a_hybrid_target(hybrid, hf_lm, references):
     """Why parity skips it (the reason it prints): the reference rolls back with DynamicCache.crop, which leaves
     rejected tokens in the recurrent state. Should transformers fix that, this fails and parity can compare it."""
     from dflash.model import dflash_generate
@@ -135,8 +140,7 @@ def test_the_reference_package_leaves_greedy_on_a_hybrid_target(hybrid, hf_lm):
 
     reference = load_reference_draft(hybrid.draft_dir)
     diverged = 0
-    for prompt in PROMPTS:
-        ours = hf_greedy(hf_lm, prompt, NEW_TOKENS, None)
+    for prompt, ours in zip(DECODED, references):
         with torch.no_grad():
             out = dflash_generate(reference, hf_lm, torch.tensor(prompt)[None], NEW_TOKENS, None, block_size=4)
         diverged += out[0, len(prompt):].tolist() != ours
@@ -147,10 +151,8 @@ def test_the_reference_package_leaves_greedy_on_a_hybrid_target(hybrid, hf_lm):
 def test_greedy_and_dflash_give_hf_greedy_tokens_at_every_acceptance_length(form, hybrid, hybrid_ort, references):
     decoder = open_decoder(hybrid.out if form == "export" else hybrid_ort)
     manifest = decoder.manifest
-    for prompt in PROMPTS:
-        expected = references[tuple(prompt)]
-        assert decoder.generate(prompt, NEW_TOKENS, mode="greedy", stop_token_ids=[]).tokens == expected
-        assert decoder.generate(prompt, NEW_TOKENS, stop_token_ids=[], verify="full").tokens == expected
+    assert_decodes(decoder, DECODED, references, NEW_TOKENS)  # the draft's own proposals, right in part
+    for prompt, expected in zip(DECODED, references):
         scripted = ScriptedDraft(decoder.draft, [*prompt, *expected], manifest.block_size, manifest.vocab_size)
         result = decoder.sharing(draft=scripted).generate(prompt, NEW_TOKENS, stop_token_ids=[], verify="full")
         assert result.tokens == expected
@@ -228,22 +230,17 @@ def test_a_published_multimodal_checkpoint_exports_its_text_model_streamed(tmp_p
     from transformers import Qwen3_5ForConditionalGeneration
 
     from dflash_onnx.exporter.export import export_pair
-    from dflash_onnx.exporter.tiny import TinySpec
 
-    spec = TinySpec(model_type="qwen3_5_text", full_attention_interval=2, tie_embeddings=False, block_size=4,
-                    target_layer_ids=[1, 2], seed=17, multimodal=True)
-    build_pair(spec, tmp_path)
+    build_pair(replace(EXPORTED["hybrid_b4"], multimodal=True), tmp_path)
     composite = Qwen3_5ForConditionalGeneration.from_pretrained(str(tmp_path / "target")).eval()
     assert any(name.startswith("model.visual.") for name, _ in composite.named_parameters())
     lm = load_target(tmp_path / "target")
-    ids = torch.tensor([PROMPTS[1]])
+    ids = torch.tensor([DECODED[1]])
     with torch.no_grad():
         assert torch.equal(lm(input_ids=ids).logits, composite(input_ids=ids).logits)  # the oracle is the text model
     export_pair(tmp_path / "target", tmp_path / "draft", tmp_path / "out", progress=False)
-    decoder = open_decoder(tmp_path / "out")
-    expected = hf_greedy(lm, PROMPTS[1], 16, None)
-    assert decoder.generate(PROMPTS[1], 16, mode="greedy", stop_token_ids=[]).tokens == expected
-    assert decoder.generate(PROMPTS[1], 16, stop_token_ids=[], verify="full").tokens == expected
+    expected = discriminating_outputs(DECODED, lambda prompt: hf_greedy(lm, prompt, 16, None))
+    assert_decodes(open_decoder(tmp_path / "out"), DECODED, expected, 16)
 
 
 def test_a_float16_export_lowers_with_its_zero_centred_norms_fused(hybrid, tmp_path, references):
@@ -255,10 +252,10 @@ def test_a_float16_export_lowers_with_its_zero_centred_norms_fused(hybrid, tmp_p
     lowered = lower_ort(tmp_path / "fp16", tmp_path / "ort", OrtOptions(ctx_len=256), LowerRequest(progress=False))
     assert lowered.lowering.rewrites["ort-fusions"]["target"]["fused"]["norm_scales_cast"] > 0
     decoder = open_decoder(tmp_path / "ort")
-    prompt = PROMPTS[1]
+    prompt = DECODED[1]
     greedy = decoder.generate(prompt, NEW_TOKENS, mode="greedy", stop_token_ids=[]).tokens
     assert decoder.generate(prompt, NEW_TOKENS, stop_token_ids=[], verify="full").tokens == greedy
-    assert greedy[:4] == references[tuple(prompt)][:4]  # float16 follows float32's greedy at least at first
+    assert greedy[:4] == references[1][:4]  # float16 follows float32's greedy at least at first
 
 
 def test_the_family_benchmark_compares_the_hybrid_with_the_same_shape_all_full_attention():

@@ -11,7 +11,10 @@ output depends on the prompt and whose drafts are accepted in part (conftest.VAR
 - a sliding window one row too wide (the kv-buffer rewrite's local_window_size): caught by the lowering's check,
   which test_ort_lowering's sliding-window test runs;
 - an expert's int4 nibbles swapped, and its scales written transposed ([blocks, rows] read as [rows, blocks]), by
-  the MoE quantization (passes/experts.py QuantizedExperts): caught by test_moe_oracle's numpy dequantization.
+  the MoE quantization (passes/experts.py QuantizedExperts): caught by test_moe_oracle's numpy dequantization;
+- the same faults in Gemma 4's routed experts (passes/routed_experts.py, which writes through QuantizedExperts too):
+  nibbles swapped in the two-QMoE int4 form and in the GatherBlockQuantized int4 form, scales transposed in int8;
+  caught by test_routed_experts_oracle's numpy dequantization.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import pytest
 import test_batching
 import test_moe_oracle
 import test_ort_lowering
+import test_routed_experts_oracle
 from test_batching import ragged  # noqa: F401  the fixture the batching test takes
 
 import dflash_onnx.passes.experts as experts
@@ -101,16 +105,33 @@ def _planted(monkeypatch, fault) -> None:
     monkeypatch.setattr(experts.QuantizedExperts, "_quantize", faulty)
 
 
-@pytest.mark.parametrize("fault", ["nibbles swapped", "scales transposed"])
+def _swapped(packed: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return ((packed & 0x0F) << 4) | (packed >> 4), scales
+
+
+def _transposed(packed: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Scales laid out [experts, blocks, rows], read as [experts, rows, blocks]."""
+    return packed, np.ascontiguousarray(scales.transpose(0, 2, 1)).reshape(scales.shape)
+
+
+FAULTS = {"nibbles swapped": _swapped, "scales transposed": _transposed}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
 def test_an_experts_packing_fault_is_caught(exported, tmp_path, monkeypatch, fault):
-    def swapped(packed, scales):
-        return ((packed & 0x0F) << 4) | (packed >> 4), scales
-
-    def transposed(packed, scales):  # laid out [experts, blocks, rows], read as [experts, rows, blocks]
-        return packed, np.ascontiguousarray(scales.transpose(0, 2, 1)).reshape(scales.shape)
-
-    _planted(monkeypatch, swapped if fault == "nibbles swapped" else transposed)
+    _planted(monkeypatch, FAULTS[fault])
     source = exported(test_moe_oracle.PAIR).out
     out = test_moe_oracle.quantize_experts(source, tmp_path / "int4", 4)
     with pytest.raises(AssertionError):
         test_moe_oracle.check_expert_weights(source, out, 4)
+
+
+@pytest.mark.parametrize(("form", "fault"), [("int4", "nibbles swapped"), ("int4-gathered", "nibbles swapped"),
+                                             ("int8", "scales transposed")])
+def test_a_routed_experts_packing_fault_is_caught(exported, tmp_path, monkeypatch, form, fault):
+    """Gemma 4's experts, written with the fault in each form their quantization takes."""
+    _planted(monkeypatch, FAULTS[fault])
+    source = exported(test_routed_experts_oracle.PAIR).out
+    out = test_routed_experts_oracle.quantize(source, tmp_path / form, form)
+    with pytest.raises(AssertionError, match="experts"):
+        test_routed_experts_oracle.check_routed_experts(source, out, form)
