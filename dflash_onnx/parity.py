@@ -98,6 +98,14 @@ class _Call:
     expected: dict[str, np.ndarray]
 
 
+def _at(manifest: Manifest, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Hidden states and K/V at the graphs' precision (a float16 export takes float16); ids and the draft's sampling
+    inputs as they are."""
+    dtype = np.dtype(manifest.dtype)
+    return {name: value.astype(dtype) if value.dtype.kind == "f" and value.ndim > 2 else value
+            for name, value in feeds.items()}
+
+
 def _walk(prompt_index: int, prompt: np.ndarray, manifest: Manifest, pair: TorchGraphs) -> list[_Call]:
     """The calls parity compares: the target's prefill and a verify after it, the draft's first and a later call;
     each fed what the float pair gave the call before it."""
@@ -105,14 +113,14 @@ def _walk(prompt_index: int, prompt: np.ndarray, manifest: Manifest, pair: Torch
     state_in, state_out = pair.tapped.state_names()  # K/V, and a hybrid target's linear-attention state
     n = len(prompt)
     empty = {name: t.numpy() for name, t in zip(state_in, pair.tapped.empty_cache(dtype=torch.float32))}
-    feeds = {"input_ids": prompt[None], "position_ids": np.arange(n)[None], **empty}
+    feeds = _at(manifest, {"input_ids": prompt[None], "position_ids": np.arange(n)[None], **empty})
     prefill = pair.target.run(feeds)
     calls.append(_Call("target", feeds, [("target logits (prefill)", ["logits"]),
                                          ("target hidden (prefill)", ["target_hidden"])], prefill))
     block = np.full((1, manifest.block_size), manifest.mask_token_id)
     block[0, 0] = int(prefill[NEXT_TOKEN][0, -1])
-    feeds = {"input_ids": block, "position_ids": np.arange(n, n + manifest.block_size)[None],
-             **pair.next_state(prefill, n, n)}
+    feeds = _at(manifest, {"input_ids": block, "position_ids": np.arange(n, n + manifest.block_size)[None],
+                           **pair.next_state(prefill, n, n)})
     verify = pair.target.run(feeds)
     state = "present K/V and state (verify)" if manifest.target.recurrent else "present K/V (verify)"
     calls.append(_Call("target", feeds, [("target logits (verify)", ["logits"]),
@@ -126,9 +134,9 @@ def _walk(prompt_index: int, prompt: np.ndarray, manifest: Manifest, pair: Torch
     uniform = np.random.default_rng(prompt_index).random(draws).astype(np.float32)
     for call in ("first", "later"):
         temperature = 0.7 if call == "later" and pair.draft_module.extra_inputs() else 0.0
-        feeds = {"input_ids": block, "target_hidden": context,
-                 "position_ids": np.arange(start, start + context.shape[1] + manifest.block_size)[None], **past,
-                 **sampling_feeds(manifest.draft, uniform, temperature)}
+        positions = np.arange(start, start + context.shape[1] + manifest.block_size)[None]
+        feeds = _at(manifest, {"input_ids": block, "target_hidden": context, "position_ids": positions, **past,
+                               **sampling_feeds(manifest.draft, uniform, temperature)})
         out = pair.draft.run(feeds)
         drawn = " (its chain drawn)" if temperature else ""
         checks = [(f"draft logits ({call} call){drawn}", ["logits"]),

@@ -69,9 +69,8 @@ def _run_graph(path: Path, spec: GraphSpec, context: dict, chosen: list[GraphPas
         options = {**pass_options.get("*", {}), **pass_options.get(graph_pass.name, {})}
         before_nodes, before_bytes = len(model.graph), _size(model)
         started = time.perf_counter()
-        with stages.stage(f"{graph_pass.name} on the {context['graph']}"):
-            model, details = graph_pass.run(model, PassContext(pass_name=graph_pass.name, options=options,
-                                                               **context))
+        model, details = graph_pass.run(model, PassContext(pass_name=graph_pass.name, options=options, **context))
+        stages.done(f"{graph_pass.name} on the {context['graph']}", time.perf_counter() - started)
         if graph_pass.loads_weights:
             gc.collect()  # its protobuf and IR copies of the weights are reference cycles: free them now
         row = {"pass": graph_pass.name, "graph": context["graph"], "nodes_before": before_nodes,

@@ -177,7 +177,7 @@ def test_optimize_command(exported, tmp_path, capsys):
     assert main(["optimize", str(exported("agree_b2").out), "--passes", "cleanup,int8", "--out", str(out),
                  "--pass-option", "block_size=16", "--quiet"]) == 0
     printed = capsys.readouterr().out
-    assert "cleanup target" in printed and "int8 draft" in printed and (out / "passes_report.json").is_file()
+    assert "passes: cleanup, int8" in printed and "MiB on disk" in printed and (out / "passes_report.json").is_file()
     assert main(["generate", str(out), "--prompt-ids", "3,4", "--max-new-tokens", "5", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["tokens"]) == 5
 

@@ -25,6 +25,13 @@ class Stages:
                   flush=True)
         self._tenths = max(self._tenths, tenths)
 
+    def done(self, name: str, seconds: float) -> None:
+        """A stage reported once it has ended (`[i/n] name 0.3s`): a stage that fails leaves no half line before
+        the one-line error."""
+        self.index += 1
+        if self.enabled:
+            print(f"[{self.index}/{self.total}] {name} {seconds:.1f}s", file=self.stream, flush=True)
+
     @contextmanager
     def stage(self, name: str):
         self.index += 1
