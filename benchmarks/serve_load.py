@@ -14,7 +14,11 @@ directory in this process, decoded by the same tokenizer.
 
     python benchmarks/serve_load.py DIR [--clients 1,2,4,8] [--requests 16] [--max-tokens 64]
         [--memory-requests 1000] [--load 0|1] [--max-batch N [--own-drafts]] [--greedy] [--rounds 1]
-        [--peers llama.cpp [--llama-cpp DIR] [--llama-cpp-type TYPE]]
+        [--prompt-tokens 64,2048 [--prefill-chunk N]] [--peers llama.cpp [--llama-cpp DIR] [--llama-cpp-type TYPE]]
+
+`--prompt-tokens`: before the throughput rounds, per client count, a round of the shortest prompts alone and one
+of the lengths mixed (prompts of exactly those token counts cut from held-out code): time to first token per length
+and the gaps between the short requests' streamed events, p50 / p99, the p99 over the short-only round's.
 """
 
 from __future__ import annotations
@@ -78,11 +82,11 @@ class Server:
             self.process.wait(timeout=30)
 
 
-def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion on the client's connection: its text, tokens, time to first token and latency
-    (s), or its error."""
+def _stream(client: httpx.Client, url: str, prompt: str | list[int], max_tokens: int) -> dict:
+    """One streamed completion on the client's connection (a text prompt, or token ids): its text, tokens, time to
+    first token, latency and the gaps between its streamed events (s), or its error."""
     started = time.perf_counter()
-    first, texts, tokens = None, [], 0
+    first, texts, tokens, arrivals = None, [], 0, []
     try:
         with client.stream("POST", f"{url}/v1/completions", timeout=600,
                            json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -99,14 +103,15 @@ def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dic
                 if not payload["choices"]:
                     continue
                 choice = payload["choices"][0]
-                if choice["text"] and first is None:
-                    first = time.perf_counter() - started
+                if choice["text"]:
+                    arrivals.append(time.perf_counter() - started)
+                    first = arrivals[0]
                 texts.append(choice["text"])
     except httpx.HTTPError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     latency = time.perf_counter() - started
     return {"text": "".join(texts), "tokens": tokens, "ttft": first if first is not None else latency,
-            "latency": latency}
+            "latency": latency, "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])]}
 
 
 def _round(url: str, clients: int, prompts: list[str], requests: int, max_tokens: int) -> tuple[list[dict], float]:
@@ -120,7 +125,7 @@ def _round(url: str, clients: int, prompts: list[str], requests: int, max_tokens
     return _rounds_of(once, clients, len(prompts), requests)
 
 
-def _solo(directory: Path, prompts: list[str], max_tokens: int) -> list[str]:
+def _solo(directory: Path, prompts: list[str | list[int]], max_tokens: int) -> list[str]:
     from dflash_onnx.runtime.tokenizer import TextCodec
     from dflash_onnx.targets import open_decoder
 
@@ -128,7 +133,8 @@ def _solo(directory: Path, prompts: list[str], max_tokens: int) -> list[str]:
     stops = set(decoder.stop_token_ids)
     texts = []
     for prompt in prompts:
-        tokens = decoder.generate(codec.encode(prompt), max_tokens, "greedy").tokens
+        tokens = decoder.generate(codec.encode(prompt) if isinstance(prompt, str) else prompt, max_tokens,
+                                  "greedy").tokens
         texts.append(codec.decode(tokens[:-1] if tokens[-1] in stops else tokens))
     return texts
 
@@ -250,6 +256,61 @@ def _memory(server: Server, prompts: list[str], requests: int, max_tokens: int) 
     return before, samples, _rss_mb(server.process.pid)
 
 
+def _length_prompts(directory: Path, lengths: list[int], count: int) -> list[list[int]]:
+    """`count` prompts of exactly the given token counts in turn (64, 2048, 64, ...), cut from held-out code."""
+    from dflash_onnx.demo import held_out_texts
+    from dflash_onnx.runtime.tokenizer import TextCodec
+
+    codec = TextCodec(directory)
+    pool = [codec.encode(text) for text in held_out_texts()]
+    prompts = []
+    for index in range(count):
+        length = lengths[index % len(lengths)]
+        source = [ids for ids in pool[index:] + pool[:index] if len(ids) >= length] or [sum(pool, [])]
+        if len(source[0]) < length:
+            raise SystemExit(f"--prompt-tokens {length}: the held-out code holds only {len(source[0])} tokens")
+        prompts.append(source[0][:length])
+    return prompts
+
+
+def _latency_row(name: str, clients: int, mix: str, results: list[dict], prompts: list[list[int]],
+                 short_only_p99: float | None) -> list:
+    """Time to first token per prompt length and the gaps between streamed events of the shortest prompts' requests
+    (p50 / p99, ms), with the short requests' p99 gap over what it is with short prompts only."""
+    done = [r for r in results if "error" not in r]
+    shortest = min(len(p) for p in prompts)
+    by_length: dict[int, list[dict]] = {}
+    for r in done:
+        by_length.setdefault(len(prompts[r["prompt"]]), []).append(r)
+    ttft = "; ".join(f"{length}: {1000 * _percentile([r['ttft'] for r in rs], 0.5):.0f} / "
+                     f"{1000 * _percentile([r['ttft'] for r in rs], 0.99):.0f}"
+                     for length, rs in sorted(by_length.items()))
+    gaps = [gap for r in by_length.get(shortest, []) for gap in r["gaps"]]
+    p99 = _percentile(gaps, 0.99) if gaps else float("nan")
+    ratio = f"{p99 / short_only_p99:.2f}x" if short_only_p99 and gaps else "-"
+    return [name, clients, mix, ttft, f"{1000 * _percentile(gaps, 0.5):.1f} / {1000 * p99:.1f}" if gaps else "-",
+            ratio, len(results) - len(done)]
+
+
+def _latency_rounds(names: list[str], started: list, directory: Path, lengths: list[int], counts: list[int],
+                    requests: int, max_tokens: int) -> list[list]:
+    """Per server and client count: a round of the shortest prompts only, then one of the lengths mixed; the
+    latency rows of both."""
+    mixed = _length_prompts(directory, lengths, 8)
+    short = _length_prompts(directory, [min(lengths)], 8)
+    rows = []
+    for clients in counts:
+        for name, server in zip(names, started):
+            print(f"{name}: {clients} clients, prompts of {min(lengths)} tokens, then mixed ...", file=sys.stderr)
+            alone, _ = _round(server.url, clients, short, requests, max_tokens)
+            gaps = [gap for r in alone if "error" not in r for gap in r["gaps"]]
+            baseline = _percentile(gaps, 0.99) if gaps else None
+            rows.append(_latency_row(name, clients, f"{min(lengths)} only", alone, short, baseline))
+            together, _ = _round(server.url, clients, mixed, requests, max_tokens)
+            rows.append(_latency_row(name, clients, " / ".join(map(str, lengths)), together, mixed, baseline))
+    return rows
+
+
 def _percentile(values: list[float], share: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))]
@@ -273,6 +334,10 @@ def main(argv: list[str] | None = None) -> None:
                         "greedily (--verify 0)")
     parser.add_argument("--own-drafts", action="store_true", help="with --max-batch: also the rounds against the "
                         "server drafting one request at a time (--shared-draft off)")
+    parser.add_argument("--prompt-tokens", help="prompt lengths mixed in turn, e.g. 64,2048: per client count a round "
+                        "of the shortest only, then one mixed, reporting time to first token per length and the "
+                        "gaps between the short requests' streamed tokens (p50 / p99) against the short-only round")
+    parser.add_argument("--prefill-chunk", type=int, help="the server's --prefill-chunk")
     parser.add_argument("--peers", default="", help="llama.cpp: also the rounds against llama-server")
     parser.add_argument("--llama-cpp", type=Path, help="a built llama.cpp tree (default: the cached build)")
     parser.add_argument("--llama-cpp-type", help="llama-quantize's type for llama-server instead of the one matching "
@@ -297,12 +362,15 @@ def main(argv: list[str] | None = None) -> None:
     solo = _solo(args.directory, prompts, args.max_tokens)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     batching = ["--max-batch", str(args.max_batch)] if args.max_batch > 1 else []
+    if args.prefill_chunk:
+        batching += ["--prefill-chunk", str(args.prefill_chunk)]
+    lengths = sorted({int(n) for n in args.prompt_tokens.split(",")}) if args.prompt_tokens else []
     servers = [("DFlash, verify auto", ["--verify", "auto"])]
     if args.own_drafts:
         servers.append(("DFlash, verify auto, --shared-draft off", ["--verify", "auto", "--shared-draft", "off"]))
     if args.greedy:
         servers.append(("greedy (--verify 0)", ["--verify", "0"]))
-    rows, memory, started = [], None, []
+    rows, memory, started, latency = [], None, [], []
     try:
         for _, flags in servers:  # all up at once: the rounds alternate between them, so that the machine's
             # drifts fall on every server alike
@@ -311,6 +379,9 @@ def main(argv: list[str] | None = None) -> None:
             _round(server.url, 1, prompts, 2, args.max_tokens)  # warm-up: first calls, page faults
         names = [f"dflash-onnx serve, {kind}" + (f", --max-batch {args.max_batch}" if batching else "")
                  for kind, _ in servers]
+        if lengths:
+            latency = _latency_rounds(names, started, args.directory, lengths, counts, args.requests,
+                                      args.max_tokens)
         figures: dict[tuple[str, int], list[list]] = {}
         for clients in counts:
             for turn in range(args.rounds):
@@ -337,6 +408,10 @@ def main(argv: list[str] | None = None) -> None:
             process.kill()
     print(markdown_table(["server", "clients", "total tok/s", "per-request tok/s (median)", "TTFT ms (median)",
                           "latency p50 s", "latency p99 s", "errors", "identical to solo greedy"], rows))
+    if lengths:
+        print("\n" + markdown_table(["server", "clients", "prompt tokens", "TTFT ms p50 / p99, by length",
+                                     "short requests' token gaps ms p50 / p99", "p99 vs short prompts only",
+                                     "errors"], latency))
     print("\n(llama-server: its time to first token is its prefill time; outputs compared by token id, a run that "
           "stops at a stop token ours also produced there counted as ours)" if "llama.cpp" in args.peers else "")
     if memory:

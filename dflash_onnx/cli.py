@@ -295,7 +295,7 @@ def _steps(args) -> int:
 
 def _calibrate(args) -> int:
     from dflash_onnx.artifacts.publish import lock_out
-    from dflash_onnx.runtime.costs import measure_costs, read_costs
+    from dflash_onnx.runtime.costs import deepest, depth_contexts, measure_costs, read_costs
     from dflash_onnx.runtime.manifest import load_manifest
     from dflash_onnx.targets import backend_for, open_session, record_row_multiple
 
@@ -313,14 +313,35 @@ def _calibrate(args) -> int:
                 record_row_multiple(manifest, open_session(args.source, manifest, "target", backend))
                 print(f"row multiple {manifest.lowering.row_multiple} recorded (batch-invariant: "
                       f"{'yes' if manifest.lowering.report['batch_invariance']['invariant'] else 'no'})")
+            depths = depth_contexts(manifest, args.context) if args.depths == "auto" else _depths(args.depths)
+            if depths and (depths[0] <= args.context or depths[-1] > deepest(manifest)):
+                raise DFlashError(f"--depths {args.depths}: each must lie past --context {args.context} and within "
+                                  f"{deepest(manifest)} tokens (what {args.source} holds beside a block and a draft "
+                                  "block)")
             costs = measure_costs(manifest, lambda graph: open_session(args.source, manifest, graph, backend),
-                                  context=args.context, repeats=args.repeats, source="calibrate")
+                                  context=args.context, repeats=args.repeats, source="calibrate", depths=depths)
         manifest.costs = costs
         manifest.save(args.source)
     print(f"recorded in {args.source}/dflash.json: t(T) ms for T = 1..{len(costs.verify_ms)} "
           + " ".join(f"{t:.3g}" for t in costs.verify_ms) + f"; draft {costs.draft_ms:.3g} ms "
           f"(context {costs.context}, {costs.source})")
+    for curve in costs.deeper:
+        print(f"  at context {curve['context']}: " + " ".join(f"{t:.3g}" for t in curve["verify_ms"])
+              + f"; draft {curve['draft_ms']:.3g} ms")
     return 0
+
+
+def _depths(text: str) -> list[int]:
+    """`calibrate --depths`: none, or contexts deeper than --context, rising, comma-separated."""
+    if text == "none":
+        return []
+    try:
+        depths = [int(part) for part in text.split(",")]
+    except ValueError:
+        depths = []
+    if not depths or any(b <= a for a, b in zip(depths, depths[1:])):
+        raise DFlashError(f"--depths {text}: give auto, none, or rising contexts such as 1024,4096")
+    return depths
 
 
 def _checkpoints(args) -> tuple:
@@ -440,6 +461,7 @@ def _serve(args) -> int:
     SamplingParams(args.temperature)  # the flags are checked before the sessions open
     settings = EngineSettings(args.source, backend=args.backend, max_batch=args.max_batch,
                               shared_draft=args.shared_draft == "on", max_queue=args.max_queue, verify=args.verify,
+                              max_prompt_tokens=args.max_prompt_tokens, prefill_chunk=args.prefill_chunk,
                               batch_invariant=args.batch_invariant == "on", lookup_guess=args.lookup_guess == "on",
                               cost_model=args.cost_model,
                               session_options=_session_overrides(args))
@@ -525,10 +547,10 @@ def _add_lower(commands) -> None:
     lower.add_argument("--out", type=Path, required=True, help="lowered directory (created atomically)")
     lower.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     reexporting = [b.name for b in BACKENDS.values() if b.reexports]
-    lower.add_argument("--target-dir", type=Path, help=f"{', '.join(reexporting)}: target checkpoint, if it moved "
-                       "since export")
-    lower.add_argument("--draft-dir", type=Path, help=f"{', '.join(reexporting)}: draft checkpoint, if it moved "
-                       "since export")
+    lower.add_argument("--target-dir", metavar="DIR_OR_HUB_NAME", help=f"{', '.join(reexporting)}: target "
+                       "checkpoint (a directory or a hub name), if it moved since export")
+    lower.add_argument("--draft-dir", metavar="DIR_OR_HUB_NAME", help=f"{', '.join(reexporting)}: draft "
+                       "checkpoint (a directory or a hub name), if it moved since export")
     lower.add_argument("--quiet", action="store_true", help="no progress on stderr")
     owners: dict[str, list] = {}
     for backend in BACKENDS.values():
@@ -664,6 +686,10 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--from", dest="from_file", type=Path, metavar="FILE",
                            help="JSON with verify_ms (t(1)..t(B)) and draft_ms, instead of measuring here")
     calibrate.add_argument("--context", type=int, default=256, help="K/V length the steps run at")
+    calibrate.add_argument("--depths", default="auto",
+                           help="deeper contexts measured too, where the policy prices a long request's steps: "
+                                "auto (1024, 4096, 16384, each within what the directory holds), none, or a "
+                                "rising comma list")
     calibrate.add_argument("--repeats", type=int, default=10)
     calibrate.add_argument("--backend", choices=backends, help=BACKEND_HELP)
     calibrate.set_defaults(func=_calibrate)
@@ -735,6 +761,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --max-batch: greedy requests' draft calls joined into one per step too (a ragged "
                        "CPU lowering made since batched drafts; others draft one request at a time)")
     serve.add_argument("--max-tokens", type=int, default=512, help="a chat request's max_tokens when it sends none")
+    serve.add_argument("--max-prompt-tokens", type=int, metavar="N",
+                       help="longer prompts get 400 context_length_exceeded (default: as long as the lowering holds)")
+    serve.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                       help="the most prompt tokens one prefill call takes: with --max-batch the other requests "
+                       "decode between a long prompt's chunks, and a cancelled request stops at the next chunk "
+                       "(smaller: steadier tokens for the others; larger: a faster prefill)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 "
                        "(default 1 MiB); arrays and objects nested over 64 deep get 400")
     serve.add_argument("--log-format", choices=("text", "json", "off"), default="text",

@@ -114,6 +114,7 @@ MODES = {"plain_greedy": ("greedy", "full", False), "greedy": ("greedy", "full",
 COLUMNS = {"plain_greedy": "plain greedy", "greedy": "greedy + lookup guess", "full": "DFlash, full blocks",
            "auto": "DFlash, auto verify"}
 ROUNDS = 3
+WARM_UP_PROMPTS = 2  # untimed requests before the rounds, on prompts of their own
 
 
 def _round(decoders: dict[str, Decoder], prompts: list, max_new_tokens: int, order: list[str],
@@ -155,14 +156,14 @@ def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int 
     against plain greedy; the first round's auto run streamed."""
     out = ensure_demo_lowering(ensure_demo_export(progress=not as_json), progress=not as_json)
     decoder = open_decoder(out)
-    decoders = {mode: decoder.sharing(guess_padding=decoder.guess_padding and guess)
-                for mode, (_, _, guess) in MODES.items()}
     codec = TextCodec(out) if has_tokenizer(out) else None
-    *prompts, (_, warm_up) = _prompts(decoder, codec, num_prompts + 1)
-    # one untimed request on a prompt of its own first: sessions' first-call setup is not decoding speed, and the
-    # verify policy learns this machine's step costs over its first drafted steps, as a server's does over its
-    # first requests (dflash_onnx/runtime/policy.py)
-    decoder.generate(warm_up, max_new_tokens, "dflash", stop_token_ids=[])
+    every = _prompts(decoder, codec, num_prompts + WARM_UP_PROMPTS)
+    prompts, warm_ups = every[:num_prompts], every[num_prompts:]
+    # untimed requests on prompts of their own first: sessions' first-call setup is not decoding speed, and the
+    # verify policy learns the pair's acceptance and this machine's step costs over its first drafted steps, as a
+    # server's does over its first requests (dflash_onnx/runtime/policy.py)
+    for _, ids in warm_ups:
+        decoder.generate(ids, max_new_tokens, "dflash", stop_token_ids=[])
 
     def streamed(index: int):
         text, ids = prompts[index]
@@ -174,6 +175,10 @@ def run_demo(as_json: bool = False, max_new_tokens: int = 128, num_prompts: int 
     for number in range(rounds):  # each round starts with another mode, so drift on a busy machine spreads evenly
         shown = streamed if number == 0 and not as_json else None
         turn = number % len(order)
+        # every round starts from what the warm-up learnt: a round's auto figure is not the sum of the rounds before
+        start = decoder.branched()
+        decoders = {mode: start.sharing(guess_padding=decoder.guess_padding and guess)
+                    for mode, (_, _, guess) in MODES.items()}
         per_round.append(_round(decoders, prompts, max_new_tokens, order[turn:] + order[:turn], shown))
     summary = _summary(decoder, out, prompts, per_round)
     print(json.dumps(summary) if as_json else _table(summary))

@@ -23,19 +23,13 @@ import numpy as np
 import onnx_ir as ir
 
 from dflash_onnx.passes import experts, routed_experts
-from dflash_onnx.passes.base import PassContext
+from dflash_onnx.passes.base import PassContext, on_off
 from dflash_onnx.runtime.errors import DFlashError
 
 COLUMNS = 8192  # output columns quantized at a time
 # ONNX Runtime's CPU kernel holds int4 weights packed with a float32 scale and a float32 block sum per block: 64
 # halves 32's overhead, decodes no slower and is MLX's default group (docs/large-models.md#memory-per-int4-block-size)
 BLOCK_SIZE = 64
-
-
-def _flag(value, default: bool) -> bool:
-    if value is None:
-        return default
-    return str(value).lower() in ("1", "true", "yes", "on")
 
 
 class _QuantizedWeight:
@@ -113,8 +107,8 @@ def _quantize(bits: int, model: ir.Model, context: PassContext) -> tuple[ir.Mode
     if block_size < 16 or block_size & (block_size - 1):
         raise DFlashError(f"int{bits}: block_size={block_size} must be a power of two >= 16")
     vocab = context.manifest.vocab_size
-    keep_lm_head = not _flag(options.get("lm_head"), False)
-    symmetric = _flag(options.get("symmetric"), True)
+    keep_lm_head = not on_off(options.get("lm_head"), False)
+    symmetric = on_off(options.get("symmetric"), True)
     accuracy_level = int(options.get("accuracy_level", 4)) or None
     quantizer = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
         block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits))

@@ -38,8 +38,8 @@ class LowerRequest:
 
     overwrite: bool = False
     progress: bool = True
-    target_dir: Path | None = None
-    draft_dir: Path | None = None
+    target_dir: str | Path | None = None  # a directory or a hub name
+    draft_dir: str | Path | None = None
 
 
 def validate_before_import(source: Path, options: Any) -> None:

@@ -9,8 +9,9 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+from dflash_onnx.artifacts.hub import checkpoints as hub_checkpoints
 from dflash_onnx.artifacts.publish import check_out_dir, directory_bytes, staged_directory
-from dflash_onnx.runtime.costs import TARGET_OUTPUTS, measurable, measure_costs
+from dflash_onnx.runtime.costs import TARGET_OUTPUTS, depth_contexts, measurable, measure_costs
 from dflash_onnx.runtime.errors import DFlashError
 from dflash_onnx.runtime.feeds import target_feeds
 from dflash_onnx.runtime.manifest import CostModel, Manifest, load_export
@@ -19,6 +20,7 @@ from dflash_onnx.targets.backend import LowerRequest
 from dflash_onnx.targets.row_invariance import fewest_calls, record_row_multiple
 
 COST_REPEATS = 5  # timed calls per step size in the lowering's cost curve
+COST_CONTEXT = 256  # the context of the curve's first row; deeper ones follow (runtime/costs.py DEPTHS)
 # the lowering's measurements are skipped when even their fewest calls would take longer than this: a Qwen3-4B-
 # shaped float16 int4 MLX target on mlx[cpu] takes minutes per decode call (its quantized matmuls run row by row)
 MEASUREMENT_BUDGET_S = 600.0
@@ -31,8 +33,8 @@ def start_lowering(source: Path, out: Path, options: Any, request: LowerRequest,
     and the (target, draft) checkpoint directories when asked for."""
     manifest = load_export(source, "lower")
     options.validate(manifest.block_size)
-    checkpoints = manifest.checkpoints(request.target_dir, request.draft_dir, flag="--{kind}-dir") if reexport \
-        else None
+    checkpoints = hub_checkpoints(manifest, request.target_dir, request.draft_dir, progress=request.progress,
+                                  flag="--{kind}-dir") if reexport else None
     check_out_dir(Path(out), (Path(source), *(checkpoints or ())), request.overwrite)
     return manifest, checkpoints
 
@@ -88,7 +90,8 @@ def record_measurements(directory: Path, manifest: Manifest, open_session, progr
     timed here if not given; a call of more rows costs no less) would outlast MEASUREMENT_BUDGET_S."""
     target = open_session(directory, manifest, "target")
     seconds = decode_seconds(manifest, target) if seconds is None else seconds
-    calls = fewest_calls(manifest) + (COST_REPEATS + 1) * manifest.block_size
+    contexts = 1 + len(depth_contexts(manifest, COST_CONTEXT))
+    calls = fewest_calls(manifest) + (COST_REPEATS + 1) * manifest.block_size * contexts
     if not within_budget(seconds, calls, "measuring batch invariance and the cost curve is",
                          "until they are measured, greedy and DFlash may pick different tokens where logits nearly "
                          "tie and --verify auto verifies full blocks: measure both on the machine that decodes "
@@ -101,11 +104,13 @@ def record_measurements(directory: Path, manifest: Manifest, open_session, progr
     if before_costs is not None:
         before_costs()
     if progress:
-        print("measuring the cost curve (target steps of 1..block tokens, a draft step)", file=sys.stderr)
+        depths = ", ".join(str(c) for c in [COST_CONTEXT, *depth_contexts(manifest, COST_CONTEXT)])
+        print(f"measuring the cost curve (target steps of 1..block tokens, a draft step; at {depths} tokens of "
+              "context)", file=sys.stderr)
     manifest.costs = lowered_costs(directory, manifest, open_session)
 
 
-def lowered_costs(directory: Path, manifest: Manifest, open_session, context: int = 256,
+def lowered_costs(directory: Path, manifest: Manifest, open_session, context: int = COST_CONTEXT,
                   repeats: int = COST_REPEATS) -> CostModel | None:
     """The cost curve of the lowered graphs in `directory`, measured on the backend they were lowered for (None
     for graphs that run at compiled sizes only: `calibrate --from FILE` replays a curve measured on the device)."""
@@ -114,7 +119,7 @@ def lowered_costs(directory: Path, manifest: Manifest, open_session, context: in
     if manifest.ctx_len:  # the buffers must hold the context, the block and the draft's block after it
         context = max(0, min(context, manifest.ctx_len - 2 * manifest.block_size))
     return measure_costs(manifest, lambda graph: open_session(Path(directory), manifest, graph), context=context,
-                         repeats=repeats, source="lower")
+                         repeats=repeats, source="lower", depths=depth_contexts(manifest, context))
 
 
 def lowered_output(source: Path, out: Path, request: LowerRequest, checkpoints: tuple[Path, Path] | None = None,

@@ -19,6 +19,11 @@ def test_the_ort_lowering_records_a_non_decreasing_curve(ort_lowered):
     costs = manifest.costs
     assert costs.source == "lower" and len(costs.verify_ms) == manifest.block_size and costs.draft_ms > 0
     assert costs.verify_ms == sorted(costs.verify_ms) and costs.context == 256
+    # and again deeper, where long requests are priced: 1K, 4K and 16K, each cut to what the 512-row buffers hold
+    # besides two blocks of 8 (so once, at 496)
+    assert [curve["context"] for curve in costs.deeper] == [496] and manifest.ctx_len == 512
+    for curve in costs.deeper:
+        assert curve["verify_ms"] == sorted(curve["verify_ms"]) and curve["draft_ms"] > 0
 
 
 def test_the_curve_holds_one_graph_at_a_time(ort_lowered):
@@ -54,9 +59,14 @@ def export_copy(exported, tmp_path):
 
 def test_calibrate_measures_or_replays_into_the_manifest(export_copy, tmp_path, capsys):
     assert load_manifest(export_copy).costs is None  # an export has none: auto verifies full blocks there
-    assert main(["calibrate", str(export_copy), "--context", "32", "--repeats", "2"]) == 0
+    assert main(["calibrate", str(export_copy), "--context", "32", "--repeats", "2", "--depths", "64,128"]) == 0
     measured = load_manifest(export_copy).costs
     assert measured.source == "calibrate" and measured.context == 32 and len(measured.verify_ms) == 8
+    assert [curve["context"] for curve in measured.deeper] == [64, 128]
+    assert "at context 128: " in capsys.readouterr().out
+    for depths in ("16", "128,64", "deep", "9000"):  # not past --context, not rising, not numbers, beyond 4096
+        assert main(["calibrate", str(export_copy), "--context", "32", "--depths", depths]) == 2
+        assert f"--depths {depths}:" in capsys.readouterr().err
     curve = tmp_path / "m2.json"
     curve.write_text(json.dumps({"verify_ms": [1 + 0.43 * t for t in range(8)], "draft_ms": 1.0}))
     assert main(["calibrate", str(export_copy), "--from", str(curve)]) == 0
@@ -83,6 +93,8 @@ def test_a_replayed_curve_steers_generate(export_copy, tmp_path, capsys):
     ("{not json", "give a JSON object with verify_ms"),
     ('{"verify_ms": [1, 2], "draft_ms": 1}', "verify_ms has 2 entries, the block needs 8"),
     ('{"verify_ms": [0, 1, 1, 1, 1, 1, 1, 1], "draft_ms": 1}', "positive verify_ms"),
+    ('{"verify_ms": [1, 1, 1, 1, 1, 1, 1, 1], "draft_ms": 1, "context": 256, "deeper": [{"context": 64, '
+     '"verify_ms": [2, 2, 2, 2, 2, 2, 2, 2], "draft_ms": 1}]}', "contexts rising past its own"),
 ])
 def test_bad_cost_files_get_one_line(content, message, tmp_path, export_copy, capsys):
     path = tmp_path / "curve.json"
@@ -112,7 +124,8 @@ def test_a_lowering_too_slow_to_measure_leaves_it_to_calibrate(exported, tmp_pat
     out = tmp_path / "ort"
     lower_ort(exported("agree_b8").out, out, OrtOptions(ctx_len=512), LowerRequest(progress=False))
     manifest = load_manifest(out)
-    calls = fewest_calls(manifest) + (lowering.COST_REPEATS + 1) * manifest.block_size
+    contexts = [256, 496]  # the curve's own and what the 512-row buffers hold besides two blocks of 8
+    calls = fewest_calls(manifest) + (lowering.COST_REPEATS + 1) * manifest.block_size * len(contexts)
     warning = capsys.readouterr().err
     assert "measuring batch invariance and the cost curve is skipped: one decode call took" in warning
     assert f"its {calls} calls" in warning
@@ -123,6 +136,7 @@ def test_a_lowering_too_slow_to_measure_leaves_it_to_calibrate(exported, tmp_pat
     assert main(["calibrate", str(out), "--repeats", "2"]) == 0
     manifest = load_manifest(out)
     assert manifest.costs.source == "calibrate" and "row multiple" in capsys.readouterr().out
+    assert [curve["context"] for curve in manifest.costs.deeper] == contexts[1:]
     assert manifest.lowering.report["batch_invariance"]["row_multiple"] == manifest.lowering.row_multiple
 
 

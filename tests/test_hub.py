@@ -22,6 +22,9 @@ from dflash_onnx.cli import main
 from dflash_onnx.exporter.tiny import TinySpec, build_pair
 from dflash_onnx.runtime.errors import DFlashError
 from dflash_onnx.runtime.manifest import load_manifest
+from dflash_onnx.targets.backend import LowerRequest
+from dflash_onnx.targets.lowering import start_lowering
+from dflash_onnx.targets.ort.options import OrtOptions
 
 COMMIT_T, COMMIT_T2, COMMIT_D = "1" * 40, "2" * 40, "d" * 40
 PAIR = TinySpec(agree=True, tie_embeddings=False, block_size=4, target_layer_ids=[1, 2], seed=31)
@@ -168,6 +171,18 @@ def test_a_draft_alone_exports_with_its_published_target(published, tmp_path, ca
     moved = dataclasses.replace(manifest, source_dirs={"target": "/gone/target", "draft": "/gone/draft"})
     assert checkpoints(moved) == (snapshots["target"], snapshots["draft"])
     assert checkpoints(manifest, target="Qwen/Qwen3-4B")[0] == snapshots["target"]  # at the recorded commit
+    # so do the lowerings that convert the checkpoints again (ai100, coreml), given --target-dir / --draft-dir names
+    moved_dir = tmp_path / "moved"
+    shutil.copytree(out, moved_dir)
+    moved.save(moved_dir)
+    request = LowerRequest(target_dir="Qwen/Qwen3-4B", draft_dir="z-lab/Qwen3-4B-DFlash-b16")
+    found = start_lowering(moved_dir, tmp_path / "lowered", OrtOptions(), request, reexport=True)[1]
+    assert found == (snapshots["target"], snapshots["draft"])
+    assert start_lowering(moved_dir, tmp_path / "lowered", OrtOptions(), LowerRequest(), reexport=True)[1] == found
+    dataclasses.replace(moved, hub={}).save(moved_dir)  # no hub names recorded: the flag that gives one is named
+    with pytest.raises(DFlashError, match="the draft checkpoint /gone/draft is gone: pass --draft-dir"):
+        start_lowering(moved_dir, tmp_path / "lowered", OrtOptions(), LowerRequest(target_dir="Qwen/Qwen3-4B"),
+                       reexport=True)
 
 
 def test_draft_auto_picks_the_published_draft_of_the_target(published, capsys):

@@ -607,6 +607,23 @@ def test_auto_verifies_whole_blocks_where_they_are_free_and_right():
     assert result.verified[:-1] == [7] * (len(result.verified) - 1) and result.acceptance_lengths[0] == 8
 
 
+def test_a_request_reprices_its_verify_as_its_context_deepens():
+    """A curve flat up to 24 tokens of context and steep from 40 on (as attention at depth makes each verified row
+    dear): an always-right draft is verified whole while the request is shallow and not at all once it is deep
+    (but for probes), the tokens the target's greedy tokens throughout."""
+    flat = {"verify_ms": [1.0] * 8, "draft_ms": 0.1}
+    deepening = CostModel(**flat, context=8, deeper=[{"context": 24, **flat}, {
+        "context": 40, "verify_ms": [1.0 + 50 * t for t in range(8)], "draft_ms": 5.0}])
+    decoder, _ = build(block=8, script=[7], costs=deepening)
+    result = decoder.generate(PROMPT, 120, "dflash", stop_token_ids=[])
+    assert result.tokens == reference(TokenModel(VOCAB), PROMPT, 120)
+    depths = len(PROMPT) + np.cumsum([0, *result.acceptance_lengths[:-1]])  # each step's context
+    shallow = [v for v, depth in zip(result.verified, depths) if depth < 24]
+    deep = [v for v, depth in zip(result.verified, depths) if depth >= 40]
+    assert shallow and set(shallow) == {7}
+    assert len(deep) > 40 and deep.count(0) > 0.9 * len(deep)
+
+
 @pytest.mark.parametrize("verify, expect", [("full", [3, 3, 0]), (2, [2, 2, 2]), (0, [0] * 9)])
 def test_fixed_verify_counts(verify, expect):
     decoder, pair = build(block=4, script=[3], costs=STEEP)

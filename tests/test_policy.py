@@ -325,3 +325,49 @@ def test_the_last_step_of_a_request_finishes_it_rather_than_leave_a_token():
     assert policy.choose(sure[:14], 14) == 14
     policy.observe(14, 14)
     assert policy.choose(np.full(14, 0.05, np.float32), 14) <= 2
+
+
+DEEP = CostModel([10.0 + t for t in range(1, 17)], 1.0, 256, "lower",
+                 [{"context": 1024, "verify_ms": [12.0 + 4 * t for t in range(1, 17)], "draft_ms": 2.0},
+                  {"context": 4096, "verify_ms": [20.0 + 16 * t for t in range(1, 17)], "draft_ms": 6.0}])
+
+
+def test_a_curve_measured_at_several_contexts_is_priced_at_the_depth_asked():
+    """Linear in the context between the measured ones, the shallowest below them, the last segment's slope beyond
+    the deepest; one curve again, non-decreasing in rows; a curve of one context is itself at every depth."""
+    assert DEEP.at_depth(100).verify_ms == DEEP.verify_ms and DEEP.at_depth(100).deeper == []
+    middle = DEEP.at_depth(640)  # halfway from 256 to 1024
+    assert middle.verify_ms[0] == pytest.approx((11.0 + 16.0) / 2) and middle.draft_ms == pytest.approx(1.5)
+    assert DEEP.at_depth(4096).verify_ms == DEEP.deeper[1]["verify_ms"]
+    beyond = DEEP.at_depth(7168)  # one more segment of 3072 past 4096
+    assert beyond.verify_ms[15] == pytest.approx(276.0 + (276.0 - 76.0)) and beyond.draft_ms == pytest.approx(10.0)
+    assert all(b >= a for a, b in zip(beyond.verify_ms, beyond.verify_ms[1:])) and beyond.context == 7168
+    flat = CostModel([1.0] * 4, 0.5)
+    assert flat.at_depth(8192) is flat
+    with pytest.raises(ValueError, match="rising"):
+        CostModel([1.0] * 4, 0.5, 256, deeper=[{"context": 128, "verify_ms": [2.0] * 4, "draft_ms": 1.0}])
+
+
+def test_a_deep_request_verifies_what_its_depth_pays_for():
+    """Where attention at 4K makes each verified row dear (t(16) 14x t(1) there, 2.4x at 256), the same confidences
+    earn a long verify at the prompt's start and a short one deep in the context: the request's pricing follows its
+    depth, one repricing per depth step, and its width when batched."""
+    from dflash_onnx.runtime.request import StepPricing
+
+    confidences = np.full(15, 0.8, np.float32)
+    policy = verify_policy("auto", DEEP, 16)
+    pricing = StepPricing(DEEP, row_multiple=1)
+    pricing.update(policy, 200)
+    shallow = policy.choose(confidences, 15)
+    pricing.update(policy, 4500)
+    deep = policy.choose(confidences, 15)
+    assert deep < shallow and policy.costs.context == 4096  # 4500 is priced at its depth step's shallow end
+    pricing.update(policy, 4600)  # the same depth step: nothing repriced
+    assert len(pricing.curves) == 2 and policy.costs.context == 4096
+
+    class Batch:
+        active, drafting = 4, True
+
+    batched = StepPricing(DEEP, row_multiple=1, batch=Batch())
+    batched.update(policy, 200)
+    assert policy.costs.verify_ms == DEEP.at_depth(181).shared_by(4).verify_ms  # 2 ** (30 / 4): 200's step

@@ -215,7 +215,7 @@ class _HeldDecoder:
 
     steps_run = 0
 
-    def stream(self, prompt_ids, max_tokens, mode, sampling, stop_token_ids, verify):
+    def stream(self, prompt_ids, max_tokens, mode, sampling, stop_token_ids, verify, cancelled=None):
         def steps():
             self.started.set()
             self.release.wait(30)
@@ -241,7 +241,7 @@ class _SlowDecoder:
     def check(self, prompt_ids, max_tokens, mode, sampling):
         return prompt_ids
 
-    def stream(self, prompt_ids, max_tokens, mode, sampling, stop_token_ids, verify):
+    def stream(self, prompt_ids, max_tokens, mode, sampling, stop_token_ids, verify, cancelled=None):
         def steps():
             for _ in range(max_tokens):
                 time.sleep(0.02)  # the fake model's step, not a wait for the test
@@ -330,6 +330,49 @@ def test_a_request_whose_client_left_while_it_waited_is_never_prefilled():
         engine.close()
 
 
+class _CountingSession:
+    """A session that counts its calls by rows and, at `cancel_at`, cancels `submission` (a client leaving while its
+    long prompt is prefilled)."""
+
+    def __init__(self, session, cancel_at: int):
+        self.session, self.cancel_at, self.rows, self.submission = session, cancel_at, [], None
+        self.input_names, self.output_names = session.input_names, session.output_names
+        self.retains_state = session.retains_state
+
+    def run(self, feeds, names):
+        self.rows.append(int(feeds["input_ids"].shape[1]))
+        if len(self.rows) == self.cancel_at and self.submission is not None:
+            self.submission.cancel()
+        return self.session.run(feeds, names)
+
+
+def test_a_request_cancelled_during_a_long_prefill_frees_the_engine_within_one_chunk(served, solo):
+    """A 64-token prompt prefilled in chunks of 8, its client leaving during the second chunk: the prefill stops
+    there (no third chunk, no decoding step), the request ends cancelled, and the next request runs as it runs
+    alone. A prompt past --max-prompt-tokens is refused before it is queued."""
+    from dflash_onnx.runtime.errors import DFlashError
+
+    directory = served[0]
+    decoder = open_decoder(directory, prefill_chunk=8)
+    counting = _CountingSession(decoder.target, cancel_at=2)
+    engine = Engine(decoder.sharing(target=counting), TextCodec(directory), max_queue=2, max_prompt_tokens=64)
+    try:
+        prompt = [3 + i % 40 for i in range(64)]
+        submission = GenerationRequest(prompt, 16)
+        counting.submission = engine.submit(submission)
+        assert [(e.text, e.finish) for e in counting.submission] == [("", "cancelled")]
+        assert counting.rows == [8, 8]  # the chunk under way when it was cancelled, none after
+        counting.cancel_at = 0
+        following = [e for e in engine.submit(GenerationRequest([5, 9, 11], 12))]
+        assert following[-1].finish in ("length", "stop")
+        assert "".join(e.text for e in following) == solo([5, 9, 11], 12)[0]
+        with pytest.raises(DFlashError, match="prompt's 65 tokens exceed this server's limit of 64"):
+            engine.submit(GenerationRequest(prompt + [4], 4))
+        assert engine.finished["cancelled"] == 1
+    finally:
+        engine.close()
+
+
 def test_an_api_key_is_required_when_set(served):
     engine = served[1]
     server = Server(create_app(engine, ServerOptions(model=MODEL, api_key="sesame")))
@@ -378,6 +421,26 @@ def test_the_load_benchmarks_client_counts_the_tokens_and_matches_solo_greedy(se
     assert "error" not in result and result["text"] == want and result["tokens"] == count > 0
     results, _ = script._round(server.url, 2, [prompt], 3, 12)
     assert [r["tokens"] for r in results] == [count] * 3 and {r["prompt"] for r in results} == {0}
+    assert all(len(r["gaps"]) > 0 and min(r["gaps"]) >= 0 for r in results)  # the gaps between streamed events
+    # prompts of exactly N tokens, sent as ids, give what solo greedy gives on those ids
+    prompts = script._length_prompts(directory, [5, 40], 4)
+    assert [len(p) for p in prompts] == [5, 40, 5, 40] and prompts[0] != prompts[2]
+    with httpx.Client() as connection:
+        result = script._stream(connection, server.url, prompts[1], 6)
+    assert result["text"] == solo(prompts[1], 6)[0]
+
+
+def test_the_load_benchmark_reports_latency_by_prompt_length():
+    """serve_load.py --prompt-tokens: time to first token per length, the short requests' gaps (p50 / p99) and
+    their p99 over the short-only round's."""
+    from conftest import benchmark_script
+
+    script = benchmark_script("serve_load")
+    prompts = [[1] * 4, [1] * 64]
+    results = [{"prompt": 0, "ttft": 0.010, "gaps": [0.002, 0.004]}, {"prompt": 1, "ttft": 0.300, "gaps": [0.1]},
+               {"prompt": 0, "ttft": 0.020, "gaps": [0.006]}, {"prompt": 1, "error": "HTTP 500"}]
+    row = script._latency_row("ours", 2, "4 / 64", results, prompts, short_only_p99=0.003)
+    assert row == ["ours", 2, "4 / 64", "4: 10 / 20; 64: 300 / 300", "4.0 / 6.0", "2.00x", 1]
 
 
 

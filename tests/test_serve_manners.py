@@ -46,7 +46,7 @@ class _Decoder:
     def check(self, prompt_ids, max_tokens, mode, sampling):
         return prompt_ids
 
-    def stream(self, prompt_ids, max_tokens, mode, sampling, stop_token_ids, verify):
+    def stream(self, prompt_ids, max_tokens, mode, sampling, stop_token_ids, verify, cancelled=None):
         def steps():
             made = 0
             while made < max_tokens:

@@ -224,10 +224,11 @@ def resolve_pair(target: str | Path | None, draft: str | Path | None, revision: 
 
 def checkpoints(manifest, target: str | Path | None = None, draft: str | Path | None = None,
                 revision: str | None = None, draft_revision: str | None = None,
-                progress: bool = True) -> tuple[Path, Path]:
-    """An export's checkpoints for parity and the bench's peers: those given (directories or hub names; a hub
-    name the export recorded defaults to the recorded commit), else the directories recorded at export, else the
-    hub ids and commits recorded there (from the cache, or fetched again)."""
+                progress: bool = True, flag: str = "--{kind}") -> tuple[Path, Path]:
+    """An export's checkpoints for parity, the bench's peers and the lowerings that convert them again: those given
+    (directories or hub names; a hub name the export recorded defaults to the recorded commit), else the
+    directories recorded at export, else the hub ids and commits recorded there (from the cache, or fetched
+    again). `flag`: how the command names the option that gives one, for its messages."""
     chosen: dict[str, Path | None] = {}
     for kind, given, rev in (("target", target, revision), ("draft", draft, draft_revision)):
         recorded = manifest.hub.get(kind) or {}
@@ -239,10 +240,10 @@ def checkpoints(manifest, target: str | Path | None = None, draft: str | Path | 
         elif rev:
             if not recorded:
                 raise DFlashError(f"{REVISION_FLAG[kind]} is a hub revision, and this export records no hub name for "
-                                  f"its {kind}: pass --{kind} NAME too")
+                                  f"its {kind}: pass {flag.format(kind=kind)} NAME too")
             chosen[kind] = resolve_checkpoint(recorded["repo_id"], kind, rev, progress)
         elif recorded and not (directory and (Path(directory) / "config.json").is_file()):
             chosen[kind] = resolve_checkpoint(recorded["repo_id"], kind, recorded.get("revision"), progress)
         else:
             chosen[kind] = None
-    return manifest.checkpoints(chosen["target"], chosen["draft"])
+    return manifest.checkpoints(chosen["target"], chosen["draft"], flag=flag)

@@ -18,11 +18,9 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
+from dflash_onnx.passes.base import on_off
+
 ROUNDING_PASSES = ("int4", "int8", "fp16")
-
-
-def _flag(value, default: bool) -> bool:
-    return default if value is None else str(value).lower() in ("1", "true", "yes", "on")
 
 
 def round_blocks(weight: torch.Tensor, bits: int, block_size: int, symmetric: bool = True) -> torch.Tensor:
@@ -61,8 +59,8 @@ def _experts(config) -> int:
 def _rounded_weights(module: nn.Module, bits: int, options: dict, vocab_size: int, experts: int,
                      stack: ExitStack) -> None:
     block_size = int(options.get("block_size", 64))
-    symmetric = _flag(options.get("symmetric"), True)
-    with_head = _flag(options.get("lm_head"), False)
+    symmetric = on_off(options.get("symmetric"), True)
+    with_head = on_off(options.get("lm_head"), False)
     names = {id(p): n for n, p in module.named_parameters()}
     for param in {id(p): p for p in module.parameters()}.values():
         name = names[id(param)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +53,8 @@ def interleaved_min_ms(session: Session, calls: list[dict[str, np.ndarray]], nam
 # or when the observed over recorded times differ by this much between the shortest and the longest verify
 # observed (a slower or faster machine alone scales every step alike)
 DISAGREEMENT = 3.0
+DEPTHS = (1024, 4096, 16384)  # the contexts a curve is measured at besides its own (cut to what a lowering holds)
+EXPORT_DEEPEST = 4096  # an export's deepest: its K/V are fed whole, 1.8 GB per call at 16K on a float32 0.6B
 MIN_OBSERVED = 3  # steps of a length before its time is compared
 
 
@@ -94,21 +96,44 @@ def measurable(manifest: Manifest) -> str | None:
             "with 'dflash-onnx calibrate DIR --from FILE'")
 
 
+def deepest(manifest: Manifest) -> int:
+    """The deepest context a cost curve is measured at: what a lowering's buffers hold besides a block and the
+    draft's block after it; an export (its K/V fed as inputs, no bound) up to EXPORT_DEEPEST."""
+    return manifest.ctx_len - 2 * manifest.block_size if manifest.ctx_len else EXPORT_DEEPEST
+
+
+def depth_contexts(manifest: Manifest, context: int) -> list[int]:
+    """The deeper contexts a curve is measured at besides `context`: DEPTHS, each cut to `deepest`, dropping any
+    within a quarter of the one before."""
+    chosen: list[int] = []
+    for depth in DEPTHS:
+        depth = min(depth, deepest(manifest))
+        if depth > 1.25 * max([context, *chosen]):
+            chosen.append(depth)
+    return chosen
+
+
 def measure_costs(manifest: Manifest, open_graph: Callable[[str], Session], context: int = 256, repeats: int = 10,
-                  source: str = "") -> CostModel:
-    """t(T) for T = 1..block_size and the draft step, at `context` tokens of K/V. `open_graph("target")` and
-    `open_graph("draft")` are called in turn and each session dropped before the next opens, so the peak
+                  source: str = "", depths: Sequence[int] = ()) -> CostModel:
+    """t(T) for T = 1..block_size and the draft step, at `context` tokens of K/V and at each of `depths` (the
+    curve's context axis, CostModel.deeper), every length at every context once per round. `open_graph("target")`
+    and `open_graph("draft")` are called in turn and each session dropped before the next opens, so the peak
     memory is the larger graph's, not the pair's (each is timed alone either way)."""
     reason = measurable(manifest)
     if reason is not None:
         raise DFlashError(reason)
+    contexts, rows = [context, *depths], manifest.verify_rows
     target = open_graph("target")
-    verify = interleaved_min_ms(target, [target_feeds(manifest, context, t)
-                                         for t in range(1, manifest.verify_rows + 1)], TARGET_OUTPUTS, repeats)
+    verify = interleaved_min_ms(target, [target_feeds(manifest, c, t) for c in contexts for t in range(1, rows + 1)],
+                                TARGET_OUTPUTS, repeats)
     del target
-    drafting = interleaved_min_ms(open_graph("draft"), [draft_feeds(manifest, context)], DRAFT_OUTPUTS, repeats)[0]
+    drafting = interleaved_min_ms(open_graph("draft"), [draft_feeds(manifest, c) for c in contexts], DRAFT_OUTPUTS,
+                                  repeats)
     # verifying more tokens never costs less: timing noise that says so is averaged away
-    return CostModel([round(float(v), 4) for v in isotonic(verify)], round(drafting, 4), context, source)
+    curves = [([round(float(v), 4) for v in isotonic(verify[i * rows:(i + 1) * rows])], round(drafting[i], 4))
+              for i in range(len(contexts))]
+    deeper = [{"context": int(c), "verify_ms": v, "draft_ms": d} for c, (v, d) in zip(depths, curves[1:])]
+    return CostModel(curves[0][0], curves[0][1], context, source, deeper)
 
 
 def read_costs(path: Path, block_size: int) -> CostModel:
@@ -116,10 +141,13 @@ def read_costs(path: Path, block_size: int) -> CostModel:
     try:
         raw = json.loads(Path(path).read_text())
         costs = CostModel(verify_ms=[float(v) for v in raw["verify_ms"]], draft_ms=float(raw["draft_ms"]),
-                          context=int(raw.get("context", 0)), source=str(path))
+                          context=int(raw.get("context", 0)), source=str(path),
+                          deeper=[{"context": int(c["context"]), "verify_ms": [float(v) for v in c["verify_ms"]],
+                                   "draft_ms": float(c["draft_ms"])} for c in raw.get("deeper", [])])
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise DFlashError(f"--cost-model {path}: give a JSON object with verify_ms (milliseconds for T = 1.."
-                          f"{block_size}) and draft_ms ({exc})") from None
+                          f"{block_size}) and draft_ms, and optionally context and deeper (the same at deeper "
+                          f"contexts, rising) ({exc})") from None
     if len(costs.verify_ms) < block_size:
         raise DFlashError(f"--cost-model {path}: verify_ms has {len(costs.verify_ms)} entries, the block needs "
                           f"{block_size}")

@@ -13,6 +13,7 @@ In layers, as mlx-lm's generate_step / stream_generate / generate: `Decoder.gene
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from dflash_onnx.runtime.errors import DFlashError
 from dflash_onnx.runtime.manifest import CostModel, Manifest
 from dflash_onnx.runtime.policy import Calibration, Measured, verify_policy
 from dflash_onnx.runtime.proposers import proposer_for
-from dflash_onnx.runtime.request import BatchPricing, BatchShare, RequestDecoding
+from dflash_onnx.runtime.request import BatchShare, RequestDecoding, StepPricing
 from dflash_onnx.runtime.results import GenerationResult
 from dflash_onnx.runtime.runners import open_runners, open_target_runner
 from dflash_onnx.runtime.sampling import SamplingParams
@@ -115,6 +116,13 @@ class Decoder:
             raise TypeError(f"Decoder.sharing() takes no {', '.join(unknown)}")
         return Decoder(self.manifest, **{**arguments, **changes}, learnt=self.learnt)
 
+    def branched(self) -> Decoder:
+        """A decoder on the same sessions and settings that starts from what this one has learnt so far and learns
+        apart from it from now on (a benchmark's rounds, each starting from the same state)."""
+        return Decoder(self.manifest, self.target, self.draft, self.prefill_chunk, costs=self.costs,
+                       measure_steps=self.measure_steps, batch_invariant=self.batch_invariant,
+                       guess_padding=self.guess_padding, batch=self.batch, learnt=copy.deepcopy(self.learnt))
+
     def for_slot(self, target: Session, draft: Session | None, batch: BatchShare) -> Decoder:
         """The decoder of one request in `batch`: its slot's sessions, this decoder's settings and what it has
         learnt (the pair's acceptance), its policy weighing the request's share of each batched step."""
@@ -132,16 +140,18 @@ class Decoder:
         would pay them)."""
         return self.guess_padding and self.row_multiple == 2 and sampling.greedy and not self.manifest.experts
 
-    def _padded_costs(self) -> CostModel | None:
-        """The cost curve as this decoder's padded calls pay it."""
-        return self.costs.padded_to(self.row_multiple) if self.costs and self.row_multiple > 1 else self.costs
+    def _padded_costs(self, depth: int = 0) -> CostModel | None:
+        """The cost curve as this decoder's padded calls pay it, after `depth` tokens of context."""
+        costs = self.costs.at_depth(depth) if self.costs else None
+        return costs.padded_to(self.row_multiple) if costs and self.row_multiple > 1 else costs
 
     def curve_check(self, *results: GenerationResult) -> str | None:
         """One line when the target steps of `results` disagree in shape with the cost curve this decoder weighs
-        (as its padded calls pay it); None otherwise (costs.curve_disagreement)."""
+        (as its padded calls pay it, at the steps' median depth); None otherwise (costs.curve_disagreement)."""
         timed = [r for r in results if not r.sampled]
-        return curve_disagreement(self._padded_costs(), [n for r in timed for n in r.verified],
-                                  [ms for r in timed for ms in r.step_ms])
+        depths = [r.prompt_tokens + len(r.tokens) // 2 for r in timed]
+        return curve_disagreement(self._padded_costs(int(np.median(depths)) if depths else 0),
+                                  [n for r in timed for n in r.verified], [ms for r in timed for ms in r.step_ms])
 
     @property
     def capacity(self) -> int | None:
@@ -176,6 +186,7 @@ class Decoder:
     def stream(
         self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int = 64, mode: str = "dflash",
         sampling: SamplingParams | None = None, stop_token_ids: list[int] | None = None, verify: str | int = "auto",
+        cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[list[int]]:
         """Each step's committed tokens as they are committed; the iterator's return value (StopIteration.value) is
         the GenerationResult. The arguments are checked here, before anything runs.
@@ -188,14 +199,16 @@ class Decoder:
             stop_token_ids: tokens that end generation (default: the manifest's).
             verify: how many drafted tokens each step verifies: "auto" (from the draft's confidence and the cost
                 curve; full without a curve), "full" (the whole block, as the reference does) or a count.
+            cancelled: asked between a long prompt's prefill chunks (the caller stops the iteration between steps).
 
         Raises:
             DFlashError: a request these sessions cannot run (empty or out-of-vocabulary prompt, too long for the
                 lowering, sampling on a greedy-only lowering, an unknown mode or verify).
+            Cancelled: from the iteration, when `cancelled` said so between prefill chunks.
         """
         prompt = self.check(prompt_ids, max_new_tokens, mode, sampling)
         return self._steps(self._request(prompt, max_new_tokens, mode, sampling or SamplingParams(),
-                                         stop_token_ids, verify))
+                                         stop_token_ids, verify), cancelled)
 
     def _request(self, prompt: np.ndarray, max_new_tokens: int, mode: str, sampling: SamplingParams,
                  stop_token_ids: list[int] | None, verify: str | int) -> RequestDecoding:
@@ -207,10 +220,10 @@ class Decoder:
         # it makes). A batched request's steps wait on the others': its share is priced by the curve alone.
         measured = self.learnt.measured \
             if self.measure_steps and sampling.greedy and self.batch is None and most_rows > 1 else None
-        policy = verify_policy(verify, self._padded_costs(), self.manifest.verify_rows,
+        policy = verify_policy(verify, self._padded_costs(len(prompt)), self.manifest.verify_rows,
                                self.learnt.calibrations.setdefault(not sampling.greedy, []), measured)
-        pricing = BatchPricing(self.batch, self.costs, self.row_multiple) \
-            if self.batch is not None and self.costs is not None else None
+        pricing = StepPricing(self.costs, self.row_multiple, self.batch) \
+            if self.costs is not None and (self.batch is not None or self.costs.deeper) else None
         stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
         proposer = proposer_for(self.manifest, sampling, np.random.default_rng(sampling.seed))
         return RequestDecoding(target, draft, prompt, max_new_tokens, self.manifest.block_size,
@@ -218,12 +231,12 @@ class Decoder:
                                self.guesses(sampling), self.batch, pricing)
 
     @staticmethod
-    def _steps(request: RequestDecoding) -> Iterator[list[int]]:
+    def _steps(request: RequestDecoding, cancelled: Callable[[], bool] | None = None) -> Iterator[list[int]]:
         """The request's prefill, then its steps, each timed: the target call against the whole step, which the
         policy weighs, and the decode time, which excludes what the caller spends between steps (printing a
         stream)."""
         started = time.perf_counter()
-        first = request.prefill()
+        first = request.prefill(cancelled)
         request.result.ttft_s = time.perf_counter() - started
         yield [first]
         decode_started = time.perf_counter()

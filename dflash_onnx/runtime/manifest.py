@@ -7,6 +7,8 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from dflash_onnx.runtime.errors import DFlashError
 from dflash_onnx.runtime.paths import member
 
@@ -91,10 +93,39 @@ class CostModel:
     draft_ms: float
     context: int = 0
     source: str = ""  # what measured it: "lower", "calibrate", or the file it came from
+    # the same steps measured at deeper contexts, shallow to deep: [{"context", "verify_ms", "draft_ms"}, ...]; a
+    # step's attention reads every cached row, so at 2K-8K tokens t(T) is no longer t(T) at `context`
+    deeper: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.verify_ms or min(self.verify_ms) <= 0 or self.draft_ms < 0:
             raise ValueError("a cost model needs positive verify_ms for T = 1.. and a draft_ms of 0 or more")
+        contexts = [self.context] + [int(curve["context"]) for curve in self.deeper]
+        if any(b <= a for a, b in zip(contexts, contexts[1:])) or any(
+                len(curve["verify_ms"]) != len(self.verify_ms) or min(curve["verify_ms"]) <= 0
+                or curve["draft_ms"] < 0 for curve in self.deeper):
+            raise ValueError("a cost model's deeper curves need contexts rising past its own, and as many positive "
+                             "verify_ms as it has")
+
+    def at_depth(self, depth: int) -> CostModel:
+        """The curve at `depth` tokens of K/V, one curve again: linear in the context between the contexts measured
+        (attention's reads grow with it), along the last two beyond the deepest, the shallowest's below it. A curve
+        measured at one context is that curve at any depth."""
+        if not self.deeper:
+            return self
+        points = [(self.context, self.verify_ms, self.draft_ms)] + [
+            (int(c["context"]), c["verify_ms"], c["draft_ms"]) for c in self.deeper]
+        if depth <= points[0][0]:
+            return replace(self, deeper=[])
+        index = min(len(points) - 1, next((i for i, p in enumerate(points) if p[0] >= depth), len(points) - 1))
+        (low, low_verify, low_draft), (high, high_verify, high_draft) = points[index - 1], points[index]
+        share = (depth - low) / (high - low)  # beyond the deepest: above 1, the last segment's slope goes on
+        verify = [max(b, a + share * (b - a)) if share > 1 else a + share * (b - a)
+                  for a, b in zip(low_verify, high_verify)]
+        verify = [float(v) for v in np.maximum.accumulate(verify)]  # a longer verify never costs less
+        draft = max(high_draft, low_draft + share * (high_draft - low_draft)) if share > 1 \
+            else low_draft + share * (high_draft - low_draft)
+        return replace(self, verify_ms=verify, draft_ms=float(draft), context=int(depth), deeper=[])
 
     def padded_to(self, multiple: int) -> CostModel:
         """The curve as calls padded to `multiple` rows pay it: t(T) becomes t(T rounded up), where measured."""

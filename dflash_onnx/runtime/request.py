@@ -5,10 +5,12 @@ verify, commit. The Decoder (decode.py) makes one per request and times its step
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 
+from dflash_onnx.runtime.errors import Cancelled
 from dflash_onnx.runtime.lookup import NgramLookup
 from dflash_onnx.runtime.manifest import CostModel
 from dflash_onnx.runtime.policy import VerifyPolicy
@@ -29,20 +31,40 @@ class BatchShare(Protocol):
     def drafting(self) -> bool: ...
 
 
-class BatchPricing:
-    """A batched request's policy repriced as its batch widens and narrows: each width's share computed once."""
+def _stop_if(cancelled: Callable[[], bool]) -> None:
+    if cancelled():
+        raise Cancelled("the request was cancelled during its prefill")
 
-    def __init__(self, batch: BatchShare, costs: CostModel, row_multiple: int):
-        self.batch, self.costs, self.row_multiple = batch, costs, row_multiple
-        self.priced, self.shares = 1, {}
 
-    def update(self, policy: VerifyPolicy) -> None:
-        width = self.batch.active
-        if width != self.priced:
-            if width not in self.shares:
-                self.shares[width] = self.costs.shared_by(width, self.row_multiple)
-            policy.reprice(self.shares[width])
-            self.priced = width
+DEPTH_STEPS = 4  # a request's curve is repriced each time its context grows by a quarter of an octave (19 %)
+
+
+class StepPricing:
+    """A request's verify policy repriced as the request goes: at its context's depth, where the curve was measured
+    at several (CostModel.at_depth: a step's attention reads every cached row, so t(T) at 4K is not t(T) at 256),
+    and, batched, at its share of each step as the batch widens and narrows (CostModel.shared_by). Each (width,
+    depth step) is priced once; a depth step is priced at its shallow end."""
+
+    def __init__(self, costs: CostModel, row_multiple: int, batch: BatchShare | None = None):
+        self.costs, self.row_multiple, self.batch = costs, row_multiple, batch
+        self.priced: tuple[int, int] | None = None
+        self.curves: dict[tuple[int, int], CostModel] = {}
+
+    def _depth_step(self, depth: int) -> int:
+        return int(DEPTH_STEPS * np.log2(max(depth, 1))) if self.costs.deeper else 0
+
+    def update(self, policy: VerifyPolicy, depth: int) -> None:
+        """Reprice `policy` for a step after `depth` tokens of context, if its width or depth step changed."""
+        key = (self.batch.active if self.batch is not None else 1, self._depth_step(depth))
+        if key == self.priced:
+            return
+        if key not in self.curves:
+            width, step = key
+            curve = self.costs.at_depth(int(2 ** (step / DEPTH_STEPS))) if self.costs.deeper else self.costs
+            self.curves[key] = curve.shared_by(width, self.row_multiple) if width > 1 \
+                else curve.padded_to(self.row_multiple) if self.row_multiple > 1 else curve
+        policy.reprice(self.curves[key])
+        self.priced = key
 
 
 class RequestDecoding:
@@ -52,7 +74,7 @@ class RequestDecoding:
     def __init__(self, target: TargetRunner, draft: DraftRunner | None, prompt: np.ndarray, max_new_tokens: int,
                  block_size: int, mask_id: int, most_rows: int, proposer: Proposer, policy: VerifyPolicy,
                  stops: frozenset[int], guesses: bool, batch: BatchShare | None = None,
-                 pricing: BatchPricing | None = None):
+                 pricing: StepPricing | None = None):
         self.target, self.draft, self.prompt = target, draft, prompt
         self.proposer, self.policy, self.stops = proposer, policy, stops
         self.most_rows, self.mask_id, self.guesses = most_rows, mask_id, guesses
@@ -75,9 +97,11 @@ class RequestDecoding:
         """Whether another step is wanted: tokens left to generate and no stop token yet."""
         return self.start + 1 < self.max_length and not self.stopped
 
-    def prefill(self) -> int:
-        """The prompt into the target's cache; the first new token."""
-        out = self.target.forward(self.prompt, logits_rows=self.proposer.logits_rows(1))
+    def prefill(self, cancelled: Callable[[], bool] | None = None) -> int:
+        """The prompt into the target's cache; the first new token. `cancelled`: asked between a long prompt's
+        chunks; when it says so, Cancelled is raised there."""
+        out = self.target.forward(self.prompt, logits_rows=self.proposer.logits_rows(1),
+                                  between_chunks=None if cancelled is None else lambda: _stop_if(cancelled))
         self.target.commit(self.start)
         first = self.proposer.first(out)
         self.result.tokens.append(first)
@@ -90,7 +114,7 @@ class RequestDecoding:
     def step(self) -> list[int]:
         """One draft + verify round; the tokens it commits (the verify call timed into the result's step_ms)."""
         if self.pricing is not None:
-            self.pricing.update(self.policy)
+            self.pricing.update(self.policy, self.start)
         # drafted tokens a step could keep: up to a draft call's proposals, and no more than the tokens still wanted
         # besides the target's bonus token
         most = min(self.most_rows, self.max_length - self.start - 1) - 1

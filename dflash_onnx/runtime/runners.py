@@ -76,8 +76,11 @@ class TargetRunner(Protocol):
 
     capacity: int | None  # the most positions a request may take; None: no bound
 
-    def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
-        """Run `ids` after the committed positions; logits for the last `logits_rows` rows."""
+    def forward(self, ids: np.ndarray, logits_rows: int = 0,
+                between_chunks: Callable[[], None] | None = None) -> TargetStep:
+        """Run `ids` after the committed positions; logits for the last `logits_rows` rows. Where they take more
+        than one call (a long prefill), `between_chunks` is called after each call but the last (it may raise to
+        stop the prefill, e.g. Cancelled)."""
         ...
 
     def commit(self, length: int) -> None:
@@ -177,11 +180,14 @@ class ConcatTarget:
         self.recurrent = graph.recurrent and RecurrentState(graph.recurrent, manifest.numpy_dtype)
         self.capacity: int | None = None
 
-    def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
+    def forward(self, ids: np.ndarray, logits_rows: int = 0,
+                between_chunks: Callable[[], None] | None = None) -> TargetStep:
         """Run `ids` from the committed length on, with the logits of the last `logits_rows` rows; chunked so
         logits stay [chunk, vocab] at most. Earlier chunks are committed as they go."""
         contexts, greedy, logits = [], [], []
         for begin in range(0, len(ids), self.chunk):
+            if begin and between_chunks is not None:
+                between_chunks()
             chunk = ids[begin : begin + self.chunk]
             end, rows = begin + len(chunk), len(chunk)
             wanted = _wanted_rows(begin, end, len(ids), logits_rows)
@@ -342,9 +348,12 @@ class RetainedTarget(_Retained):
         self.sizes = [s for s in self.sizes if s >= row_multiple] or self.sizes
         self.length = 0
 
-    def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
+    def forward(self, ids: np.ndarray, logits_rows: int = 0,
+                between_chunks: Callable[[], None] | None = None) -> TargetStep:
         contexts, greedy, logits = [], [], []
         for begin, end, size in self.chunks(len(ids)):
+            if begin and between_chunks is not None:
+                between_chunks()
             rows = end - begin
             feeds = {"input_ids": _pad(ids[begin:end], size, 0)[None],
                      "position_ids": self.positions(self.length + begin, rows, size),
@@ -422,7 +431,8 @@ class BufferTarget:
         self.recurrent.record(out, start, len(padded))
         return out
 
-    def forward(self, ids: np.ndarray, logits_rows: int = 0) -> TargetStep:
+    def forward(self, ids: np.ndarray, logits_rows: int = 0,
+                between_chunks: Callable[[], None] | None = None) -> TargetStep:
         rows = len(ids)
         if rows <= self.chunk:  # every decode and verify step: one call, nothing to join
             out = self._call(ids, self.length, logits_rows > 0)
@@ -430,6 +440,8 @@ class BufferTarget:
             return TargetStep(out["greedy_ids"][0, :rows], logits, out["target_hidden"][0, :rows])
         contexts, greedy, logits = [], [], []
         for begin in range(0, len(ids), self.chunk):
+            if begin and between_chunks is not None:
+                between_chunks()
             chunk = ids[begin : begin + self.chunk]
             wanted = _wanted_rows(begin, begin + len(chunk), len(ids), logits_rows)
             out = self._call(chunk, self.length + begin, wanted is not None)

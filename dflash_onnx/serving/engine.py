@@ -2,7 +2,8 @@
 
 The HTTP layer (app.py) and other hosts (Ray Serve, Triton's Python backend) call `Engine.submit`, never ORT: a
 request waits in a bounded queue, then is decoded with DFlash (`--verify auto`: never slower than greedy), its
-text deltas put on the request's own queue. A cancelled request (a client gone) stops at its next decoding step.
+text deltas put on the request's own queue. A cancelled request (a client gone) stops at its next decoding step, or
+during a long prefill at its next prefill chunk.
 Without a batch the engine thread decodes the requests one after another; with one (`dflash_onnx.targets.open_batch` on
 a
 lowering with the ragged attention) up to its slots run at once on the engine thread, each a task of one
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 from dflash_onnx.runtime.batching import BatchParts, StepBatcher, StepLoop
 from dflash_onnx.runtime.decode import Decoder
-from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.errors import Cancelled, DFlashError
 from dflash_onnx.runtime.sampling import SamplingParams
 from dflash_onnx.runtime.tokenizer import TextCodec
 
@@ -61,7 +62,8 @@ class Event:
 
 class Submission:
     """One request's handle: iterate it for its events (the engine thread fills them), or `attach` an event loop
-    and await them; `cancel` stops it at its next decoding step (before its prefill if it has not started)."""
+    and await them; `cancel` stops it at its next decoding step or prefill chunk (before its prefill if it has not
+    started)."""
 
     def __init__(self, request: GenerationRequest):
         self.request = request
@@ -138,13 +140,16 @@ class Engine:
     one batched call per step (dflash_onnx/runtime/batching.py)."""
 
     def __init__(self, decoder: Decoder, codec: TextCodec, max_queue: int = 16, verify: str | int = "auto",
-                 batch: BatchParts | None = None):
+                 batch: BatchParts | None = None, max_prompt_tokens: int | None = None):
         """`batch`: the decoder's sessions for requests side by side (`dflash_onnx.targets.open_batch`): they then run
-        up to
-        the store's slots at once; None: one at a time."""
+        up to the store's slots at once; None: one at a time. `max_prompt_tokens`: longer prompts are refused
+        (None: as long as the lowering holds)."""
         if max_queue < 1:
             raise DFlashError(f"--max-queue must be at least 1, got {max_queue}")
+        if max_prompt_tokens is not None and max_prompt_tokens < 1:
+            raise DFlashError(f"--max-prompt-tokens must be at least 1, got {max_prompt_tokens}")
         self.decoder, self.codec, self.verify = decoder, codec, verify
+        self.max_prompt_tokens = max_prompt_tokens
         self.stop_token_ids = frozenset(decoder.stop_token_ids)
         self.batcher: StepBatcher | None = None
         self._batch = batch
@@ -166,7 +171,11 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> Submission:
         """Queue `request`; raises QueueFull when --max-queue requests wait already. Arguments the decoder
-        refuses (a prompt past the lowering's context, ids outside the vocabulary) raise DFlashError here."""
+        refuses (a prompt past the lowering's context or --max-prompt-tokens, ids outside the vocabulary) raise
+        DFlashError here."""
+        if self.max_prompt_tokens is not None and len(request.prompt_ids) > self.max_prompt_tokens:
+            raise DFlashError(f"the prompt's {len(request.prompt_ids)} tokens exceed this server's limit of "
+                              f"{self.max_prompt_tokens} (--max-prompt-tokens): send a shorter prompt")
         self.decoder.check(request.prompt_ids, request.max_tokens, "dflash", request.sampling)
         submission = Submission(request)
         try:
@@ -259,7 +268,8 @@ class Engine:
         if submission.cancelled.is_set():  # its client left while it waited: no prefill for nobody
             submission.put(Event("", 0, finish="cancelled"))
             return "cancelled"
-        steps = decoder.stream(request.prompt_ids, request.max_tokens, "dflash", request.sampling, None, self.verify)
+        steps = decoder.stream(request.prompt_ids, request.max_tokens, "dflash", request.sampling, None, self.verify,
+                               cancelled=submission.cancelled.is_set)
         ids: list[int] = []
         chunks = 0  # the prefill's first token, then one chunk a decoding step
 
@@ -283,6 +293,9 @@ class Engine:
                     return "stop"
                 if delta or chunks == 1:  # the first token's event marks the time to first token, text or not
                     submission.put(event(delta))
+        except Cancelled:  # between the chunks of a long prefill: the engine is free within one chunk's time
+            submission.put(event("", "cancelled"))
+            return "cancelled"
         finally:
             steps.close()
         delta, _ = shown.advance(self.codec.decode(ids), True)

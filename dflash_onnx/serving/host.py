@@ -21,6 +21,8 @@ class EngineSettings:
     max_batch: int = 1  # requests decoded side by side (a lowering with --kv-attention ragged); 1: one at a time
     shared_draft: bool = True  # side by side, greedy requests' drafts as one call a step where the lowering can
     max_queue: int = 16
+    max_prompt_tokens: int | None = None  # longer prompts get 400; None: as long as the lowering holds
+    prefill_chunk: int = 256  # the most prompt tokens one prefill call takes (between calls, others decode)
     verify: str = "auto"
     batch_invariant: bool = True
     lookup_guess: bool = True
@@ -57,14 +59,17 @@ class EngineSettings:
 
         return cls(directory=Path(values["directory"]), backend=values.get("backend") or None,
                    max_batch=whole("max_batch", 1), shared_draft=switch("shared_draft"),
-                   max_queue=whole("max_queue", 16),
+                   max_queue=whole("max_queue", 16), prefill_chunk=whole("prefill_chunk", 256),
+                   max_prompt_tokens=whole("max_prompt_tokens", 0) or None,
                    verify=str(values.get("verify", "auto")), batch_invariant=switch("batch_invariant"),
                    lookup_guess=switch("lookup_guess"),
                    cost_model=Path(values["cost_model"]) if values.get("cost_model") else None,
                    session_options={"compute_units": values["compute_units"]} if values.get("compute_units") else {})
 
     def check(self) -> None:
-        for name, value in (("max_queue", self.max_queue), ("max_batch", self.max_batch)):
+        limits = {"max_queue": self.max_queue, "max_batch": self.max_batch, "prefill_chunk": self.prefill_chunk,
+                  "max_prompt_tokens": 1 if self.max_prompt_tokens is None else self.max_prompt_tokens}
+        for name, value in limits.items():
             if value < 1:
                 raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         parse_verify(self.verify)
@@ -91,9 +96,11 @@ class EngineSettings:
             from dflash_onnx.runtime.manifest import load_manifest
 
             costs = read_costs(self.cost_model, load_manifest(self.directory).verify_rows)
-        decoder = open_decoder(self.directory, backend=self.backend, batch_invariant=self.batch_invariant,
-                               guess_padding=self.lookup_guess, costs=costs, **self.session_options)
+        decoder = open_decoder(self.directory, backend=self.backend, prefill_chunk=self.prefill_chunk,
+                               batch_invariant=self.batch_invariant, guess_padding=self.lookup_guess, costs=costs,
+                               **self.session_options)
         batch = open_batch(decoder, self.max_batch) if self.max_batch > 1 else None
         if batch is not None and not self.shared_draft:
             batch = replace(batch, drafts=None, unshared_because="--shared-draft off")
-        return Engine(decoder, codec, max_queue=self.max_queue, verify=parse_verify(self.verify), batch=batch)
+        return Engine(decoder, codec, max_queue=self.max_queue, verify=parse_verify(self.verify), batch=batch,
+                      max_prompt_tokens=self.max_prompt_tokens)
