@@ -180,6 +180,10 @@ def _generate(args) -> int:
         prompt = codec.prompt_ids(args.prompt, raw=args.raw)
         if not args.json:  # once, so that nobody wonders what the model was sent
             print(f"(prompt sent {codec.prompt_form(args.raw)})", file=sys.stderr)
+    if args.mode == "dflash" and verify == "auto" and decoder.costs is None and not args.json:
+        print(f"(no cost curve recorded in {args.source}: --verify auto verifies full blocks, as the reference does, "
+              f"even where they lose to greedy; 'dflash-onnx calibrate {args.source}' measures one here)",
+              file=sys.stderr)
     stream = TextStream(codec) if codec is not None else None
 
     def show(chunk: list[int]) -> None:

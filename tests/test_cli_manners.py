@@ -69,7 +69,12 @@ def test_generate_says_once_how_the_prompt_was_sent(exported, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("(prompt sent as raw text: the directory has no chat template)") == 1
     assert main(["generate", str(out), "--prompt", "hi", "--max-new-tokens", "3", "--raw"]) == 0
-    assert "(prompt sent as raw text (--raw))" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "(prompt sent as raw text (--raw))" in err
+    # an export records no cost curve: auto's full blocks are said once, with the command that measures a curve
+    assert err.count("no cost curve recorded") == 1 and f"'dflash-onnx calibrate {out}'" in err
+    assert main(["generate", str(out), "--prompt", "hi", "--max-new-tokens", "3", "--verify", "full"]) == 0
+    assert "no cost curve" not in capsys.readouterr().err  # full asked for: nothing to say
 
 
 def test_optimize_prints_its_sizes_once_from_the_files_it_wrote(exported, tmp_path, capsys):
