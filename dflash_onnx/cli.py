@@ -566,12 +566,18 @@ def _add_lower(commands) -> None:
         backend, flag = owned[0]
         group = groups[backend.name if len(owned) == 1 else None]
         defaults = ", ".join(f"{b.name + ' ' if len(owned) > 1 else ''}{_shown(f, b.default(f))}" for b, f in owned)
-        label = "" if len(owned) == 1 else f"{'/'.join(b.name for b, _ in owned)}: "
+        if len({f.help for _, f in owned}) == 1:  # one meaning: said once, for every backend that takes it
+            text = flag.help if len(owned) == 1 else f"{'/'.join(b.name for b, _ in owned)}: {flag.help}"
+        else:  # a flag each backend reads its own way (--kv-dtype): each says what it does there
+            text = "; ".join(f"{b.name}: {f.help}" for b, f in owned)
+        # what any owner takes (each backend's options refuse what it does not)
+        choices = None if any(f.choices is None for _, f in owned) else \
+            list(dict.fromkeys(choice for _, f in owned for choice in f.choices))
         if flag.switch:
-            group.add_argument(name, action="store_true", help=f"{label}{flag.help}")
+            group.add_argument(name, action="store_true", help=text)
         else:
-            group.add_argument(name, type=flag.type, choices=flag.choices, default=None,
-                               help=f"{label}{flag.help} (default: {defaults})")
+            group.add_argument(name, type=flag.type, choices=choices, default=None,
+                               help=f"{text} (default: {defaults})")
     lower.set_defaults(func=_lower)
 
 

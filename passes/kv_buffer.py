@@ -17,6 +17,13 @@ masks exactly as the export's windowed mask (a query sees keys fewer than `windo
 against a numpy reference). An export that does not record its windows and has them fails the ORT lowering's
 check. Layers may differ in K/V shape and in rotary frequencies (one cos/sin cache per inv_freq). Applied by the
 ORT lowering only.
+
+Option `kv_dtype=int8` (`lower --target ort --kv-dtype int8`) makes the buffers int8: every GroupQueryAttention gets
+`k_quant_type` / `v_quant_type` PER_CHANNEL, `kv_cache_bit_width` 8 and its layer's `k_scale` / `v_scale` (inputs 12
+and 13, [1, kv_heads, 1, head_dim] float32) from the npz file named by option `kv_scales` (the lowering calibrates
+them). ONNX Runtime's CPU kernel writes round(x / scale) saturated to [-128, 127] and attends over the dequantized
+cache, the call's own new rows included (measured against a numpy reference: 4e-7), so a token's K/V read the same
+in the call that writes them and in every later one.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ BUFFER_ROWS = "kv_buffer_rows"
 # gqa: com.microsoft GroupQueryAttention (one request a call); ragged: TensorScatter + ONNX Attention, opset 24
 # (a batch of requests a call: kv_ragged.py)
 ATTENTIONS = ("gqa", "ragged")
+# kv_dtype: float (the graph's own) or int8 (GroupQueryAttention's quantized cache, per-channel scales)
+KV_DTYPES = ("float", "int8")
+SCALE_SLOT = 12  # GroupQueryAttention's k_scale input (v_scale: 13), ONNX Runtime 1.32's contrib schema
 
 
 def _only_reader(value: ir.Value, op_type: str) -> ir.Node:
@@ -110,8 +120,9 @@ def _rotary(attention: ir.Node, key_rows: ir.Value) -> tuple[ir.Value, ir.Value,
 class _Rewriter:
     """Rewrites one target graph; holds what its layers share (shapes, the rotary cache, new inputs)."""
 
-    def __init__(self, model: ir.Model, ctx_len: int, spec):
+    def __init__(self, model: ir.Model, ctx_len: int, spec, scales: dict[str, np.ndarray] | None = None):
         self.graph, self.ctx_len, self.spec = model.graph, ctx_len, spec
+        self.scales = scales  # per K/V input name, its int8 scales [kv_heads, head_dim]; None: float buffers
         self.inputs = {v.name: v for v in self.graph.inputs}
         self.outputs = {v.name: v for v in self.graph.outputs}
         self.kv_type = self.inputs[spec.kv_inputs[0]].type
@@ -200,8 +211,12 @@ class _Rewriter:
         if _is_sink_attention(attention):  # its sink logit per head: GroupQueryAttention's head_sink (measured)
             extra = [*(extra or [None, None]), None, None, attention.inputs[4]]
             self.sink_layers += 1
-        gqa = ir.node("GroupQueryAttention", [query, flat["key"], flat["value"], k_in, v_in, self.seqlens, self.total,
-                                              *extra], options, domain="com.microsoft", num_outputs=3,
+        inputs = [query, flat["key"], flat["value"], k_in, v_in, self.seqlens, self.total, *extra]
+        if self.scales is not None:
+            inputs += [None] * (SCALE_SLOT - len(inputs))
+            inputs += [self._scale(k_in, layer, "k"), self._scale(v_in, layer, "v")]
+            options.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+        gqa = ir.node("GroupQueryAttention", inputs, options, domain="com.microsoft", num_outputs=3,
                       name=f"gqa_buffer_{layer}")
         gqa.outputs[0].type = attention.outputs[0].type or self.kv_type
         gqa.outputs[0].shape = ir.Shape([*self.row_dims, heads * head_dim])
@@ -211,13 +226,28 @@ class _Rewriter:
         self.graph.insert_before(attention, [*new_nodes, gqa])
         self.graph.remove(attention, safe=True)
 
+    def _scale(self, past: ir.Value, layer: int, role: str) -> ir.Value:
+        """Layer `layer`'s `role` (k or v) scale initializer [1, kv_heads, 1, head_dim], as GroupQueryAttention takes
+        a per-channel one."""
+        if past.name not in self.scales:
+            raise DFlashError(f"kv-buffer.kv_scales has no scales for {past.name}: lower with --kv-dtype int8 (the "
+                              "ORT lowering calibrates them)")
+        kv_heads, head_dim = self.spec.kv_shape(past.name)
+        scale = np.asarray(self.scales[past.name], np.float32).reshape(1, kv_heads, 1, head_dim)
+        if not np.all(scale > 0) or not np.all(np.isfinite(scale)):
+            raise DFlashError(f"kv-buffer.kv_scales: the scales of {past.name} are not all positive and finite")
+        return add_constant(self.graph, f"kv_buffer_{role}_scale_l{layer}", scale)
+
     def finish(self) -> None:
         """Declare the buffers and the length inputs; refuse a graph whose K/V inputs something else reads."""
         spec = self.spec
         for name in [*spec.kv_inputs, *spec.kv_outputs]:
             kv_heads, head_dim = spec.kv_shape(name)
             buffer = ir.Shape(["batch", kv_heads, BUFFER_ROWS, head_dim])
-            (self.inputs.get(name) or {v.name: v for v in self.graph.outputs}[name]).shape = buffer
+            value = self.inputs.get(name) or {v.name: v for v in self.graph.outputs}[name]
+            value.shape = buffer
+            if self.scales is not None:
+                value.type = ir.TensorType(ir.DataType.INT8)
         self.graph.inputs.extend([self.seqlens, self.total])
 
 
@@ -234,8 +264,14 @@ def run(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
     attention = context.option("attention", "gqa")
     if attention not in ATTENTIONS:
         raise DFlashError(f"--pass-option kv-buffer.attention={attention}: choose one of {', '.join(ATTENTIONS)}")
+    kv_dtype = context.option("kv_dtype", "float")
+    if kv_dtype not in KV_DTYPES:
+        raise DFlashError(f"--pass-option kv-buffer.kv_dtype={kv_dtype}: choose one of {', '.join(KV_DTYPES)}")
+    if kv_dtype == "int8" and attention != "gqa":
+        raise DFlashError("kv-buffer.kv_dtype=int8 is GroupQueryAttention's quantized cache: use attention=gqa")
+    scales = _scales(context.option("kv_scales", "")) if kv_dtype == "int8" else None
     spec = context.manifest.target
-    rewriter = _Rewriter(model, ctx_len, spec)
+    rewriter = _Rewriter(model, ctx_len, spec, scales)
     layers = kv_ragged.RaggedRewriter(rewriter) if attention == "ragged" else rewriter
     for layer in range(spec.num_layers):
         layers.layer(layer)
@@ -251,4 +287,17 @@ def run(model: ir.Model, context: PassContext) -> tuple[ir.Model, dict]:
         raise DFlashError(f"buffer form: K/V inputs still read by {others} ({HINT})")
     return model, {"attentions": spec.num_layers, "attention": attention, "ctx_len": ctx_len,
                    "rotary_in_attention": rewriter.rotary_layers, "sliding_windows": rewriter.windowed_layers,
-                   "sinks": rewriter.sink_layers}
+                   "sinks": rewriter.sink_layers, "kv_dtype": "int8" if scales is not None else spec.kv_dtype,
+                   **({"kv_quantization": "per_channel"} if scales is not None else {})}
+
+
+def _scales(path: str) -> dict[str, np.ndarray]:
+    """The int8 scales by K/V input name, from the npz file the ORT lowering wrote."""
+    if not path:
+        raise DFlashError("kv-buffer.kv_dtype=int8 needs kv_scales (an npz file of per-channel scales): lower with "
+                          "--target ort --kv-dtype int8, which calibrates them")
+    try:
+        with np.load(path) as data:
+            return {name: data[name] for name in data.files}
+    except OSError as exc:
+        raise DFlashError(f"kv-buffer.kv_scales={path}: cannot read it ({exc})") from None

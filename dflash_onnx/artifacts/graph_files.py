@@ -27,7 +27,7 @@ SINK_ATTENTION_OP = "SinkAttention"
 GELU_EXPERTS_OP = "GeluTanhExperts"
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
                onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT64: "int64",
-               onnx.TensorProto.INT32: "int32"}
+               onnx.TensorProto.INT32: "int32", onnx.TensorProto.INT8: "int8"}  # int8: an ORT lowering's K/V
 
 
 def checked_graph(path: Path) -> onnx.ModelProto:

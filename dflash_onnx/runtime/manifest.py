@@ -79,8 +79,25 @@ class GraphSpec:
 
     @property
     def kv_dtype(self) -> str:
-        """The dtype of its K/V inputs: the precision the decoding loop feeds it (the manifest's `dtype`)."""
+        """The dtype of its K/V inputs: the precision the decoding loop feeds it (the manifest's `dtype`), or the
+        precision an ORT lowering's buffers hold (`lower --target ort --kv-dtype int8`: int8)."""
         return next(t.dtype for t in self.inputs if t.name == self.kv_inputs[0])
+
+    @property
+    def kv_numpy_dtype(self) -> np.dtype:
+        """The numpy type of its K/V (the buffers a session allocates for them)."""
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16) if self.kv_dtype == "bfloat16" else np.dtype(self.kv_dtype)
+
+    def with_kv_dtype(self, dtype: str) -> GraphSpec:
+        """The same graph with its K/V inputs and outputs of `dtype` (a lowering that changes their precision)."""
+        kv = {*self.kv_inputs, *self.kv_outputs}
+
+        def retyped(specs: list[TensorSpec]) -> list[TensorSpec]:
+            return [replace(t, dtype=dtype) if t.name in kv else t for t in specs]
+
+        return replace(self, inputs=retyped(self.inputs), outputs=retyped(self.outputs))
 
 
 @dataclass

@@ -27,6 +27,8 @@ def _lower(source: Path, out: Path, options: OrtOptions, request: LowerRequest) 
 def _summary(manifest: Manifest, out: Path) -> str:
     options = recorded_options(OrtOptions, manifest)
     kv = f"K/V buffers growing to {manifest.ctx_len} rows" if manifest.form == "buffer" else "concat K/V"
+    if manifest.target.kv_dtype == "int8":
+        kv = f"int8 {kv} (per-channel scales calibrated here)"
     return (f"lowered to {out} for ONNX Runtime ({options.provider}; {kv}; passes "
             f"{', '.join(options.passes) or 'none'}; ORT optimizations '{options.optimization_level}' saved; "
             f"{len(manifest.lowering.shared_with_target)} draft tensors shared with the target; largest difference "

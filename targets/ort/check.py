@@ -9,7 +9,11 @@ would leave the check no tolerance a wrong rewrite could not pass. In float the 
 reorder arithmetic, so a quantized export is held to the same tolerance as its float dtype. (What the int8
 kernels' rounding does to tokens is measured separately: row_invariance.py, and bench's agreement figures.)
 A mixture-of-experts target's rows whose experts differ at a near tie of its router's logits are left out
-(targets/check.py); the lowering reports how many."""
+(targets/check.py); the lowering reports how many.
+
+A --kv-dtype int8 lowering is checked with its buffers in float (float_cache: the same graph, the quantization
+taken off its GroupQueryAttentions), to the same tolerance; what the int8 cache changes is then measured against
+that float cache through the same calls, and reported (lowering.report.kv_int8.max_relative_difference)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from pathlib import Path
 import onnx
 
 from dflash_onnx.artifacts.graph_files import MOE_DOMAIN, MOE_OP, SWIGLU_MOE_OP
+from dflash_onnx.passes.kv_buffer import SCALE_SLOT
 from dflash_onnx.runtime.errors import DFlashError
 from dflash_onnx.runtime.manifest import Manifest
 from dflash_onnx.targets.check import Routers, compare_lowering
@@ -95,6 +100,34 @@ def _structure(path: Path, outputs: list[str]) -> onnx.ModelProto | None:
     return graph
 
 
+QUANTIZED_CACHE = ("k_quant_type", "v_quant_type", "kv_cache_bit_width")
+FLOAT_TYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16}
+
+
+def float_cache(graph: onnx.ModelProto, manifest: Manifest) -> onnx.ModelProto:
+    """`graph`, the target of a --kv-dtype int8 lowering (`manifest`), with float K/V buffers of the graphs' dtype:
+    each GroupQueryAttention without its quantization attributes and scales (changed in place, returned)."""
+    for node in graph.graph.node:
+        if node.op_type == "GroupQueryAttention" and any(a.name in QUANTIZED_CACHE for a in node.attribute):
+            kept = [a for a in node.attribute if a.name not in QUANTIZED_CACHE]
+            inputs = list(node.input[:SCALE_SLOT])
+            while inputs and not inputs[-1]:
+                inputs.pop()
+            del node.attribute[:], node.input[:]
+            node.attribute.extend(kept)
+            node.input.extend(inputs)
+    kv = {*manifest.target.kv_inputs, *manifest.target.kv_outputs}
+    for value in (*graph.graph.input, *graph.graph.output):
+        if value.name in kv:
+            value.type.tensor_type.elem_type = FLOAT_TYPES[manifest.dtype]
+    return graph
+
+
+def with_float_cache(manifest: Manifest) -> Manifest:
+    """`manifest` as float_cache's graph runs: K/V in the graphs' dtype."""
+    return replace(manifest, target=manifest.target.with_kv_dtype(manifest.dtype))
+
+
 def check_lowering(source: Path, exported: Manifest, directory: Path, manifest: Manifest) -> float:
     """Largest output difference of the lowered graphs in `directory` (`manifest`) against the export at
     `source` (`exported`), relative to the largest |output| (quantized matmuls computing in float on both
@@ -108,13 +141,20 @@ def check_lowering(source: Path, exported: Manifest, directory: Path, manifest: 
         path = Path(source) / getattr(exported, graph).file
         return OrtSession(path, structure=_structure(path, routing[0].names if routing and graph == "target" else []))
 
-    def lowered(graph: str):
+    int8 = manifest.target.kv_dtype == "int8"
+    float_kv = with_float_cache(manifest) if int8 else manifest  # an int8 cache is checked in float first
+
+    def lowered(graph: str, quantized: bool = False, routed: bool = True):
         path = Path(directory) / getattr(manifest, graph).file
-        return open_session(directory, routing[1].exposing(manifest) if routing else manifest, graph,
-                            structure=_structure(path, routing[1].names if routing and graph == "target" else []))
+        routed = routed and routing is not None
+        structure = _structure(path, routing[1].names if routed and graph == "target" else [])
+        chosen = manifest if quantized else float_kv
+        if int8 and graph == "target" and not quantized:
+            structure = float_cache(structure or onnx.load(str(path), load_external_data=False), manifest)
+        return open_session(directory, routing[1].exposing(chosen) if routed else chosen, graph, structure=structure)
 
     allowed = LOWERING_TOLERANCE[manifest.dtype]
-    comparison = compare_lowering(exported, reference, lowered, manifest, routing)
+    comparison = compare_lowering(exported, reference, lowered, float_kv, routing)
     differences = comparison.differences
     if comparison.flipped_rows:
         manifest.lowering.report["routing_flips_left_out"] = comparison.flipped_rows
@@ -128,4 +168,11 @@ def check_lowering(source: Path, exported: Manifest, directory: Path, manifest: 
                 hint = "--kv-buffer off (the concat form, which keeps no buffers on the device)"
             raise DFlashError(f"the ORT lowering changes {name} by {difference:.2g} of its scale (allowed "
                               f"{allowed:g}): lower with {hint}, or report the graph")
+    if int8:  # the int8 cache against the float one, through the same calls (the target's: the draft is float)
+        parity = compare_lowering(float_kv, lambda graph: lowered(graph, routed=False),
+                                  lambda graph: lowered(graph, quantized=True, routed=False), manifest)
+        target = {name: d for name, d in parity.differences if name.startswith("target")}
+        manifest.lowering.report.setdefault("kv_int8", {}).update(
+            max_relative_difference=max(target.values()),
+            logits_relative_difference=max(d for name, d in target.items() if name.startswith("target logits")))
     return max(d for _, d in differences)

@@ -14,6 +14,9 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "te
 LEVELS = ("disabled", "basic", "extended", "all")
 DEFAULT_PASSES = ("rope-fusion", "ort-fusions")
 ATTENTIONS = ("gqa", "ragged")  # the kv-buffer pass's attention option (passes/kv_buffer.py)
+# the target's K/V buffers: auto (the export's dtype), the export's dtype named, or int8 (ONNX Runtime's quantized
+# GroupQueryAttention cache, per-channel scales calibrated at lowering: passes/kv_buffer.py, docs/ort.md#int8-kv)
+KV_DTYPES = ("auto", "float32", "float16", "int8")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class OrtOptions:
     # the buffer form's attention: gqa (com.microsoft GroupQueryAttention, one request a call) or ragged
     # (TensorScatter + ONNX Attention, opset 24: requests batched in one call, passes/kv_ragged.py)
     kv_attention: str = "gqa"
+    kv_dtype: str = "auto"  # KV_DTYPES; auto (and older lowerings): the export's dtype
 
     def spinning_mode(self) -> str:
         """The sessions' spinning mode (an older lowering's allow_spinning where none was chosen)."""
@@ -52,6 +56,16 @@ class OrtOptions:
         if self.kv_attention != "gqa" and not self.kv_buffer:
             raise DFlashError(f"--kv-attention {self.kv_attention} is the buffer form's attention: drop "
                               "--kv-buffer off")
+        if self.kv_dtype not in KV_DTYPES:
+            raise DFlashError(f"--kv-dtype {self.kv_dtype}: choose one of {', '.join(KV_DTYPES)}")
+        if self.kv_dtype == "int8" and not self.kv_buffer:
+            raise DFlashError("--kv-dtype int8 quantizes the buffer form's K/V buffers: drop --kv-buffer off")
+        if self.kv_dtype == "int8" and self.kv_attention != "gqa":
+            raise DFlashError(f"--kv-dtype int8: ONNX Attention (--kv-attention {self.kv_attention}) takes no "
+                              "quantized cache: use --kv-attention gqa")
+        if self.kv_dtype == "int8" and self.provider != "cpu":
+            raise DFlashError(f"--kv-dtype int8 is measured on ONNX Runtime's CPU GroupQueryAttention only, not "
+                              f"--provider {self.provider}: lower with --provider cpu, or drop --kv-dtype int8")
         if self.kv_buffer and self.ctx_len < 2 * block_size:
             raise DFlashError(f"--ctx-len {self.ctx_len} is below two blocks ({2 * block_size})")
 
@@ -81,5 +95,9 @@ FLAGS = (
     Flag("--kv-attention", "kv_attention", "the buffer form's attention: gqa (GroupQueryAttention, fastest for one "
          "request at a time) or ragged (TensorScatter + ONNX Attention: `serve --max-batch` runs several requests "
          "in one call)", choices=ATTENTIONS),
+    Flag("--kv-dtype", "kv_dtype", "the buffer form's K/V: auto (the export's dtype), float32 or float16 (the "
+         "export's, named), or int8 (ONNX Runtime CPU's quantized GroupQueryAttention cache, per-channel scales "
+         "calibrated at lowering: one-row steps faster at depth, verify calls slower; docs/ort.md#int8-kv)",
+         choices=KV_DTYPES),
     Flag("--ctx-len", "ctx_len", "positions the K/V buffers hold: prompt + new tokens must fit", type=int),
 )

@@ -180,7 +180,9 @@ class OrtBufferSession(OrtSession):
     def __init__(self, path: Path, manifest: Manifest, **settings):
         super().__init__(path, **settings)
         graph = manifest.target
-        self.capacity, self._dtype = int(manifest.ctx_len), manifest.numpy_dtype
+        # the buffers' type: the graph's K/V inputs' (int8 in a --kv-dtype int8 lowering), the manifest's otherwise
+        self.capacity = int(manifest.ctx_len)
+        self._dtype = graph.kv_numpy_dtype if graph.kv_dtype == "int8" else manifest.numpy_dtype
         self._graph = graph
         self._values: dict[str, ort.OrtValue] = {}
         self._rows = 0  # rows each buffer holds now
