@@ -8,6 +8,7 @@ that the draft's proposals are often accepted, giving acceptance lengths across 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -86,6 +87,10 @@ class TinySpec:
     # the target emits the favourite only where its context leans that way, so its output varies with the prompt and
     # a draft leaning the same way is accepted for some positions, not all
     favourite_logit: float = 4.0
+    # under `agree`, a one-layer dflash draft: its layer set (over the random weights) to propose the favourite at
+    # the first N proposing slots of each block and another token at the rest, so that against a target that emits
+    # only the favourite it is accepted for exactly N positions per block, tau N + 1 (_accept_first); None: off
+    draft_accepts: int | None = None
     eos_token_id: int = 1
     max_positions: int = 1024
     rope_theta: float | None = None  # None: the model type's default
@@ -124,6 +129,20 @@ PRESETS["qwen3-0.6b-shaped-agree-draft-vocab"] = replace(PRESETS["qwen3-0.6b-sha
 PRESETS["qwen3-0.6b-attention-agree"] = replace(PRESETS["qwen3-0.6b-shaped-agree"], vocab_size=1024,
                                                 hidden_size=256, intermediate_size=384, target_layers=4,
                                                 target_layer_ids=[1, 2], max_positions=4096)
+# The agree pairs at realistic acceptance (published drafts report tau about 3-8; the agree pair's 15.75 is a best
+# case): the same target, which emits only the favourite, and a draft set to propose it at the first N slots of each
+# block and another token after them (draft_accepts), so that every DFlash step commits N + 1 tokens whatever the
+# prompt and its length; lossless as every pair. tau measured 2026-12-08 with full blocks on 2 held-out-code prompts
+# of 160 and of 2048 tokens, 64 new tokens (63 after the first, so tau5's last step commits 3):
+#   dflash-onnx bench EXPORT --prompt-tokens 160,2048 --num-prompts 2 --max-new-tokens 64 --verify full
+# the same at both lengths (docs/benchmarks.md#presets-at-realistic-acceptance; the int4 export of attention-tau5
+# kept 4.85: each set row reads one or two axes)
+PRESETS["qwen3-0.6b-shaped-tau3"] = replace(PRESETS["qwen3-0.6b-shaped-agree"], draft_accepts=2)  # tau 3.00
+PRESETS["qwen3-0.6b-shaped-tau5"] = replace(PRESETS["qwen3-0.6b-shaped-agree"], draft_accepts=4)  # tau 4.85
+PRESETS["qwen3-0.6b-shaped-tau7"] = replace(PRESETS["qwen3-0.6b-shaped-agree"], draft_accepts=6)  # tau 7.00
+PRESETS["qwen3-0.6b-attention-tau3"] = replace(PRESETS["qwen3-0.6b-attention-agree"], draft_accepts=2)  # tau 3.00
+PRESETS["qwen3-0.6b-attention-tau5"] = replace(PRESETS["qwen3-0.6b-attention-agree"], draft_accepts=4)  # tau 4.85
+PRESETS["qwen3-0.6b-attention-tau7"] = replace(PRESETS["qwen3-0.6b-attention-agree"], draft_accepts=6)  # tau 7.00
 # The seeds' workloads: Qwen3-4B with its 5-layer Qwen3-4B-DFlash-b16 draft, LLaMA-3.1-8B with z-lab's draft
 # (taps as the reference package's build_target_layer_ids gives them), bfloat16 like the published weights.
 PRESETS["qwen3-4b-shaped"] = TinySpec(
@@ -374,6 +393,8 @@ def build_draft(spec: TinySpec, directory: Path, target) -> None:
             for name, param in draft.named_parameters():
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     param.mul_(spec.damp_layers)
+        if spec.draft_accepts is not None:
+            _accept_first(draft, spec)
     state = {k: v.contiguous() for k, v in draft.state_dict().items() if k not in ("embed_tokens", "lm_head")}
     if tokens is not None:  # speculators' maps and the reduced head it serializes
         mask = torch.zeros(spec.vocab_size, dtype=torch.bool)
@@ -382,6 +403,68 @@ def build_draft(spec: TinySpec, directory: Path, target) -> None:
                      **{"lm_head.weight": target.get_output_embeddings().weight.detach()[tokens].clone()})
     save_file(state, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
+
+
+def _accept_first(draft: DFlashDraft, spec: TinySpec) -> None:
+    """Set the draft's layer so that, after a favourite anchor, it proposes the favourite at slots 1..N of the
+    block (N = spec.draft_accepts) and another token at the later ones. One head reads the anchor: the mask
+    token's query and the favourite's key meet in one RoPE pair at an angle that crosses zero between slots N and
+    N + 1, an offset inside the block that no context length moves; the anchor's value, written against the
+    favourite's axis, lifts that axis's logit only where the head attends to the anchor, since the final norm flips
+    its sign (the mask token alone leans away from the favourite). The mask token's key lies on an axis the query
+    lacks; the context's keys (fc writes the tapped hidden states' first axis, positive under `agree`, on one axis)
+    lie in the slowest RoPE pair opposite the query, far below the anchor up to ~10k positions. Every set row reads
+    one or two input axes, so that weight quantization (int4, int8) keeps it; the other heads and the MLP write
+    nothing."""
+    k, block = spec.draft_accepts, spec.block_size
+    if not (spec.agree and spec.draft_kind == "dflash" and spec.draft_layers == 1 and spec.sliding_window is None
+            and spec.draft_vocab_size is None and 1 <= k <= block - 2):
+        raise ValueError("draft_accepts is set for an agree pair's one-layer, full-attention dflash draft, "
+                         f"1 <= draft_accepts <= block_size - 2 (got {k} at block {block})")
+    layer, config = draft.layers[0], draft.spec.config
+    attn, width, half = layer.self_attn, config.hidden_size, layer.self_attn.head_dim // 2
+    embed = draft.embed_tokens.detach().double() * draft.spec.input_embedding_scale
+    normed = embed / torch.sqrt(embed.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)  # the input norm's
+    mask, favourite = normed[spec.vocab_size - 1], normed[spec.favourite_token]
+    context = 1 + int(torch.argmin((mask.abs() + favourite.abs())[1:]))  # the axis fc writes: both tokens small
+    # the anchor's feature, 0 for the mask token: two axes in different halves of the width (so in different
+    # quantization blocks), the pair whose feature is largest for the favourite against the weights it needs
+    low, high = torch.arange(1, width // 2), torch.arange(width // 2, width)
+    low, high = low[low != context], high[high != context]
+    feature = mask[high][None, :] * favourite[low][:, None] - mask[low][:, None] * favourite[high][None, :]
+    best = int(torch.argmax(feature.abs() / (mask[low][:, None].abs() + mask[high][None, :].abs())))
+    first, second = int(low[best // len(high)]), int(high[best % len(high)])
+    row = torch.zeros(width, dtype=torch.float64)
+    row[first], row[second] = mask[second], -mask[first]
+    row /= row @ favourite  # 1 for the favourite, 0 for the mask token
+    inv_freq = draft.rotary_emb.inv_freq.double()
+    bound = 0.85 * math.pi / max(block - 1.5 - k, k - 0.5)  # one angle's sweep over the block stays in a half turn
+    pair = int(torch.nonzero(inv_freq < bound)[0])
+    slow = int(torch.argmin(inv_freq))
+    floor = next(i for i in range(half) if i not in (pair, slow))  # a pair no query reads
+    theta = float(inv_freq[pair])
+    phase = math.pi / 2 - theta * (k + 0.5)  # the anchor's score S cos(theta j + phase) is 0 at slot k + 0.5
+    # the favourite's key: 1 on `pair`, and on `floor` (which no query reads) half the mask token's there
+    floor_weight = 0.5 / float(mask[0])
+    share = 1 / math.sqrt(1 + (floor_weight * float(favourite[0])) ** 2)  # of the anchor's key on `pair`
+    reach = math.sqrt(half)  # each of the query's two parts after its norm
+    anchor_score = (20 + math.log(block)) / math.sin(theta / 2)  # 20 above the block's other keys at the cut
+    for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.down_proj, draft.fc):
+        module.weight.zero_()
+    attn.q_proj.weight[pair, 0] = math.cos(phase) / float(mask[0])  # the mask token's query, read off axis 0
+    attn.q_proj.weight[pair + half, 0] = math.sin(phase) / float(mask[0])
+    attn.q_proj.weight[slow, 0] = 1 / float(mask[0])
+    attn.k_proj.weight[pair] = row.float()
+    attn.k_proj.weight[floor, 0] = floor_weight  # every token's axis 0 is positive under `agree`
+    attn.k_proj.weight[slow, context] = -1 / math.sqrt(width)  # the context's key: -1 on `slow`
+    attn.v_proj.weight[0] = row.float()
+    attn.o_proj.weight[0, 0] = -1.0
+    attn.q_norm.weight.fill_(1.0)
+    attn.k_norm.weight.fill_(1.0)
+    attn.k_norm.weight[pair] = anchor_score / (reach * share)
+    attn.k_norm.weight[slow] = 100.0 / reach
+    draft.fc.weight[context, 0] = 100.0
+    draft.norm.weight[0] = -8.0
 
 
 def build_pair(spec: TinySpec, root: Path, progress: bool = False) -> tuple[Path, Path]:
