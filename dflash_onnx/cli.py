@@ -180,6 +180,7 @@ def _generate(args) -> int:
         prompt = codec.prompt_ids(args.prompt, raw=args.raw)
         if not args.json:  # once, so that nobody wonders what the model was sent
             print(f"(prompt sent {codec.prompt_form(args.raw)})", file=sys.stderr)
+    decoder.check(prompt, args.max_new_tokens, args.mode, sampling)  # a bad request: its one line, nothing before
     if args.mode == "dflash" and verify == "auto" and decoder.costs is None and not args.json:
         print(f"(no cost curve recorded in {args.source}: --verify auto verifies full blocks, as the reference does, "
               f"even where they lose to greedy; 'dflash-onnx calibrate {args.source}' measures one here)",

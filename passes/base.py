@@ -13,12 +13,6 @@ from dflash_onnx.runtime.errors import DFlashError
 from dflash_onnx.runtime.manifest import Manifest
 
 
-def on_off(value: str | None, default: bool) -> bool:
-    """A switch among a pass's options (1/true/yes/on), `default` where it is not given; also read by the float
-    reference that rounds a pair as the pass would (dflash_onnx/exporter/rounded.py)."""
-    return default if value is None else str(value).lower() in ("1", "true", "yes", "on")
-
-
 @dataclass(frozen=True)
 class PassContext:
     pass_name: str  # the registered name of the pass it is given to

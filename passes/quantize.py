@@ -23,8 +23,9 @@ import numpy as np
 import onnx_ir as ir
 
 from dflash_onnx.passes import experts, routed_experts
-from dflash_onnx.passes.base import PassContext, on_off
+from dflash_onnx.passes.base import PassContext
 from dflash_onnx.runtime.errors import DFlashError
+from dflash_onnx.runtime.manifest import on_off
 
 COLUMNS = 8192  # output columns quantized at a time
 # ONNX Runtime's CPU kernel holds int4 weights packed with a float32 scale and a float32 block sum per block: 64

@@ -18,7 +18,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from dflash_onnx.passes.base import on_off
+from dflash_onnx.runtime.manifest import on_off
 
 ROUNDING_PASSES = ("int4", "int8", "fp16")
 

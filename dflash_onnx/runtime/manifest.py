@@ -333,6 +333,13 @@ class Manifest:
         return cls(**data)
 
 
+def on_off(value: str | None, default: bool) -> bool:
+    """A switch among a pass's options as a manifest records them (1/true/yes/on), `default` where it is not given:
+    read by the pass (passes/quantize.py) and by the float reference that rounds a pair as the pass did
+    (dflash_onnx/exporter/rounded.py)."""
+    return default if value is None else str(value).lower() in ("1", "true", "yes", "on")
+
+
 def load_export(directory: Path, action: str) -> Manifest:
     """The manifest of a directory `dflash-onnx export` (or `optimize`) wrote; lowered directories are refused,
     whatever their form (an MLX lowering keeps concat-form graphs but not their weights)."""
