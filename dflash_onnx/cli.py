@@ -797,7 +797,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="build, export and run a tiny pair: greedy vs DFlash")
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--prompts", type=int, default=4, help="held-out code prompts to run")
-    demo.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every mode on every prompt: the "
+    demo.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every mode on every prompt: the "
                       "table gives their medians and how far they moved")
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(func=_demo)

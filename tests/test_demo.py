@@ -30,6 +30,10 @@ def test_demo_runs_offline_and_is_lossless(demo_cache, capsys):
     assert summary["where_dflash_pays"].startswith("where DFlash pays")
     exported = next(demo_cache.rglob("dflash.json")).stat().st_mtime
     assert run_demo(max_new_tokens=8, num_prompts=1, rounds=1) == 0  # second run reuses the export
+    from dflash_onnx.cli import build_parser
+    from dflash_onnx.demo import ROUNDS
+
+    assert build_parser().parse_args(["demo"]).rounds == ROUNDS  # the command's default is the library's
     assert next(demo_cache.rglob("dflash.json")).stat().st_mtime == exported
     printed = capsys.readouterr().out
     assert all(column in printed for column in COLUMNS.values()) and "where DFlash pays" in printed
