@@ -4,6 +4,7 @@ verify, commit. The Decoder (decode.py) makes one per request and times its step
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -51,7 +52,7 @@ class StepPricing:
         self.curves: dict[tuple[int, int], CostModel] = {}
 
     def _depth_step(self, depth: int) -> int:
-        return int(DEPTH_STEPS * np.log2(max(depth, 1))) if self.costs.deeper else 0
+        return int(DEPTH_STEPS * math.log2(max(depth, 1))) if self.costs.deeper else 0  # per step: no numpy scalar
 
     def update(self, policy: VerifyPolicy, depth: int) -> None:
         """Reprice `policy` for a step after `depth` tokens of context, if its width or depth step changed."""
